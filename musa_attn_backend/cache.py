@@ -1,0 +1,34 @@
+"""Where compiled kernels and tuning results live.
+
+Default ``~/.cache/musa_attn_backend`` (``$XDG_CACHE_HOME`` respected); ``MUSA_ATTN_CACHE_DIR`` overrides.
+TileLang's own compile cache is pointed inside it (``<cache>/tilelang``) unless ``TILELANG_CACHE_DIR`` is
+already set, so one directory holds everything a serving image needs to ship warm.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_ENV = "MUSA_ATTN_CACHE_DIR"
+
+
+def cache_dir(create: bool = False) -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        path = Path(env).expanduser()
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = Path(base) / "musa_attn_backend"
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def tilelang_cache_dir() -> Path:
+    return Path(os.environ["TILELANG_CACHE_DIR"]) if os.environ.get("TILELANG_CACHE_DIR") else cache_dir() / "tilelang"
+
+
+def configure_tilelang_env() -> None:
+    """Point TileLang's cache into ours; must run before ``import tilelang`` to take effect."""
+    os.environ.setdefault("TILELANG_CACHE_DIR", str(cache_dir() / "tilelang"))

@@ -1,0 +1,280 @@
+"""The platform layer: which accelerator is present and what the kernels may use on it.
+
+Every decision that differs between NVIDIA (CUDA), Moore Threads (MUSA) and a plain CPU lives in this
+module, so kernel code branches on capability flags (``fp8``, ``bulk_copy``, ``warpgroup_mma``) and never
+on vendor names.
+
+Detection order: the ``MUSA_ATTN_TARGET`` environment variable (a compile-target override, e.g.
+``sm_90a`` to build Hopper kernels on a machine without a GPU), then MUSA (``torch_musa`` importable with a
+device present and a TileLang build that knows the ``musa`` target), then CUDA, then CPU.
+
+Target strings accepted by ``MUSA_ATTN_TARGET``: ``sm_90a``, ``cuda:sm_90a``, ``cuda`` (arch read from the
+device), ``mp_31``, ``musa:mp_31``, ``musa``, ``cpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+TARGET_ENV = "MUSA_ATTN_TARGET"
+
+DEVICE_KINDS = ("cuda", "musa", "cpu")
+
+# Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
+# MTT S4000 is MP22 (none of them).
+MUSA_ARCH_NAMES = {"mp_31": "MTT S5000 (MP31)", "mp_22": "MTT S4000 (MP22)"}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What is present and what the kernels may use.
+
+    ``kind`` is where tensors live (``cuda``, ``musa`` or ``cpu``); ``target_kind``/``arch`` is what
+    TileLang compiles for. They differ only under a ``MUSA_ATTN_TARGET`` override (e.g. compiling for
+    ``sm_90a`` on a CPU machine).
+    """
+
+    kind: str
+    target_kind: Optional[str]  # "cuda" | "musa" | None (nothing to compile for)
+    arch: Optional[str]  # "sm_90a", "mp_31", ...
+    device_name: str = "cpu"
+    capability: Optional[tuple[int, int]] = None
+    sm_count: int = 0
+    fp8: bool = False  # FP8 (e4m3) tensor-core MMA and conversions
+    bulk_copy: bool = False  # TMA (NVIDIA) / TME (MUSA) bulk-copy engine
+    warpgroup_mma: bool = False  # WGMMA (NVIDIA sm_90a) / SQMMA (MUSA MP31)
+    source: str = "detected"  # "detected" or "env"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.kind in ("cuda", "musa")
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device string for tensors on this platform."""
+        return self.kind
+
+    def tilelang_target(self):
+        """The ``target=`` argument for ``tilelang.compile`` / ``tilelang.jit``.
+
+        Raises ``RuntimeError`` on a platform with nothing to compile for.
+        """
+        if self.target_kind == "cuda":
+            return {"kind": "cuda", "arch": self.arch}
+        if self.target_kind == "musa":
+            # tilelang-musa takes a TVM target string; mcc gets --cuda-gpu-arch=mp_XY from it.
+            return f"musa -arch={self.arch}"
+        raise RuntimeError(
+            "no TileLang target on this machine (no CUDA or MUSA GPU found); set "
+            f"{TARGET_ENV}=sm_90a (or mp_31) to compile kernels without a GPU"
+        )
+
+    def describe(self) -> str:
+        parts = [f"device={self.kind}"]
+        if self.has_gpu:
+            parts.append(f"name={self.device_name!r}")
+        if self.capability:
+            parts.append(f"capability={self.capability[0]}.{self.capability[1]}")
+        if self.arch:
+            parts.append(f"target={self.target_kind}:{self.arch}")
+        flags = [n for n in ("fp8", "bulk_copy", "warpgroup_mma") if getattr(self, n)]
+        parts.append("features=" + (",".join(flags) if flags else "none"))
+        if self.sm_count:
+            parts.append(f"sms={self.sm_count}")
+        if self.source != "detected":
+            parts.append(f"from={self.source}")
+        return " ".join(parts)
+
+
+def _cuda_arch(capability: tuple[int, int]) -> str:
+    major, minor = capability
+    arch = f"sm_{major}{minor}"
+    # The "a" suffix unlocks architecture-specific instructions (WGMMA, setmaxnreg on Hopper).
+    if (major, minor) in ((9, 0), (10, 0), (10, 3), (12, 0), (12, 1)):
+        arch += "a"
+    return arch
+
+
+def _cuda_features(arch: str) -> dict:
+    m = re.fullmatch(r"sm_(\d+)(\d)([af]?)", arch)
+    if not m:
+        raise ValueError(f"{TARGET_ENV}: cannot parse CUDA arch {arch!r}; expected e.g. sm_90a, sm_80")
+    cc = int(m.group(1)) * 10 + int(m.group(2))
+    return {
+        "capability": (int(m.group(1)), int(m.group(2))),
+        "fp8": cc >= 89,
+        "bulk_copy": cc >= 90,
+        "warpgroup_mma": cc == 90 and m.group(3) == "a",
+    }
+
+
+def _musa_features(arch: str) -> dict:
+    m = re.fullmatch(r"mp_(\d)(\d)", arch)
+    if not m:
+        raise ValueError(f"{TARGET_ENV}: cannot parse MUSA arch {arch!r}; expected e.g. mp_31, mp_22")
+    major = int(m.group(1))
+    # MP31 (S5000) and newer: FP8, TME bulk copy and SQMMA; MP22 (S4000): none of them.
+    return {
+        "capability": (major, int(m.group(2))),
+        "fp8": major >= 3,
+        "bulk_copy": major >= 3,
+        "warpgroup_mma": major >= 3,
+    }
+
+
+def musa_runtime_available() -> bool:
+    """``torch_musa`` importable and at least one MUSA device visible."""
+    if importlib.util.find_spec("torch_musa") is None:
+        return False
+    try:
+        importlib.import_module("torch_musa")
+    except Exception:
+        return False
+    musa = getattr(torch, "musa", None)
+    try:
+        return bool(musa is not None and musa.is_available() and musa.device_count() > 0)
+    except Exception:
+        return False
+
+
+def tilelang_supports_musa() -> bool:
+    """Whether the installed TileLang is a MUSA-capable build (tilelang-musa)."""
+    spec = importlib.util.find_spec("tilelang")
+    if spec is None:
+        return False
+    try:
+        version = importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    if "musa" in version:
+        return True
+    return importlib.util.find_spec("tilelang.contrib.mcc") is not None
+
+
+def _detect_musa() -> Platform:
+    musa = torch.musa
+    props = musa.get_device_properties(musa.current_device())
+    capability = (int(props.major), int(props.minor))
+    arch = f"mp_{capability[0]}{capability[1]}"
+    feats = _musa_features(arch)
+    notes = ()
+    target_kind = "musa"
+    if not tilelang_supports_musa():
+        target_kind = None
+        notes = ("torch_musa found but the installed TileLang has no MUSA backend: install tilelang-musa",)
+    return Platform(
+        kind="musa",
+        target_kind=target_kind,
+        arch=arch,
+        device_name=str(getattr(props, "name", "MUSA device")),
+        capability=capability,
+        sm_count=int(getattr(props, "multi_processor_count", 0)),
+        fp8=feats["fp8"],
+        bulk_copy=feats["bulk_copy"],
+        warpgroup_mma=feats["warpgroup_mma"],
+        notes=notes,
+    )
+
+
+def _detect_cuda() -> Platform:
+    idx = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(idx)
+    capability = (int(props.major), int(props.minor))
+    arch = _cuda_arch(capability)
+    feats = _cuda_features(arch)
+    return Platform(
+        kind="cuda",
+        target_kind="cuda",
+        arch=arch,
+        device_name=props.name,
+        capability=capability,
+        sm_count=int(props.multi_processor_count),
+        fp8=feats["fp8"],
+        bulk_copy=feats["bulk_copy"],
+        warpgroup_mma=feats["warpgroup_mma"],
+    )
+
+
+def _from_override(value: str, detected: Platform) -> Platform:
+    raw = value.strip().lower()
+    if raw == "cpu":
+        return Platform(kind=detected.kind, target_kind=None, arch=None, device_name=detected.device_name,
+                        capability=detected.capability, sm_count=detected.sm_count, source="env")
+    kind, _, arch = raw.partition(":")
+    if kind.startswith("sm_"):
+        kind, arch = "cuda", kind
+    elif kind.startswith("mp_"):
+        kind, arch = "musa", kind
+    if kind not in ("cuda", "musa"):
+        raise ValueError(
+            f"{TARGET_ENV}={value!r} is not understood; use e.g. sm_90a, cuda:sm_90a, mp_31, musa:mp_31 or cpu"
+        )
+    if not arch:
+        if detected.target_kind != kind or not detected.arch:
+            raise ValueError(f"{TARGET_ENV}={value!r} names no arch and no {kind} device is present to read it from")
+        arch = detected.arch
+    feats = _cuda_features(arch) if kind == "cuda" else _musa_features(arch)
+    same_device = detected.target_kind == kind
+    return Platform(
+        kind=detected.kind,
+        target_kind=kind,
+        arch=arch,
+        device_name=detected.device_name,
+        capability=feats["capability"],
+        sm_count=detected.sm_count if same_device else _default_sm_count(kind, arch),
+        fp8=feats["fp8"],
+        bulk_copy=feats["bulk_copy"],
+        warpgroup_mma=feats["warpgroup_mma"],
+        source="env",
+    )
+
+
+def _default_sm_count(kind: str, arch: str) -> int:
+    """SM count assumed when compiling for a chip that is not present (used only to size split-KV)."""
+    if kind == "cuda":
+        return {"sm_90a": 132, "sm_90": 132, "sm_80": 108, "sm_89": 128}.get(arch, 108)
+    return {"mp_31": 56, "mp_22": 48}.get(arch, 48)
+
+
+def detect() -> Platform:
+    """Detect the platform now (uncached). Prefer :func:`get_platform`."""
+    if musa_runtime_available():
+        detected = _detect_musa()
+    elif torch.cuda.is_available() and torch.version.cuda is not None:
+        detected = _detect_cuda()
+    else:
+        detected = Platform(kind="cpu", target_kind=None, arch=None)
+    override = os.environ.get(TARGET_ENV, "").strip()
+    if override:
+        return _from_override(override, detected)
+    return detected
+
+
+@functools.lru_cache(maxsize=None)
+def get_platform() -> Platform:
+    """The platform of this process (detected once; :func:`reset` clears it for tests)."""
+    return detect()
+
+
+def reset() -> None:
+    get_platform.cache_clear()
+
+
+def device_kind_of(tensor: torch.Tensor) -> str:
+    """``cuda``, ``musa`` or ``cpu`` for a tensor (other device types are reported as they are)."""
+    return tensor.device.type
+
+
+def fp8_e4m3_dtype() -> torch.dtype:
+    """The FP8 e4m3 dtype used for KV caches (same on CUDA and MUSA)."""
+    return torch.float8_e4m3fn
