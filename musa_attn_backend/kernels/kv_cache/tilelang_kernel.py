@@ -4,7 +4,6 @@ One thread block per token. The caches are strided tensors (only the head dim mu
 vLLM's K/V views of one shared buffer and SGLang's contiguous pools both work without copies.
 """
 
-from __future__ import annotations
 
 import functools
 

@@ -1,0 +1,19 @@
+# make demo   - set up .venv and run the main job (doctor + paged-attention demo)
+# make test   - set up .venv and run the CPU test suite (what CI runs)
+# make test-gpu - run the GPU tests (on a machine with a CUDA or MUSA GPU)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test test-gpu
+setup:
+	VENV=$(VENV) scripts/setup_env.sh
+
+demo: setup
+	$(VENV)/bin/musa-attn doctor
+	$(VENV)/bin/musa-attn demo
+
+test: setup
+	$(PY) -m pytest tests
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu tests

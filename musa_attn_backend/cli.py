@@ -1,0 +1,255 @@
+"""``musa-attn``: the command-line tool.
+
+    musa-attn doctor [--json] [--require sglang,vllm]   what is installed, found and usable here
+    musa-attn demo [--device cpu|cuda|musa] [--dtype bf16|fp16|fp32] [--impl auto|tilelang|reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Optional
+
+from . import BACKEND_NAME, __version__
+
+ENGINES = {
+    "sglang": {"group": "sglang.srt.plugins", "module": "musa_attn_backend.sglang",
+               "load": "from sglang.srt.plugins import load_plugins; load_plugins()",
+               "registry": "from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS as R; "
+                           "registered = NAME in R"},
+    "vllm": {"group": "vllm.general_plugins", "module": "musa_attn_backend.vllm",
+             "load": "from vllm.plugins import load_general_plugins; load_general_plugins()",
+             "registry": "from vllm.v1.attention.backends.registry import AttentionBackendEnum as R; "
+                         "registered = NAME.upper() in R.__members__"},
+}
+
+_PROBE = """
+import json, importlib, importlib.metadata as md, logging
+logging.disable(logging.CRITICAL)
+NAME = {name!r}
+out = {{"version": md.version({engine!r})}}
+eps = [e for e in md.entry_points(group={group!r}) if e.name == NAME]
+out["entry_point"] = eps[0].value if eps else None
+try:
+    {load}
+    out["register_called"] = importlib.import_module({module!r}).registered
+except Exception as e:
+    out["error"] = f"{{type(e).__name__}}: {{e}}"
+try:
+    {registry}
+    out["backend_registered"] = registered
+except Exception as e:
+    out["backend_registered"] = None
+print("@@" + json.dumps(out))
+"""
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def probe_engine(engine: str, timeout: float = 240.0) -> dict:
+    """Run the engine's own plugin loader in a fresh interpreter and report what it did with our plugin."""
+    if importlib.util.find_spec(engine) is None:
+        return {"installed": False}
+    spec = ENGINES[engine]
+    code = _PROBE.format(name=BACKEND_NAME, engine=engine, **spec)
+    env = dict(os.environ, VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cuda"),
+               TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"installed": True, "error": f"probe timed out after {timeout:.0f}s"}
+    for line in reversed(res.stdout.splitlines()):
+        if line.startswith("@@"):
+            return {"installed": True, **json.loads(line[2:])}
+    tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+    return {"installed": True, "error": "import failed: " + " | ".join(tail)}
+
+
+def collect(require: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+    """Everything ``doctor`` reports, and the list of problems that make it fail."""
+    problems: list[str] = []
+    info: dict = {"musa_attn_backend": __version__, "python": sys.version.split()[0]}
+    import torch
+
+    info["torch"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda
+    info["torch_musa"] = _version("torch_musa")
+    info["torchada"] = _version("torchada")
+    from . import platform as plat
+
+    try:
+        p = plat.get_platform()
+        info["platform"] = {"device": p.kind, "name": p.device_name, "capability": p.capability, "arch": p.arch,
+                            "target_kind": p.target_kind, "sm_count": p.sm_count, "fp8": p.fp8,
+                            "bulk_copy": p.bulk_copy, "warpgroup_mma": p.warpgroup_mma, "source": p.source,
+                            "notes": list(p.notes)}
+        info["tilelang_target"] = p.tilelang_target() if p.target_kind else None
+        if p.has_gpu and not p.target_kind:
+            problems.append(f"a {p.kind} GPU is present but TileLang cannot target it: {'; '.join(p.notes)}")
+    except ValueError as e:
+        problems.append(str(e))
+        p = None
+    info["tilelang"] = _version("tilelang")
+    if info["tilelang"] is None:
+        problems.append("TileLang is not installed: pip install 'tilelang>=0.1.12' (tilelang-musa on MUSA)")
+    else:
+        try:
+            from ._tilelang import tilelang_version
+
+            info["tilelang"] = tilelang_version()
+        except Exception as e:  # broken install
+            problems.append(f"TileLang does not import: {type(e).__name__}: {e}")
+    info["tile_kernels"] = _version("tile-kernels")
+    if info["tile_kernels"]:
+        try:
+            importlib.import_module("tile_kernels")
+        except Exception as e:
+            info["tile_kernels"] += f" (does not import with this TileLang: {type(e).__name__}: {e})"
+    info["nvcc"] = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
+    info["mcc"] = shutil.which("mcc")
+    from .cache import cache_dir, tilelang_cache_dir
+
+    info["cache_dir"] = str(cache_dir())
+    info["tilelang_cache_dir"] = str(tilelang_cache_dir())
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(ENGINES)) as pool:  # each probe is a fresh interpreter importing an engine
+        engines = dict(zip(ENGINES, pool.map(probe_engine, ENGINES)))
+    for engine, r in engines.items():
+        if not r["installed"]:
+            if engine in require:
+                problems.append(f"{engine} is required (--require) but not installed")
+            continue
+        if r.get("error"):
+            problems.append(f"{engine}: {r['error']}")
+        elif not r.get("entry_point"):
+            problems.append(f"{engine} is installed but does not see the '{BACKEND_NAME}' entry point in group "
+                            f"{ENGINES[engine]['group']!r}: reinstall musa-attn-backend into the same environment")
+        elif not r.get("register_called"):
+            problems.append(f"{engine}'s plugin loader did not call our register() (is the plugin filtered by "
+                            f"{'SGLANG_PLUGINS' if engine == 'sglang' else 'VLLM_PLUGINS'}?)")
+    info["engines"] = engines
+    if not any(r["installed"] for r in engines.values()):
+        problems.append("neither SGLang nor vLLM is installed: nothing to plug into "
+                        "(pip install 'musa-attn-backend[sglang]' or '[vllm]')")
+    return info, problems
+
+
+def _yes(v) -> str:
+    return "yes" if v else ("no" if v is not None else "unknown")
+
+
+def print_report(info: dict, problems: list[str]) -> None:
+    p = info.get("platform") or {}
+    rows = [
+        ("musa_attn_backend", info["musa_attn_backend"]),
+        ("python", info["python"]),
+        ("torch", f"{info['torch']} (CUDA {info['torch_cuda'] or 'none'})"),
+        ("torch_musa", info["torch_musa"] or "not installed"),
+        ("torchada", info["torchada"] or "not installed"),
+        ("device", p.get("device", "?")),
+    ]
+    if p.get("device") in ("cuda", "musa"):
+        cap = p.get("capability")
+        rows += [("gpu", p.get("name")), ("capability", f"{cap[0]}.{cap[1]}" if cap else "?"),
+                 ("sm count", p.get("sm_count"))]
+    target = info.get("tilelang_target")
+    rows += [
+        ("tilelang", info["tilelang"] or "not installed"),
+        ("tilelang target", (json.dumps(target) if isinstance(target, dict) else target) if target
+         else "none (no GPU; set MUSA_ATTN_TARGET=sm_90a to compile for Hopper)"),
+        ("target features", ", ".join(n for n in ("fp8", "bulk_copy", "warpgroup_mma") if p.get(n)) or "none"),
+        ("tile-kernels", info["tile_kernels"] or "not installed"),
+        ("nvcc", info["nvcc"] or "not found"),
+        ("mcc", info["mcc"] or "not found"),
+        ("kernel cache", info["cache_dir"]),
+        ("tilelang cache", info["tilelang_cache_dir"]),
+    ]
+    for engine, r in info["engines"].items():
+        if not r["installed"]:
+            rows.append((engine, "not installed"))
+            continue
+        rows.append((engine, r.get("version", "?")))
+        rows.append((f"  entry point {BACKEND_NAME}", r.get("entry_point") or "NOT FOUND"))
+        rows.append(("  plugin loaded by engine", _yes(r.get("register_called"))))
+        rows.append((f"  backend '{BACKEND_NAME}' registered", _yes(r.get("backend_registered"))))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for note in p.get("notes") or []:
+        print(f"note: {note}")
+    if problems:
+        print("\nPROBLEMS:")
+        for prob in problems:
+            print(f"  - {prob}")
+    else:
+        print("\nstatus: OK")
+
+
+def cmd_doctor(args) -> int:
+    require = tuple(x for x in (args.require or "").split(",") if x)
+    unknown = [x for x in require if x not in ENGINES]
+    if unknown:
+        print(f"musa-attn doctor: --require takes {', '.join(ENGINES)}; got {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    info, problems = collect(require)
+    if args.json:
+        print(json.dumps({**info, "problems": problems}, indent=2, default=str))
+    else:
+        print_report(info, problems)
+    return 1 if problems else 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from .demo import run_demo
+    from .platform import get_platform
+
+    device = args.device or get_platform().torch_device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("musa-attn demo: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtype = dtypes[args.dtype] if args.dtype else (torch.float32 if device == "cpu" else torch.bfloat16)
+    return 0 if run_demo(device=device, dtype=dtype, seed=args.seed, impl=args.impl) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="musa-attn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"musa-attn-backend {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("doctor", help="report the platform, TileLang, engines and plugin discovery")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--require", help="comma-separated engines that must be installed (sglang,vllm)")
+    d.set_defaults(func=cmd_doctor)
+    m = sub.add_parser("demo", help="run the ops on a paged batch and check them against SDPA")
+    m.add_argument("--device", choices=("cpu", "cuda", "musa"))
+    m.add_argument("--dtype", choices=("bf16", "fp16", "fp32"))
+    m.add_argument("--impl", choices=("auto", "tilelang", "reference"), default="auto")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Bad input is refused before any kernel runs, with a message naming the argument."""
+
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels import paged_attention, write_kv
+from musa_attn_backend.testing import random_batch
+
+
+@pytest.fixture(scope="module")
+def case():
+    batch = random_batch(random.Random(0), batch_size=2, page_size=16, max_seq_len=40)
+    k_cache, v_cache, _, _ = batch.make_kv(2, 64, torch.bfloat16)
+    q = torch.randn(batch.num_tokens, 4, 64).bfloat16()
+    return q, k_cache, v_cache, batch.meta()
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda q, k, v, m: (q[0], k, v, m, {}), "q must be a 3-D tensor"),
+        (lambda q, k, v, m: (q.to(torch.int32), k, v, m, {}), "q dtype"),
+        (lambda q, k, v, m: (q[..., :32], k, v, m, {}), "head_dim of q"),
+        (lambda q, k, v, m: (q[:, :3], k, v, m, {}), "multiple of num_kv_heads"),
+        (lambda q, k, v, m: (q[1:], k, v, m, {}), "tokens, meta describes"),
+        (lambda q, k, v, m: (q, k[:, :8], v[:, :8], m, {}), "page size"),
+        (lambda q, k, v, m: (q, k, v[:, :, :1], m, {}), "v_cache shape"),
+        (lambda q, k, v, m: (q, k.half(), v.half(), m, {}), "KV cache dtype"),
+        (lambda q, k, v, m: (q, k, v.half(), m, {}), "k_cache .* and v_cache .* differ"),
+        (lambda q, k, v, m: (q, k, v, m, {"k_scale": 0.5}), "only to an FP8"),
+        (lambda q, k, v, m: (q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), m,
+                             {"k_scale": torch.ones(3)}), "k_scale must be a scalar"),
+        (lambda q, k, v, m: (q, k, v, m, {"sinks": torch.zeros(3)}), "sinks must be"),
+        (lambda q, k, v, m: (q, k, v, m, {"sm_scale": -1.0}), "sm_scale"),
+        (lambda q, k, v, m: (q, k, v, m, {"sliding_window": 3.5}), "sliding_window"),
+        (lambda q, k, v, m: (q, k, v, m, {"logit_softcap": -2.0}), "logit_softcap"),
+        (lambda q, k, v, m: (q, k, v, m, {"impl": "cuda"}), "impl must be one of"),
+        (lambda q, k, v, m: (q, k, v, m, {"impl": "tilelang"}), "impl='tilelang' needs"),
+        (lambda q, k, v, m: (q, k, v, "meta", {}), "meta must be a PagedKVMeta"),
+    ],
+)
+def test_paged_attention_rejects(case, mutate, match):
+    q, k, v, meta, kw = mutate(*case)
+    with pytest.raises(ValueError, match=match):
+        paged_attention(q, k, v, meta, **kw)
+
+
+def _kv():
+    k = torch.randn(5, 2, 64)
+    return k, k.clone(), torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64), torch.arange(5)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda k, v, kc, vc, s: (k[0], v, kc, vc, s, {}), "k must be a 3-D"),
+        (lambda k, v, kc, vc, s: (k, v, kc[0], vc, s, {}), "k_cache must be a 4-D"),
+        (lambda k, v, kc, vc, s: (k, v, kc, vc, s[:4], {}), "slot_mapping has 4 entries for 5 tokens"),
+        (lambda k, v, kc, vc, s: (k, v, kc, vc, s.float(), {}), "slot_mapping must be a 1-D integer"),
+        (lambda k, v, kc, vc, s: (k, v, kc[..., :32], vc, s, {}), "k_cache .* does not hold"),
+        (lambda k, v, kc, vc, s: (k, v, kc.half(), vc.half(), s, {}), "only an FP8 cache converts"),
+        (lambda k, v, kc, vc, s: (k, v, kc, vc, s, {"k_scale": 2.0}), "only to an FP8 cache"),
+        (lambda k, v, kc, vc, s: (k, v, kc.to(torch.int8), vc, s, {}), "k_cache dtype must be"),
+        (lambda k, v, kc, vc, s: (k, v[:, :1], kc, vc, s, {}), "differ in tokens or heads"),
+    ],
+)
+def test_write_kv_rejects(mutate, match):
+    k, v, kc, vc, s, kw = mutate(*_kv())
+    with pytest.raises(ValueError, match=match):
+        write_kv(k, v, kc, vc, s, **kw)

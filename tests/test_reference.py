@@ -1,0 +1,207 @@
+"""The PyTorch reference ops against torch's SDPA (and closed forms where SDPA has no such option)."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels import paged_attention, quantize_fp8, write_kv
+from musa_attn_backend.metadata import PagedKVMeta
+from musa_attn_backend.testing import dense_attention, random_batch
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _run_case(batch, hq, hkv, d, dtype, *, causal=True, sliding_window=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, ks, vs = batch.make_kv(hkv, d, dtype)
+    q = torch.randn(batch.num_tokens, hq, d, generator=g).to(dtype)
+    scale = d ** -0.5
+    out, lse = paged_attention(q, k_cache, v_cache, batch.meta(), causal=causal, sliding_window=sliding_window,
+                               return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (batch.num_tokens, hq)
+    cu = 0
+    for b, (p, n) in enumerate(zip(batch.prefix_lens, batch.query_lens)):
+        qb = q[cu: cu + n]
+        ref = dense_attention(qb, ks[b], vs[b], prefix_len=p, causal=causal, sm_scale=scale,
+                              sliding_window=sliding_window)
+        torch.testing.assert_close(out[cu: cu + n].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+        # LSE against the explicit masked scores.
+        kk = ks[b].float().repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("qhd,khd->qhk", qb.float(), kk) * scale
+        qpos = p + torch.arange(n)[:, None, None]
+        kpos = torch.arange(ks[b].shape[0])[None, None, :]
+        vis = torch.ones_like(s, dtype=torch.bool)
+        if causal:
+            vis &= kpos <= qpos
+        if sliding_window is not None:
+            vis &= kpos >= qpos - sliding_window
+        ref_lse = torch.logsumexp(s.masked_fill(~vis, float("-inf")), dim=-1)
+        torch.testing.assert_close(lse[cu: cu + n], ref_lse, atol=1e-4, rtol=1e-4)
+        cu += n
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)])
+def test_extend_with_prefix_matches_sdpa(dtype, page_size, hq, hkv):
+    rng = random.Random(hash((page_size, hq, hkv)) % 1000)
+    batch = random_batch(rng, batch_size=4, page_size=page_size, max_seq_len=150, max_query_len=40)
+    _run_case(batch, hq, hkv, 64, dtype)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_prefill_without_prefix_matches_sdpa(d):
+    rng = random.Random(d)
+    batch = random_batch(rng, batch_size=3, page_size=16, max_seq_len=90, prefix_lens=[0, 0, 0],
+                         query_lens=[1, 37, 90])
+    _run_case(batch, 4, 2, d, torch.float32)
+
+
+@pytest.mark.parametrize("page_size", [1, 32])
+def test_decode_matches_sdpa(page_size):
+    rng = random.Random(5)
+    batch = random_batch(rng, batch_size=7, page_size=page_size, max_seq_len=500, decode=True)
+    _run_case(batch, 8, 1, 128, torch.bfloat16)
+
+
+def test_non_causal_matches_sdpa():
+    rng = random.Random(11)
+    batch = random_batch(rng, batch_size=3, page_size=16, max_seq_len=80, max_query_len=20)
+    _run_case(batch, 4, 2, 64, torch.float32, causal=False)
+
+
+@pytest.mark.parametrize("window", [0, 1, 7, 64])
+def test_sliding_window_matches_sdpa(window):
+    rng = random.Random(window)
+    batch = random_batch(rng, batch_size=4, page_size=16, max_seq_len=200, max_query_len=50)
+    _run_case(batch, 4, 2, 64, torch.float32, sliding_window=window)
+
+
+def test_negative_window_and_zero_softcap_mean_off():
+    rng = random.Random(2)
+    batch = random_batch(rng, batch_size=2, page_size=16, max_seq_len=60)
+    k_cache, v_cache, _, _ = batch.make_kv(2, 64, torch.float32)
+    q = torch.randn(batch.num_tokens, 4, 64)
+    meta = batch.meta()
+    base = paged_attention(q, k_cache, v_cache, meta)
+    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, sliding_window=-1, logit_softcap=0.0), base)
+
+
+def test_softcap_and_sinks_closed_form():
+    """softcap: cap*tanh(s/cap) on the logits; sinks: out = out_nosink * sigmoid(lse - sink)."""
+    rng = random.Random(9)
+    batch = random_batch(rng, batch_size=3, page_size=16, max_seq_len=70, max_query_len=30)
+    hq, hkv, d, cap = 8, 2, 64, 5.0
+    k_cache, v_cache, ks, vs = batch.make_kv(hkv, d, torch.float32)
+    q = 3 * torch.randn(batch.num_tokens, hq, d)
+    sinks = torch.randn(hq) * 2
+    meta = batch.meta()
+    out_cap = paged_attention(q, k_cache, v_cache, meta, logit_softcap=cap)
+    base, lse = paged_attention(q, k_cache, v_cache, meta, return_lse=True)
+    out_sink, lse_sink = paged_attention(q, k_cache, v_cache, meta, sinks=sinks, return_lse=True)
+    torch.testing.assert_close(out_sink, base * torch.sigmoid(lse - sinks)[..., None], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_sink, torch.logaddexp(lse, sinks.expand_as(lse)), atol=1e-5, rtol=1e-5)
+    cu = 0
+    for b, (p, n) in enumerate(zip(batch.prefix_lens, batch.query_lens)):
+        kk = ks[b].repeat_interleave(hq // hkv, 1)
+        vv = vs[b].repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("qhd,khd->qhk", q[cu: cu + n], kk) / math.sqrt(d)
+        s = cap * torch.tanh(s / cap)
+        vis = torch.arange(kk.shape[0])[None, None] <= (p + torch.arange(n))[:, None, None]
+        pr = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
+        torch.testing.assert_close(out_cap[cu: cu + n], torch.einsum("qhk,khd->qhd", pr, vv), atol=1e-5, rtol=1e-5)
+        cu += n
+    assert not torch.allclose(out_cap, base)
+
+
+def test_custom_sm_scale():
+    rng = random.Random(4)
+    batch = random_batch(rng, batch_size=2, page_size=16, max_seq_len=40)
+    k_cache, v_cache, ks, vs = batch.make_kv(2, 64, torch.float32)
+    q = torch.randn(batch.num_tokens, 2, 64)
+    out = paged_attention(q, k_cache, v_cache, batch.meta(), sm_scale=0.3)
+    ref = dense_attention(q[: batch.query_lens[0]], ks[0], vs[0], prefix_len=batch.prefix_lens[0], causal=True,
+                          sm_scale=0.3)
+    torch.testing.assert_close(out[: batch.query_lens[0]], ref, atol=2e-5, rtol=2e-5)
+
+
+def test_both_engine_views_give_the_same_attention():
+    rng = random.Random(21)
+    batch = random_batch(rng, batch_size=5, page_size=16, max_seq_len=120, max_query_len=30)
+    k_cache, v_cache, _, _ = batch.make_kv(2, 64, torch.bfloat16)
+    q = torch.randn(batch.num_tokens, 4, 64).bfloat16()
+    a = paged_attention(q, k_cache, v_cache, PagedKVMeta.from_sglang(**batch.sglang_view()))
+    b = paged_attention(q, k_cache, v_cache, PagedKVMeta.from_vllm(**batch.vllm_view()))
+    assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- write_kv
+def _poisoned_cache(pages, page_size, h, d, dtype):
+    return torch.full((pages, page_size, h, d), float("nan")).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_scatters_and_skips_negative_slots(dtype):
+    g = torch.Generator().manual_seed(0)
+    pages, page_size, h, d, n = 6, 16, 2, 64, 40
+    k = torch.randn(n, h, d, generator=g).to(dtype)
+    v = torch.randn(n, h, d, generator=g).to(dtype)
+    slots = torch.randperm(pages * page_size, generator=g)[:n]
+    slots[::5] = -1
+    kc, vc = _poisoned_cache(pages, page_size, h, d, dtype), _poisoned_cache(pages, page_size, h, d, dtype)
+    write_kv(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, h, d), vc.view(-1, h, d)
+    keep = slots >= 0
+    assert torch.equal(flat_k[slots[keep]], k[keep]) and torch.equal(flat_v[slots[keep]], v[keep])
+    untouched = torch.ones(pages * page_size, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert torch.isnan(flat_k[untouched].float()).all() and torch.isnan(flat_v[untouched].float()).all()
+
+
+def test_write_kv_into_strided_vllm_style_views():
+    """vLLM hands K and V as views of one [blocks, heads, block_size, 2*D] buffer."""
+    blocks, bs, h, d, n = 5, 16, 2, 32, 30
+    buf = torch.full((blocks, h, bs, 2 * d), float("nan"))
+    kc, vc = buf.transpose(1, 2).split(d, dim=-1)  # [blocks, bs, h, d] each, strided
+    assert not kc.is_contiguous()
+    k, v = torch.randn(n, h, d), torch.randn(n, h, d)
+    slots = torch.randperm(blocks * bs)[:n]
+    write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc[slots // bs, slots % bs], k) and torch.equal(vc[slots // bs, slots % bs], v)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_kv_write_then_attention_matches_sdpa_on_dequantised_kv(per_head):
+    rng = random.Random(8)
+    hq, hkv, d = 8, 2, 64
+    batch = random_batch(rng, batch_size=3, page_size=16, max_seq_len=100, max_query_len=30)
+    _, _, ks, vs = batch.make_kv(hkv, d, torch.bfloat16)
+    k_scale = torch.tensor([0.02, 0.03]) if per_head else 0.025
+    v_scale = torch.tensor([0.05, 0.01]) if per_head else torch.tensor(0.02)
+    fp8 = torch.float8_e4m3fn
+    kc = torch.full((batch.num_pages, 16, hkv, d), float("nan")).to(fp8)
+    vc = kc.clone()
+    slots = torch.tensor([batch.slot(b, p) for b, n in enumerate(batch.seq_lens) for p in range(n)])
+    write_kv(torch.cat(ks), torch.cat(vs), kc, vc, slots, k_scale=k_scale, v_scale=v_scale)
+    q = torch.randn(batch.num_tokens, hq, d).bfloat16()
+    out = paged_attention(q, kc, vc, batch.meta(), k_scale=k_scale, v_scale=v_scale)
+    ksc = torch.as_tensor(k_scale).reshape(-1).view(1, -1, 1) if per_head else k_scale
+    vsc = torch.as_tensor(v_scale).reshape(-1).view(1, -1, 1)
+    cu = 0
+    for b, (p, n) in enumerate(zip(batch.prefix_lens, batch.query_lens)):
+        kd = quantize_fp8(ks[b], k_scale).float() * ksc
+        vd = quantize_fp8(vs[b], v_scale).float() * vsc
+        # e4m3 keeps 3 mantissa bits: dequantised values are within 1/16 relative (plus the clamp range).
+        torch.testing.assert_close(kd, ks[b].float(), rtol=0.07, atol=0.02)
+        ref = dense_attention(q[cu: cu + n], kd, vd, prefix_len=p, causal=True, sm_scale=d ** -0.5)
+        torch.testing.assert_close(out[cu: cu + n].float(), ref, atol=2e-2, rtol=2e-2)
+        cu += n
+
+
+def test_quantize_fp8_clamps():
+    x = torch.tensor([[[1000.0, -1000.0, 1.0]]])
+    y = quantize_fp8(x, 1.0).float()
+    assert y.tolist() == [[[448.0, -448.0, 1.0]]]
