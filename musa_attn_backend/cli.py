@@ -2,6 +2,7 @@
 
     musa-attn doctor [--json] [--require sglang,vllm]   what is installed, found and usable here
     musa-attn demo [--device cpu|cuda|musa] [--dtype bf16|fp16|fp32] [--impl auto|tilelang|reference]
+    musa-attn bench [--quick] [--ops prefill,decode] [--out DIR]   (GPU; from a source checkout)
 """
 
 from __future__ import annotations
@@ -228,6 +229,17 @@ def cmd_demo(args) -> int:
     return 0 if run_demo(device=device, dtype=dtype, seed=args.seed, impl=args.impl) else 1
 
 
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_attention.py"
+    if not script.exists():
+        print("musa-attn bench: benchmarks/ is not next to this install; run it from a source checkout "
+              "(pip install -e .)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.bench_args])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="musa-attn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -243,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--impl", choices=("auto", "tilelang", "reference"), default="auto")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
+    b = sub.add_parser("bench", help="benchmark against SDPA/FlexAttention on a GPU (benchmarks/bench_attention.py)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on (--quick, --ops, --out, ...)")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

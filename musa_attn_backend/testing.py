@@ -107,19 +107,22 @@ class PagedBatch:
         """
         dv = head_dim_v or head_dim
         g = torch.Generator().manual_seed(self.seed + 3)
-        shape = (self.num_pages, self.page_size, num_kv_heads)
-        k_cache = torch.full(shape + (head_dim,), poison, dtype=torch.float32)
-        v_cache = torch.full(shape + (dv,), poison, dtype=torch.float32)
+        shape = (self.num_pages * self.page_size, num_kv_heads)
+        k_flat = torch.full(shape + (head_dim,), poison, dtype=torch.float32)
+        v_flat = torch.full(shape + (dv,), poison, dtype=torch.float32)
         ks, vs = [], []
         for b, n in enumerate(self.seq_lens):
             k = torch.randn(n, num_kv_heads, head_dim, generator=g)
             v = torch.randn(n, num_kv_heads, dv, generator=g)
-            for pos in range(n):
-                page, off = divmod(self.slot(b, pos), self.page_size)
-                k_cache[page, off] = k[pos]
-                v_cache[page, off] = v[pos]
+            pos = torch.arange(n)
+            slots = torch.tensor(self.pages[b], dtype=torch.long)[pos // self.page_size] * self.page_size \
+                + pos % self.page_size
+            k_flat[slots] = k
+            v_flat[slots] = v
             ks.append(k.to(dtype).to(self.device))
             vs.append(v.to(dtype).to(self.device))
+        k_cache = k_flat.view(self.num_pages, self.page_size, num_kv_heads, head_dim)
+        v_cache = v_flat.view(self.num_pages, self.page_size, num_kv_heads, dv)
         return k_cache.to(dtype).to(self.device), v_cache.to(dtype).to(self.device), ks, vs
 
 

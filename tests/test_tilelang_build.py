@@ -17,20 +17,20 @@ HOPPER = {"kind": "cuda", "arch": "sm_90a"}
 
 
 @pytest.mark.parametrize(
-    "heads,dim,dim_v,page,in_dtype,cache_dtype",
+    "heads,dim,dim_v,in_dtype,cache_dtype",
     [
-        (8, 128, 128, 16, "bfloat16", "bfloat16"),
-        (1, 576, 512, 64, "bfloat16", "float8_e4m3"),
-        (4, 64, 64, 1, "float16", "float16"),
+        (8, 128, 128, "bfloat16", "bfloat16"),
+        (1, 576, 512, "bfloat16", "float8_e4m3"),
+        (4, 64, 64, "float16", "float16"),
     ],
 )
-def test_write_kv_kernel_compiles_for_sm90a(heads, dim, dim_v, page, in_dtype, cache_dtype):
+def test_write_kv_kernel_compiles_for_sm90a(heads, dim, dim_v, in_dtype, cache_dtype):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend._tilelang import compile_cached
     from musa_attn_backend.kernels.kv_cache.tilelang_kernel import build_write_kv
 
-    key = ("test_write_kv", heads, dim, dim_v, page, in_dtype, cache_dtype)
-    kernel = compile_cached(key, lambda: build_write_kv(heads, dim, dim_v, page, in_dtype, cache_dtype),
+    key = ("test_write_kv", heads, dim, dim_v, in_dtype, cache_dtype)
+    kernel = compile_cached(key, lambda: build_write_kv(heads, dim, dim_v, in_dtype, cache_dtype),
                             target=HOPPER)
     src = kernel.get_kernel_source()
     assert "__global__" in src and "write_kv_kernel" in src

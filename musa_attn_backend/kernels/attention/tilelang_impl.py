@@ -1,14 +1,148 @@
-"""TileLang paged attention: dispatch to the prefill/extend and split-KV decode kernels.
-
-The kernels themselves are built in the attention-kernel issue (#3); until then a GPU call says so
-instead of silently falling back to the slow reference path.
-"""
+"""Launch the TileLang paged-attention kernels: pick prefill or split-KV decode, tiles and split count."""
 
 from __future__ import annotations
 
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
 
-def paged_attention_tilelang(q, k_cache, v_cache, meta, **kwargs):
-    raise NotImplementedError(
-        "paged_attention: the TileLang attention kernels are not in this build yet; "
-        "pass impl='reference' to run the PyTorch reference on this device"
+import torch
+
+from ..._tilelang import compile_cached, tl_dtype
+from ...platform import get_platform
+from .._common import FP8_E4M3, check
+from . import tilelang_kernel as K
+
+SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+DECODE_MAX_Q = 8  # longest per-request query the split-KV decode kernel takes (speculative verify)
+MAX_SPLITS = 64
+# Debug aid (tests turn it on): fill outputs and split-KV partials with NaN before the kernels run, so an
+# element a kernel fails to write shows up instead of holding stale memory.
+POISON = os.environ.get("MUSA_ATTN_POISON", "") == "1"
+
+
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_M: int
+    block_N: int
+    num_stages: int
+    threads: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_q: int
+    block_M: int
+    block_N: int
+    num_stages: int
+    threads: int
+
+
+def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    op = "paged_attention(impl='tilelang')"
+    check(q.dtype in SUPPORTED_Q_DTYPES, f"{op}: q dtype must be float16 or bfloat16, got {q.dtype}")
+    d, dv = q.shape[2], v_cache.shape[3]
+    for name, dim in (("head_dim", d), ("v head_dim", dv)):
+        check(dim % 16 == 0 and 16 <= dim <= MAX_HEAD_DIM,
+              f"{op}: {name} must be a multiple of 16 in [16, {MAX_HEAD_DIM}] (64, 96, 128, 256, ...), got {dim}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check(c.stride(-1) == 1, f"{op}: {name} must be contiguous in its head dim, strides {c.stride()}")
+
+
+def prefill_config(d: int, dv: int) -> PrefillConfig:
+    if max(d, dv) <= 128:
+        return PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=256)
+    return PrefillConfig(block_M=128, block_N=64, num_stages=2, threads=256)
+
+
+def decode_config(max_q: int, group: int) -> Optional[DecodeConfig]:
+    """A decode tiling for ``max_q`` tokens x ``group`` heads per KV head, or None (use prefill)."""
+    if max_q > DECODE_MAX_Q:
+        return None
+    q_pad = 1 << (max_q - 1).bit_length()  # 1, 2, 4, 8: few compiled variants
+    rows = q_pad * group
+    if rows <= 64:
+        return DecodeConfig(max_q=q_pad, block_M=64, block_N=64, num_stages=2, threads=128)
+    if rows <= 128:
+        return DecodeConfig(max_q=q_pad, block_M=128, block_N=64, num_stages=2, threads=256)
+    return None
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_seqlen_k: int, block_N: int, sm_count: int) -> int:
+    """Split the keys so that about two waves of blocks fill the chip, keeping >= 4 tiles per split."""
+    blocks = max(1, batch * num_kv_heads)
+    if blocks >= sm_count:
+        return 1
+    want = math.ceil(2 * sm_count / blocks)
+    tiles = max(1, math.ceil(max_seqlen_k / block_N))
+    return max(1, min(want, tiles // 4, MAX_SPLITS))
+
+
+def _per_head(scale, hkv: int, device) -> torch.Tensor:
+    if scale is None:
+        return torch.ones(hkv, dtype=torch.float32, device=device)
+    s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
+    return s.expand(hkv).contiguous()
+
+
+def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale=None, sliding_window=None,
+                             logit_softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False):
+    check_tilelang_supported(q, k_cache, v_cache)
+    q = q.contiguous()
+    nt, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    group = hq // hkv
+    dev = q.device
+    is_fp8 = k_cache.dtype == FP8_E4M3
+    qt, kt = tl_dtype(q.dtype), tl_dtype(k_cache.dtype)
+    has_window = sliding_window is not None
+    has_softcap = logit_softcap is not None
+    has_sinks = sinks is not None
+    scale = float(sm_scale) if sm_scale is not None else d ** -0.5
+    common = (
+        sinks.float().contiguous() if has_sinks else torch.zeros(hq, dtype=torch.float32, device=dev),
+        _per_head(k_scale if is_fp8 else None, hkv, dev),
+        _per_head(v_scale if is_fp8 else None, hkv, dev),
+        scale,
+        float(logit_softcap) if has_softcap else 0.0,
+        int(sliding_window) if has_window else 0,
     )
+    out = _alloc((nt, hq, dv), q.dtype, dev)
+    lse = _alloc((nt, hq), torch.float32, dev)
+    if nt == 0:
+        return (out, lse) if return_lse else out
+    tables = (meta.cu_seqlens_q, meta.seqlens_k, meta.page_table)
+
+    dcfg = decode_config(meta.max_seqlen_q, group) if causal else None
+    if dcfg is None:
+        cfg = prefill_config(d, dv)
+        key = ("prefill", hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8, cfg)
+        kernel = compile_cached(key, lambda: K.build_prefill(
+            hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8,
+            cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads))
+        kernel(q, k_cache, v_cache, *tables, *common, int(meta.max_seqlen_q), out, lse)
+        return (out, lse) if return_lse else out
+
+    splits = num_splits_for(meta.batch_size, hkv, meta.max_seqlen_k, dcfg.block_N, get_platform().sm_count or 132)
+    split = splits > 1
+    key = ("decode", hq, hkv, d, dv, qt, kt, has_window, has_softcap, has_sinks, is_fp8, split, dcfg)
+    kernel = compile_cached(key, lambda: K.build_decode(
+        hq, hkv, d, dv, qt, kt, dcfg.max_q, has_window, has_softcap, has_sinks, is_fp8, split,
+        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads))
+    if not split:
+        kernel(q, k_cache, v_cache, *tables, *common, 1, out, lse)
+        return (out, lse) if return_lse else out
+    o_part = _alloc((splits, nt, hq, dv), torch.float32, dev)
+    l_part = _alloc((splits, nt, hq), torch.float32, dev)
+    kernel(q, k_cache, v_cache, *tables, *common, splits, o_part, l_part)
+    combine = compile_cached(("combine", hq, dv, qt, has_sinks), lambda: K.build_combine(hq, dv, qt, has_sinks))
+    combine(o_part, l_part, common[0], out, lse)
+    return (out, lse) if return_lse else out

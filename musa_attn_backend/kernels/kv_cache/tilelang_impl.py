@@ -23,10 +23,8 @@ def write_kv_tilelang(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_s
                              f"got strides {c.stride()}")
     _, hkv, d = k.shape
     dv = v.shape[2]
-    page_size = k_cache.shape[1]
-    key = ("write_kv", hkv, d, dv, page_size, k.dtype, k_cache.dtype)
-    kernel = compile_cached(key, lambda: build_write_kv(hkv, d, dv, page_size, tl_dtype(k.dtype),
-                                                        tl_dtype(k_cache.dtype)))
+    key = ("write_kv", hkv, d, dv, k.dtype, k_cache.dtype)
+    kernel = compile_cached(key, lambda: build_write_kv(hkv, d, dv, tl_dtype(k.dtype), tl_dtype(k_cache.dtype)))
     quant = k_cache.dtype == FP8_E4M3
     kernel(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping.to(torch.int64).contiguous(),
            _inv_scale(k_scale if quant else None, hkv, k.device),

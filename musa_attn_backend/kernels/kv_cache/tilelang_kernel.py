@@ -13,10 +13,13 @@ FP8_MAX = 448.0
 
 
 @functools.lru_cache(maxsize=None)
-def build_write_kv(num_kv_heads: int, head_dim: int, head_dim_v: int, page_size: int, in_dtype: str,
-                   cache_dtype: str, threads: int = 128):
-    """The ``@T.prim_func`` for one configuration (dtype names are TileLang's: bfloat16, float8_e4m3, ...)."""
-    H, D, DV, P = num_kv_heads, head_dim, head_dim_v, page_size
+def build_write_kv(num_kv_heads: int, head_dim: int, head_dim_v: int, in_dtype: str, cache_dtype: str,
+                   threads: int = 128):
+    """The ``@T.prim_func`` for one configuration (dtype names are TileLang's: bfloat16, float8_e4m3, ...).
+
+    The page size is a runtime value: one compiled kernel serves every page size."""
+    H, D, DV = num_kv_heads, head_dim, head_dim_v
+    P = T.dynamic("page_size")
     quant = cache_dtype.startswith("float8")
     NT = T.dynamic("num_tokens")
     NP = T.dynamic("num_pages")

@@ -1,0 +1,271 @@
+"""Paged-attention benchmark: ours (TileLang) vs PyTorch SDPA (flash, cuDNN), FlexAttention and FlashInfer.
+
+    python benchmarks/bench_attention.py [--quick] [--out benchmarks/results] [--ops prefill,decode]
+    musa-attn bench ...            (the same, from a checkout)
+
+Each run writes one JSON file (device, commit, date, versions, rows) and a PNG plot, and prints a table.
+Peers run on contiguous K/V (their best case); ours reads a paged cache with shuffled pages, plus a
+"contiguous" variant of the same kernel (one request's pages in order) for the paged-vs-contiguous ratio.
+Rooflines: prefill against a measured bf16 matmul rate, decode against measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from musa_attn_backend.kernels import paged_attention  # noqa: E402
+from musa_attn_backend.metadata import PagedKVMeta  # noqa: E402
+
+
+def bench_ms(fn, warmup=5, rep=30) -> float:
+    """Median time of ``fn`` in ms, CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_ceilings() -> dict:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm = bench_ms(lambda: a @ b)
+    x = torch.randn(512 * 1024 * 1024 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    cp = bench_ms(lambda: y.copy_(x))
+    del a, b, x, y
+    return {"bf16_matmul_tflops": 2 * n**3 / mm / 1e9, "copy_tbps": 2 * 2**30 / cp / 1e9}
+
+
+def paged_cache(batch, seqlen, hkv, d, page_size, dtype, contiguous=False, seed=0):
+    """K/V of ``batch`` requests of ``seqlen`` keys in a paged pool (shuffled pages unless contiguous)."""
+    pages_per = math.ceil(seqlen / page_size)
+    num_pages = batch * pages_per
+    order = list(range(num_pages))
+    if not contiguous:
+        random.Random(seed).shuffle(order)
+    table = torch.tensor(order, dtype=torch.int32, device="cuda").view(batch, pages_per)
+    k = torch.randn(num_pages, page_size, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(num_pages, page_size, hkv, d, device="cuda", dtype=dtype)
+    return k, v, table
+
+
+def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_size=64, peers=True):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for causal in causal_opts:
+        for s in seqlens:
+            batch = 1
+            q = torch.randn(s, hq, d, device="cuda", dtype=dtype)
+            res = {}
+            for name, contig, ps in (("ours", False, page_size), ("ours_contiguous", True, s)):
+                k, v, table = paged_cache(batch, s, hkv, d, ps, dtype, contiguous=contig)
+                meta = PagedKVMeta.from_vllm(block_table=table, query_start_loc=torch.tensor(
+                    [0, s], dtype=torch.int32, device="cuda"), seq_lens=torch.tensor([s], dtype=torch.int32,
+                    device="cuda"), slot_mapping=torch.arange(s, device="cuda"), page_size=ps, max_seqlen_q=s,
+                    max_seqlen_k=s)
+                res[name] = bench_ms(lambda: paged_attention(q, k, v, meta, causal=causal, impl="tilelang"))
+            peer_ms = {}
+            if peers:
+                qt = q.view(1, s, hq, d).transpose(1, 2)
+                kt = torch.randn(1, hkv, s, d, device="cuda", dtype=dtype)
+                vt = torch.randn(1, hkv, s, d, device="cuda", dtype=dtype)
+                kr, vr = kt.repeat_interleave(hq // hkv, 1), vt.repeat_interleave(hq // hkv, 1)
+                for pname, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        with sdpa_kernel(backend):
+                            fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                                qt, kr, vr, is_causal=causal)
+                            fn()
+                            peer_ms[pname] = bench_ms(fn)
+                    except Exception as e:  # backend unavailable for this shape
+                        print(f"  {pname} skipped: {type(e).__name__}: {e}"[:200])
+                try:
+                    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+                    flex = torch.compile(flex_attention)
+                    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, s, s) if causal else None
+                    fn = lambda: flex(qt, kt, vt, block_mask=mask, enable_gqa=True)  # noqa: E731
+                    fn()
+                    peer_ms["flex"] = bench_ms(fn)
+                except Exception as e:
+                    print(f"  flex skipped: {type(e).__name__}: {e}"[:200])
+            flops = 4 * batch * hq * s * s * d * (0.5 if causal else 1.0)
+            rows.append({
+                "op": "prefill",
+                "shape": dict(batch=batch, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
+                              page_size=page_size, causal=causal, dtype=str(dtype).replace("torch.", "")),
+                "ours_ms": res["ours"], "ours_contiguous_ms": res["ours_contiguous"],
+                "tflops": flops / res["ours"] / 1e9, "gbps": None, "peers": peer_ms,
+            })
+    return rows
+
+
+def decode_rows(batches, ctxs, page_sizes, hq=32, hkv=8, d=128, dtype=torch.bfloat16, peers=True):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for ps in page_sizes:
+        for b in batches:
+            for ctx in ctxs:
+                if b * ctx * hkv * d * 2 * 2 > 40e9:
+                    continue
+                k, v, table = paged_cache(b, ctx, hkv, d, ps, dtype)
+                q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+                meta = PagedKVMeta.from_vllm(block_table=table, query_start_loc=torch.arange(
+                    b + 1, dtype=torch.int32, device="cuda"), seq_lens=torch.full((b,), ctx, dtype=torch.int32,
+                    device="cuda"), slot_mapping=torch.zeros(b, dtype=torch.int64, device="cuda"), page_size=ps,
+                    max_seqlen_q=1, max_seqlen_k=ctx)
+                ours = bench_ms(lambda: paged_attention(q, k, v, meta, impl="tilelang"))
+                del k, v
+                peer_ms = {}
+                if peers:
+                    qt = q.view(b, hq, 1, d)
+                    kt = torch.randn(b, hkv, ctx, d, device="cuda", dtype=dtype)
+                    vt = torch.randn(b, hkv, ctx, d, device="cuda", dtype=dtype)
+                    for pname, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                                           ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                        try:
+                            with sdpa_kernel(backend):
+                                fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                                    qt, kt, vt, enable_gqa=True)
+                                fn()
+                                peer_ms[pname] = bench_ms(fn)
+                        except Exception as e:
+                            print(f"  {pname} skipped: {type(e).__name__}: {e}"[:200])
+                    del kt, vt
+                kv_bytes = b * ctx * hkv * d * 2 * dtype.itemsize
+                rows.append({
+                    "op": "decode",
+                    "shape": dict(batch=b, seqlen_q=1, seqlen_k=ctx, heads_q=hq, heads_kv=hkv, head_dim=d,
+                                  page_size=ps, causal=True, dtype=str(dtype).replace("torch.", "")),
+                    "ours_ms": ours, "tflops": 4 * b * hq * ctx * d / ours / 1e9, "gbps": kv_bytes / ours / 1e6,
+                    "peers": peer_ms,
+                })
+                torch.cuda.empty_cache()
+    return rows
+
+
+def finish(rows, ceilings):
+    for r in rows:
+        if r["op"] == "prefill":
+            r["roofline_frac"] = r["tflops"] / ceilings["bf16_matmul_tflops"]
+        else:
+            r["roofline_frac"] = r["gbps"] / 1e3 / ceilings["copy_tbps"]
+        best = min(r["peers"].values()) if r["peers"] else None
+        r["ratio_vs_best_peer"] = best / r["ours_ms"] if best else None  # > 1: ours faster
+        r["ratio_vs_peers"] = {k: v / r["ours_ms"] for k, v in r["peers"].items()}
+    return rows
+
+
+def print_table(rows):
+    print(f"{'op':8s} {'B':>4s} {'sq':>6s} {'sk':>6s} {'pg':>4s} {'c':>2s} {'ours ms':>9s} {'TFLOP/s':>8s} "
+          f"{'GB/s':>7s} {'roof':>5s} {'best peer':>16s} {'ratio':>6s}")
+    for r in rows:
+        s = r["shape"]
+        best = min(r["peers"].items(), key=lambda kv: kv[1]) if r["peers"] else ("-", float("nan"))
+        print(f"{r['op']:8s} {s['batch']:4d} {s['seqlen_q']:6d} {s['seqlen_k']:6d} {s['page_size']:4d} "
+              f"{int(s['causal']):2d} {r['ours_ms']:9.4f} {r['tflops']:8.1f} {(r['gbps'] or 0):7.0f} "
+              f"{r['roofline_frac']:5.2f} {best[0]:>10s} {best[1]:5.3f} {r['ratio_vs_best_peer'] or 0:6.2f}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, op in zip(axes, ("prefill", "decode")):
+        sel = [r for r in rows if r["op"] == op]
+        labels = [f"{r['shape']['batch']}x{r['shape']['seqlen_k']}" + ("c" if r["shape"]["causal"] else "")
+                  + f"/p{r['shape']['page_size']}" for r in sel]
+        x = range(len(sel))
+        ax.plot(x, [r["ratio_vs_best_peer"] or 0 for r in sel], "o-", label="ours / best peer (speed-up)")
+        ax.plot(x, [r["roofline_frac"] for r in sel], "s--", label="fraction of roofline")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, rotation=60, fontsize=7)
+        ax.set_title(op)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("MUSA_ATTN_COMMIT", "unknown")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--ops", default="prefill,decode")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--tag", default="attention")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import tilelang
+
+    ceilings = measure_ceilings()
+    print(f"ceilings: {ceilings}")
+    ops = args.ops.split(",")
+    rows = []
+    if "prefill" in ops:
+        seqs = [2048, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384]
+        rows += prefill_rows(seqs, [True] if args.quick else [True, False], peers=not args.no_peers)
+    if "decode" in ops:
+        batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]
+        ctxs = [4096, 16384] if args.quick else [1024, 4096, 16384, 32768]
+        rows += decode_rows(batches, ctxs, [64] if args.quick else [1, 64], peers=not args.no_peers)
+    finish(rows, ceilings)
+    print_table(rows)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(), "tilelang": tilelang.__version__,
+           "torch": torch.__version__, "ceilings": ceilings, "rows": rows}
+    path = out / f"{args.tag}-{stamp}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    png = path.with_suffix(".png")
+    plot(rows, png)
+    print(f"wrote {path}" + (f" and {png}" if png.exists() else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""TileLang paged attention on a GPU against the PyTorch reference (``pytest -m gpu``).
+
+Outputs and split partials are poisoned with NaN before each run (MUSA_ATTN_POISON), caches hold NaN in
+every slot no request owns, and K/V sit in shuffled pages. Tolerances: bf16 2e-2, fp16 5e-3 (abs and
+rel, against float32 math on the same inputs); FP8 caches compare with the reference reading the same FP8
+cache, so only the matmul precision differs.
+"""
+
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels import paged_attention, write_kv
+from musa_attn_backend.kernels.attention import tilelang_impl
+from musa_attn_backend.testing import random_batch
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(tilelang_impl, "POISON", True)
+
+
+def _compare(batch, hq, hkv, d, dtype, device, *, dv=None, causal=True, fp8=False, seed=0, **opts):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, _, _ = batch.make_kv(hkv, d, dtype, head_dim_v=dv)
+    if fp8:
+        kf = torch.full(k_cache.shape, float("nan"), device=device).to(torch.float8_e4m3fn)
+        vf = torch.full(v_cache.shape, float("nan"), device=device).to(torch.float8_e4m3fn)
+        slots = torch.tensor([batch.slot(b, p) for b, n in enumerate(batch.seq_lens) for p in range(n)],
+                             device=device)
+        flat_k = k_cache.view(-1, hkv, d)[slots]
+        flat_v = v_cache.view(-1, hkv, v_cache.shape[-1])[slots]
+        opts["k_scale"] = torch.rand(hkv, device=device) * 0.01 + 0.005
+        opts["v_scale"] = 0.01
+        write_kv(flat_k, flat_v, kf, vf, slots, k_scale=opts["k_scale"], v_scale=opts["v_scale"])
+        k_cache, v_cache = kf, vf
+    q = torch.randn(batch.num_tokens, hq, d, generator=g).to(dtype).to(device)
+    meta = batch.meta()
+    out, lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, impl="tilelang", **opts)
+    ref, ref_lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, impl="reference",
+                                   **opts)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) output elements"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def _batch(seed, device, **kw):
+    return random_batch(random.Random(seed), device=device, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 32, 64, 128])
+def test_extend_ragged_all_page_sizes(gpu_device, page_size):
+    b = _batch(page_size, gpu_device, batch_size=5, page_size=page_size, max_seq_len=700, max_query_len=300)
+    _compare(b, 32, 8, 128, torch.bfloat16, gpu_device)
+
+
+@pytest.mark.parametrize("d", [64, 96, 256])
+def test_prefill_head_dims(gpu_device, d):
+    b = _batch(d, gpu_device, batch_size=3, page_size=16, max_seq_len=400, prefix_lens=[0, 0, 77],
+               query_lens=[1, 257, 130])
+    _compare(b, 8, 2, d, torch.bfloat16, gpu_device)
+
+
+def test_fp16(gpu_device):
+    b = _batch(3, gpu_device, batch_size=4, page_size=16, max_seq_len=500, max_query_len=200)
+    _compare(b, 32, 8, 128, torch.float16, gpu_device)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 1), (12, 4)])
+def test_gqa_ratios_extend(gpu_device, hq, hkv):
+    b = _batch(hq * 10 + hkv, gpu_device, batch_size=4, page_size=64, max_seq_len=600, max_query_len=250)
+    _compare(b, hq, hkv, 128, torch.bfloat16, gpu_device)
+
+
+def test_non_causal(gpu_device):
+    b = _batch(4, gpu_device, batch_size=3, page_size=16, max_seq_len=300, max_query_len=150)
+    _compare(b, 16, 4, 128, torch.bfloat16, gpu_device, causal=False)
+
+
+@pytest.mark.parametrize("opts", [dict(sliding_window=100), dict(logit_softcap=30.0), dict(sinks=True),
+                                  dict(sliding_window=64, logit_softcap=20.0, sinks=True)],
+                         ids=["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("mode", ["extend", "decode", "decode_split"])
+def test_options(gpu_device, opts, mode):
+    hq = 16
+    opts = dict(opts)
+    if opts.pop("sinks", False):
+        opts["sinks"] = torch.randn(hq, device=gpu_device)
+    if mode == "extend":
+        b = _batch(1, gpu_device, batch_size=4, page_size=16, max_seq_len=800, max_query_len=300)
+    elif mode == "decode":
+        b = _batch(2, gpu_device, batch_size=40, page_size=16, max_seq_len=900, decode=True)
+    else:
+        b = _batch(3, gpu_device, batch_size=2, page_size=16, max_seq_len=3000, decode=True)
+    _compare(b, hq, 4, 128, torch.bfloat16, gpu_device, **opts)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("batch_size,max_len", [(1, 32768), (3, 9000), (64, 2000), (200, 300)])
+def test_decode_long_and_wide(gpu_device, page_size, batch_size, max_len):
+    b = _batch(batch_size + page_size, gpu_device, batch_size=batch_size, page_size=page_size,
+               max_seq_len=max_len, decode=True)
+    _compare(b, 32, 8, 128, torch.bfloat16, gpu_device)
+
+
+@pytest.mark.parametrize("q_len", [2, 4, 8])
+def test_short_queries_speculative_verify(gpu_device, q_len):
+    b = _batch(q_len, gpu_device, batch_size=6, page_size=16, max_seq_len=2000, query_lens=[q_len] * 6)
+    _compare(b, 32, 8, 128, torch.bfloat16, gpu_device)
+
+
+def test_decode_mqa_large_group(gpu_device):
+    b = _batch(9, gpu_device, batch_size=7, page_size=64, max_seq_len=3000, decode=True)
+    _compare(b, 64, 1, 128, torch.bfloat16, gpu_device)  # 64 rows per KV head
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_fp8_kv_cache(gpu_device, mode):
+    if mode == "extend":
+        b = _batch(5, gpu_device, batch_size=3, page_size=16, max_seq_len=600, max_query_len=200)
+    else:
+        b = _batch(6, gpu_device, batch_size=4, page_size=16, max_seq_len=5000, decode=True)
+    _compare(b, 32, 8, 128, torch.bfloat16, gpu_device, fp8=True)
+
+
+def test_long_prefill(gpu_device):
+    b = _batch(11, gpu_device, batch_size=1, page_size=64, max_seq_len=4096, prefix_lens=[0], query_lens=[4096])
+    _compare(b, 16, 4, 128, torch.bfloat16, gpu_device)
+
+
+def test_tilelang_rejects_unsupported(gpu_device):
+    b = _batch(0, gpu_device, batch_size=2, page_size=16, max_seq_len=50)
+    kc, vc, _, _ = b.make_kv(2, 80, torch.bfloat16)
+    q = torch.randn(b.num_tokens, 4, 80, device=gpu_device).bfloat16()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_attention(q, kc, vc, b.meta(), impl="tilelang")
+    kc, vc, _, _ = b.make_kv(2, 64, torch.float32)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        paged_attention(torch.randn(b.num_tokens, 4, 64, device=gpu_device), kc, vc, b.meta(), impl="tilelang")
