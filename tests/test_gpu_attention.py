@@ -137,8 +137,8 @@ def test_long_prefill(gpu_device):
 
 def test_tilelang_rejects_unsupported(gpu_device):
     b = _batch(0, gpu_device, batch_size=2, page_size=16, max_seq_len=50)
-    kc, vc, _, _ = b.make_kv(2, 80, torch.bfloat16)
-    q = torch.randn(b.num_tokens, 4, 80, device=gpu_device).bfloat16()
+    kc, vc, _, _ = b.make_kv(2, 72, torch.bfloat16)
+    q = torch.randn(b.num_tokens, 4, 72, device=gpu_device).bfloat16()
     with pytest.raises(ValueError, match="multiple of 16"):
         paged_attention(q, kc, vc, b.meta(), impl="tilelang")
     kc, vc, _, _ = b.make_kv(2, 64, torch.float32)

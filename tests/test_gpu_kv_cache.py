@@ -16,9 +16,9 @@ def _case(device, n, pages, page_size, h, d, dv, in_dtype, cache_dtype, strided,
     v = torch.randn(n, h, dv, generator=g).to(in_dtype).to(device)
     slots = torch.randperm(pages * page_size, generator=g)[:n].to(device)
     slots[torch.rand(n, generator=g).to(device) < 0.2] = -1
-    if strided:  # vLLM: K and V are views of one [blocks, heads, block, d + dv] buffer
-        buf = torch.full((pages, h, page_size, d + dv), float("nan"), device=device).to(cache_dtype)
-        kc, vc = buf.transpose(1, 2).split([d, dv], dim=-1)
+    if strided:  # vLLM (NHD): K and V are views of one [blocks, block_size, heads, d + dv] buffer
+        buf = torch.full((pages, page_size, h, d + dv), float("nan"), device=device).to(cache_dtype)
+        kc, vc = buf.split([d, dv], dim=-1)
     else:
         kc = torch.full((pages, page_size, h, d), float("nan"), device=device).to(cache_dtype)
         vc = torch.full((pages, page_size, h, dv), float("nan"), device=device).to(cache_dtype)
@@ -31,7 +31,8 @@ def _case(device, n, pages, page_size, h, d, dv, in_dtype, cache_dtype, strided,
                                               (128, 4, 256, 256), (32, 3, 96, 96)])
 @pytest.mark.parametrize("strided", [False, True])
 def test_write_kv_tilelang_matches_reference(gpu_device, in_dtype, cache_dtype, page_size, h, d, dv, strided):
-    args = _case(gpu_device, 300, 40, page_size, h, d, dv, in_dtype, cache_dtype, strided, seed=page_size + d)
+    pages = -(-400 // page_size) + 2
+    args = _case(gpu_device, 300, pages, page_size, h, d, dv, in_dtype, cache_dtype, strided, seed=page_size + d)
     k, v, kc, vc, slots = args
     kr, vr = kc.clone(), vc.clone()
     scales = {}
@@ -43,3 +44,11 @@ def test_write_kv_tilelang_matches_reference(gpu_device, in_dtype, cache_dtype, 
     assert torch.equal(kc.float().nan_to_num(7.0), kr.float().nan_to_num(7.0))
     assert torch.equal(vc.float().nan_to_num(7.0), vr.float().nan_to_num(7.0))
     assert torch.isnan(kc.float()).any(), "every slot written: the skip test means nothing"
+
+
+def test_write_kv_tilelang_refuses_hnd_layout(gpu_device):
+    buf = torch.zeros(4, 2, 16, 128, device=gpu_device, dtype=torch.bfloat16)  # [blocks, heads, block, 2D]
+    kc, vc = buf.transpose(1, 2).split(64, dim=-1)
+    k = torch.randn(3, 2, 64, device=gpu_device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="layout not supported"):
+        write_kv(k, k, kc, vc, torch.arange(3, device=gpu_device), impl="tilelang")

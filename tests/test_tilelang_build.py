@@ -30,7 +30,8 @@ def test_write_kv_kernel_compiles_for_sm90a(heads, dim, dim_v, in_dtype, cache_d
     from musa_attn_backend.kernels.kv_cache.tilelang_kernel import build_write_kv
 
     key = ("test_write_kv", heads, dim, dim_v, in_dtype, cache_dtype)
-    kernel = compile_cached(key, lambda: build_write_kv(heads, dim, dim_v, in_dtype, cache_dtype),
+    layout_k, layout_v = (heads * dim, heads * dim, dim), (heads * dim_v, heads * dim_v, dim_v)
+    kernel = compile_cached(key, lambda: build_write_kv(heads, dim, dim_v, in_dtype, cache_dtype, layout_k, layout_v),
                             target=HOPPER)
     src = kernel.get_kernel_source()
     assert "__global__" in src and "write_kv_kernel" in src

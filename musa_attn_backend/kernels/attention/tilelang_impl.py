@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..._tilelang import compile_cached, tl_dtype
+from ...paged_layout import cache_rows
 from ...platform import get_platform
 from .._common import FP8_E4M3, check
 from . import tilelang_kernel as K
@@ -54,7 +55,7 @@ def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         check(dim % 16 == 0 and 16 <= dim <= MAX_HEAD_DIM,
               f"{op}: {name} must be a multiple of 16 in [16, {MAX_HEAD_DIM}] (64, 96, 128, 256, ...), got {dim}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check(c.stride(-1) == 1, f"{op}: {name} must be contiguous in its head dim, strides {c.stride()}")
+        cache_rows(c, name, op=op)
 
 
 def prefill_config(d: int, dv: int) -> PrefillConfig:
@@ -120,29 +121,34 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     if nt == 0:
         return (out, lse) if return_lse else out
     tables = (meta.cu_seqlens_q, meta.seqlens_k, meta.page_table)
+    k_rows, k_layout = cache_rows(k_cache, "k_cache", op="paged_attention(impl='tilelang')")
+    v_rows, v_layout = cache_rows(v_cache, "v_cache", op="paged_attention(impl='tilelang')")
+    common = common + (meta.page_size,)
 
     dcfg = decode_config(meta.max_seqlen_q, group) if causal else None
     if dcfg is None:
         cfg = prefill_config(d, dv)
-        key = ("prefill", hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8, cfg)
+        key = ("prefill", hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8, k_layout,
+               v_layout, cfg)
         kernel = compile_cached(key, lambda: K.build_prefill(
-            hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8,
+            hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8, k_layout, v_layout,
             cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads))
-        kernel(q, k_cache, v_cache, *tables, *common, int(meta.max_seqlen_q), out, lse)
+        kernel(q, k_rows, v_rows, *tables, *common, int(meta.max_seqlen_q), out, lse)
         return (out, lse) if return_lse else out
 
     splits = num_splits_for(meta.batch_size, hkv, meta.max_seqlen_k, dcfg.block_N, get_platform().sm_count or 132)
     split = splits > 1
-    key = ("decode", hq, hkv, d, dv, qt, kt, has_window, has_softcap, has_sinks, is_fp8, split, dcfg)
+    key = ("decode", hq, hkv, d, dv, qt, kt, has_window, has_softcap, has_sinks, is_fp8, split, k_layout, v_layout,
+           dcfg)
     kernel = compile_cached(key, lambda: K.build_decode(
-        hq, hkv, d, dv, qt, kt, dcfg.max_q, has_window, has_softcap, has_sinks, is_fp8, split,
+        hq, hkv, d, dv, qt, kt, dcfg.max_q, has_window, has_softcap, has_sinks, is_fp8, split, k_layout, v_layout,
         dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads))
     if not split:
-        kernel(q, k_cache, v_cache, *tables, *common, 1, out, lse)
+        kernel(q, k_rows, v_rows, *tables, *common, 1, out, lse)
         return (out, lse) if return_lse else out
     o_part = _alloc((splits, nt, hq, dv), torch.float32, dev)
     l_part = _alloc((splits, nt, hq), torch.float32, dev)
-    kernel(q, k_cache, v_cache, *tables, *common, splits, o_part, l_part)
+    kernel(q, k_rows, v_rows, *tables, *common, splits, o_part, l_part)
     combine = compile_cached(("combine", hq, dv, qt, has_sinks), lambda: K.build_combine(hq, dv, qt, has_sinks))
     combine(o_part, l_part, common[0], out, lse)
     return (out, lse) if return_lse else out

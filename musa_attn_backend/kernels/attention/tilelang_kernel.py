@@ -1,15 +1,18 @@
 """TileLang programs for paged attention: prefill/extend, split-KV decode and the split combine.
 
-Conventions shared by the three programs:
+Conventions shared by the programs:
 
-* K/V caches are strided ``[num_pages, page_size, num_kv_heads, head_dim]`` tensors (unit stride on the head
-  dim only), so SGLang's pools and vLLM's views of one K|V buffer are read in place. Keys are gathered
-  row by row through the page table, which serves every page size (1 .. 128+).
+* A K (or V) cache is seen as token rows: ``[num_slots, width]`` with a compile-time row stride ``RS``
+  (elements between consecutive tokens) and head stride ``HS``, where slot = ``page * page_size + offset``.
+  SGLang's pools (``RS = H*D``) and vLLM's NHD K|V buffer (``RS = H*2D``, V starting ``D`` elements in)
+  both have this form. Constant strides let TileLang prove 16-byte alignment, so the row gather becomes
+  ``cp.async`` copies; a position past the sequence maps to slot -1, whose bounds predicate zero-fills the
+  row instead of reading it. The page size is a runtime scalar (one kernel serves every page size).
 * Softmax runs in base 2: logits are multiplied by ``scale_log2`` (``sm_scale * k_scale * log2(e)``, or
   ``log2(e)`` after a softcap, which works in natural units) and exponentiated with ``exp2``.
-* An FP8 cache is converted to the query dtype while it is staged in shared memory; its per-head scales
-  are folded into the logit scale (K) and the output (V), so the matmuls stay in bf16/fp16.
-* LSE outputs are natural-log; partial LSEs of split-KV are kept in log2 units.
+* An FP8 cache is gathered into an FP8 staging tile and converted to the query dtype in shared memory; the
+  per-head scales fold into the logit scale (K) and the output (V), so the matmuls stay in bf16/fp16.
+* Final LSE outputs are natural-log; split-KV partial LSEs stay in log2 units.
 
 No ``from __future__ import annotations`` here: TileLang evaluates the prim_func annotations.
 """
@@ -22,15 +25,8 @@ LOG2E = 1.4426950408889634
 ACC = "float32"
 
 
-def _kv_tensors(Hkv, D, DV, kv_dtype):
-    """Strided paged caches; the page size is a runtime value (one kernel serves every page size)."""
-    NP = T.dynamic("num_pages")
-    P = T.dynamic("page_size")
-    ks = [T.dynamic(f"k_stride_{i}", "int64") for i in range(3)]
-    vs = [T.dynamic(f"v_stride_{i}", "int64") for i in range(3)]
-    k_t = T.StridedTensor((NP, P, Hkv, D), (ks[0], ks[1], ks[2], 1), kv_dtype)
-    v_t = T.StridedTensor((NP, P, Hkv, DV), (vs[0], vs[1], vs[2], 1), kv_dtype)
-    return k_t, v_t, P
+def _rows_tensor(width: int, row_stride: int, dtype: str, name: str):
+    return T.StridedTensor((T.dynamic(f"{name}_slots"), width), (row_stride, 1), dtype)
 
 
 def _visible(kpos, qpos, sk, window, causal: bool, has_window: bool):
@@ -43,24 +39,90 @@ def _visible(kpos, qpos, sk, window, causal: bool, has_window: bool):
     return v
 
 
+def _slot(page_table, b, pos, sk, page_size, max_pages):
+    """Cache row of key ``pos`` of request ``b``; -1 (zero-filled by the copy) past the sequence end."""
+    page = page_table[b, T.min(T.truncdiv(pos, page_size), max_pages - 1)]
+    return T.if_then_else(pos < sk, page * page_size + T.truncmod(pos, page_size), -1)
+
+
+def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_softcap):
+    """Tile loads and the online-softmax step shared by the prefill and decode programs."""
+    NEG_INF = -T.infinity(ACC)
+
+    @T.macro
+    def load_tile(C, dst, stage, n0, kvh, width, head_stride, page_table, b, sk, page_size, max_pages):
+        if is_fp8:
+            for j, d in T.Parallel(BN, width):
+                stage[j, d] = C[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * head_stride + d]
+            for j, d in T.Parallel(BN, width):
+                dst[j, d] = T.Cast(q_dtype, stage[j, d])
+        else:
+            for j, d in T.Parallel(BN, width):
+                dst[j, d] = C[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * head_stride + d]
+
+    @T.macro
+    def softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, logit_scale,
+                     softcap):
+        if has_softcap:
+            for i, j in T.Parallel(BM, BN):
+                acc_s[i, j] = softcap * T.tanh(acc_s[i, j] * (logit_scale / softcap))
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_tile, dim=1, clear=True)
+        for i in T.Parallel(BM):
+            m_i[i] = T.max(m_prev[i], m_tile[i])
+        for i in T.Parallel(BM):
+            alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 1.0, T.exp2((m_prev[i] - m_i[i]) * scale_log2))
+        for i, j in T.Parallel(BM, BN):
+            acc_s[i, j] = T.if_then_else(m_i[i] == NEG_INF, 0.0,
+                                         T.exp2(acc_s[i, j] * scale_log2 - m_i[i] * scale_log2))
+        T.reduce_sum(acc_s, row_sum, dim=1)
+        for i in T.Parallel(BM):
+            l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+        T.copy(acc_s, acc_p)
+        for i, d in T.Parallel(BM, DV):
+            acc_o[i, d] *= alpha[i]
+
+    @T.macro
+    def finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, head_of_row, with_sink):
+        """alpha <- row LSE (log2 units, sink included if ``with_sink``); l_i <- the full denominator."""
+        for i in T.Parallel(BM):
+            m_tile[i] = m_i[i] * scale_log2
+            if with_sink:
+                row_sum[i] = T.if_then_else(m_i[i] == NEG_INF, 0.0,
+                                            T.exp2(sinks[head_of_row(i)] * LOG2E - m_tile[i]))
+                alpha[i] = T.if_then_else(m_i[i] == NEG_INF, sinks[head_of_row(i)] * LOG2E,
+                                          T.log2(l_i[i] + row_sum[i]) + m_tile[i])
+                l_i[i] = l_i[i] + row_sum[i]
+            else:
+                alpha[i] = T.if_then_else(l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_tile[i])
+
+    return load_tile, softmax_step, finish_rows
+
+
 @functools.lru_cache(maxsize=None)
 def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str, causal: bool,
                   has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool,
+                  k_layout: tuple, v_layout: tuple,
                   block_M: int = 128, block_N: int = 128, num_stages: int = 2, threads: int = 256):
-    """Varlen prefill/extend: one block per (query tile of one request, query head)."""
+    """Varlen prefill/extend: one block per (query tile of one request, query head).
+
+    ``k_layout``/``v_layout`` = (width, row stride, head stride) of the cache row views.
+    """
     G = Hq // Hkv
+    BM, BN = block_M, block_N
     NT = T.dynamic("num_tokens")
     B = T.dynamic("batch")
     B1 = T.dynamic("batch_plus_1")
     MP = T.dynamic("max_pages")
-    KT, VT, P = _kv_tensors(Hkv, D, DV, kv_dtype)
     NEG_INF = -T.infinity(ACC)
+    load_tile, softmax_step, finish_rows = _attention_macros(
+        BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
 
     @T.prim_func
     def prefill(
         Q: T.Tensor((NT, Hq, D), q_dtype),
-        KC: KT,
-        VC: VT,
+        KC: _rows_tensor(k_layout[0], k_layout[1], kv_dtype, "k"),
+        VC: _rows_tensor(v_layout[0], v_layout[1], kv_dtype, "v"),
         cu_seqlens_q: T.Tensor((B1,), "int32"),
         seqlens_k: T.Tensor((B,), "int32"),
         page_table: T.Tensor((B, MP), "int32"),
@@ -70,23 +132,26 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
         sm_scale: T.float32,
         softcap: T.float32,
         window: T.int32,
+        page_size: T.int32,
         max_seqlen_q: T.int32,
         O: T.Tensor((NT, Hq, DV), q_dtype),
         LSE: T.Tensor((NT, Hq), "float32"),
     ):
-        with T.Kernel(T.ceildiv(max_seqlen_q, block_M), Hq, B, threads=threads) as (bx, by, bz):
-            Q_s = T.alloc_shared([block_M, D], q_dtype)
-            K_s = T.alloc_shared([block_N, D], q_dtype)
-            V_s = T.alloc_shared([block_N, DV], q_dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], ACC)
-            acc_p = T.alloc_fragment([block_M, block_N], q_dtype)
-            acc_o = T.alloc_fragment([block_M, DV], ACC)
-            m_i = T.alloc_fragment([block_M], ACC)
-            m_prev = T.alloc_fragment([block_M], ACC)
-            m_tile = T.alloc_fragment([block_M], ACC)
-            alpha = T.alloc_fragment([block_M], ACC)
-            row_sum = T.alloc_fragment([block_M], ACC)
-            l_i = T.alloc_fragment([block_M], ACC)
+        with T.Kernel(T.ceildiv(max_seqlen_q, BM), Hq, B, threads=threads) as (bx, by, bz):
+            Q_s = T.alloc_shared([BM, D], q_dtype)
+            K_s = T.alloc_shared([BN, D], q_dtype)
+            V_s = T.alloc_shared([BN, DV], q_dtype)
+            K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
+            V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
+            acc_s = T.alloc_fragment([BM, BN], ACC)
+            acc_p = T.alloc_fragment([BM, BN], q_dtype)
+            acc_o = T.alloc_fragment([BM, DV], ACC)
+            m_i = T.alloc_fragment([BM], ACC)
+            m_prev = T.alloc_fragment([BM], ACC)
+            m_tile = T.alloc_fragment([BM], ACC)
+            alpha = T.alloc_fragment([BM], ACC)
+            row_sum = T.alloc_fragment([BM], ACC)
+            l_i = T.alloc_fragment([BM], ACC)
 
             b = bz
             h = by
@@ -95,77 +160,41 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             qlen = cu_seqlens_q[b + 1] - q0
             sk = seqlens_k[b]
             prefix = sk - qlen
-            m0 = bx * block_M
-            ksc = k_scale[kvh] if is_fp8 else T.float32(1.0)
-            scale_log2 = LOG2E if has_softcap else sm_scale * ksc * LOG2E
+            m0 = bx * BM
+            logit_scale = sm_scale * k_scale[kvh] if is_fp8 else sm_scale
+            scale_log2 = LOG2E if has_softcap else logit_scale * LOG2E
 
-            kv_hi = T.min(sk, prefix + m0 + block_M) if causal else sk
+            kv_hi = T.min(sk, prefix + m0 + BM) if causal else sk
             kv_lo = T.max(prefix + m0 - window, 0) if has_window else 0
-            n_lo = kv_lo // block_N
-            n_iters = T.if_then_else(m0 < qlen, T.max(T.ceildiv(kv_hi, block_N) - n_lo, 0), 0)
+            n_lo = kv_lo // BN
+            n_iters = T.if_then_else(m0 < qlen, T.max(T.ceildiv(kv_hi, BN) - n_lo, 0), 0)
 
-            for i, d in T.Parallel(block_M, D):
+            for i, d in T.Parallel(BM, D):
                 Q_s[i, d] = T.if_then_else(m0 + i < qlen, Q[q0 + m0 + i, h, d], T.Cast(q_dtype, 0))
             T.fill(acc_o, 0)
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
             for it in T.Pipelined(n_iters, num_stages=num_stages):
-                n0 = (n_lo + it) * block_N
-                for j, d in T.Parallel(block_N, D):
-                    K_s[j, d] = T.if_then_else(
-                        n0 + j < sk,
-                        T.Cast(q_dtype, KC[page_table[b, (n0 + j) // P], (n0 + j) % P, kvh, d]),
-                        T.Cast(q_dtype, 0))
+                n0 = (n_lo + it) * BN
+                load_tile(KC, K_s, K8_s, n0, kvh, D, k_layout[2], page_table, b, sk, page_size, MP)
                 T.clear(acc_s)
                 T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if has_softcap:
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = softcap * T.tanh(acc_s[i, j] * (sm_scale * ksc / softcap))
-                for i, j in T.Parallel(block_M, block_N):
+                for i, j in T.Parallel(BM, BN):
                     acc_s[i, j] = T.if_then_else(_visible(n0 + j, prefix + m0 + i, sk, window, causal, has_window),
                                                  acc_s[i, j], NEG_INF)
-                T.copy(m_i, m_prev)
-                T.reduce_max(acc_s, m_tile, dim=1, clear=True)
-                for i in T.Parallel(block_M):
-                    m_i[i] = T.max(m_prev[i], m_tile[i])
-                for i in T.Parallel(block_M):
-                    alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 1.0,
-                                              T.exp2((m_prev[i] - m_i[i]) * scale_log2))
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.if_then_else(m_i[i] == NEG_INF, 0.0,
-                                                 T.exp2(acc_s[i, j] * scale_log2 - m_i[i] * scale_log2))
-                T.reduce_sum(acc_s, row_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    l_i[i] = l_i[i] * alpha[i] + row_sum[i]
-                T.copy(acc_s, acc_p)
-                for i, d in T.Parallel(block_M, DV):
-                    acc_o[i, d] *= alpha[i]
-                for j, d in T.Parallel(block_N, DV):
-                    V_s[j, d] = T.if_then_else(
-                        n0 + j < sk,
-                        T.Cast(q_dtype, VC[page_table[b, (n0 + j) // P], (n0 + j) % P, kvh, d]),
-                        T.Cast(q_dtype, 0))
+                softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
+                             logit_scale, softcap)
+                load_tile(VC, V_s, V8_s, n0, kvh, DV, v_layout[2], page_table, b, sk, page_size, MP)
                 T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-            # Epilogue: the sink joins the denominator; LSE in natural log.
-            for i in T.Parallel(block_M):
-                m_tile[i] = m_i[i] * scale_log2  # running max, log2 units
-                if has_sinks:
-                    row_sum[i] = T.if_then_else(
-                        m_i[i] == NEG_INF, 0.0, T.exp2(sinks[h] * LOG2E - m_i[i] * scale_log2))
-                    # all keys masked: only the sink remains, the output is 0
-                    alpha[i] = T.if_then_else(m_i[i] == NEG_INF, sinks[h] * LOG2E,
-                                              T.log2(l_i[i] + row_sum[i]) + m_tile[i])
-                    l_i[i] = l_i[i] + row_sum[i]
-                else:
-                    alpha[i] = T.if_then_else(l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_tile[i])
-            vsc = v_scale[kvh] if is_fp8 else T.float32(1.0)
-            for i, d in T.Parallel(block_M, DV):
+            finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda i: h, has_sinks)
+            out_scale = v_scale[kvh] if is_fp8 else 1.0
+            for i, d in T.Parallel(BM, DV):
                 if m0 + i < qlen:
                     O[q0 + m0 + i, h, d] = T.Cast(
-                        q_dtype, T.if_then_else(l_i[i] == 0.0, 0.0, acc_o[i, d] * vsc / l_i[i]))
-            for i in T.Parallel(block_M):
+                        q_dtype, T.if_then_else(l_i[i] == 0.0, 0.0, acc_o[i, d] * out_scale / l_i[i]))
+            for i in T.Parallel(BM):
                 if m0 + i < qlen:
                     LSE[q0 + m0 + i, h] = alpha[i] / LOG2E
 
@@ -175,33 +204,36 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
 @functools.lru_cache(maxsize=None)
 def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str, max_q: int,
                  has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool, split: bool,
+                 k_layout: tuple, v_layout: tuple,
                  block_M: int = 64, block_N: int = 64, num_stages: int = 2, threads: int = 128):
     """Split-KV decode (and short causal queries, up to ``max_q`` tokens per request, e.g. speculative verify).
 
     One block per (KV split, KV head, request); its rows are the ``max_q x G`` (token, query head) pairs that
-    share the KV head, so each K/V tile is read once for the whole group. With ``split`` the block writes an
-    unnormalised partial (output normalised by its own sum, LSE in log2 units) for :func:`build_combine`;
-    without it, the final output.
+    share the KV head, so each K/V tile is read once for the whole group. With ``split`` the block writes a
+    partial (output normalised by its own sum, LSE in log2 units) for :func:`build_combine`; without it, the
+    final output.
     """
     G = Hq // Hkv
     rows = max_q * G
-    assert rows <= block_M, f"{max_q} tokens x {G} heads do not fit a {block_M}-row tile"
+    BM, BN = block_M, block_N
+    assert rows <= BM, f"{max_q} tokens x {G} heads do not fit a {BM}-row tile"
     NT = T.dynamic("num_tokens")
     B = T.dynamic("batch")
     B1 = T.dynamic("batch_plus_1")
     MP = T.dynamic("max_pages")
     S = T.dynamic("num_splits")
-    KT, VT, P = _kv_tensors(Hkv, D, DV, kv_dtype)
     NEG_INF = -T.infinity(ACC)
     out_dtype = ACC if split else q_dtype
     O_shape = (S, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (S, NT, Hq) if split else (NT, Hq)
+    load_tile, softmax_step, finish_rows = _attention_macros(
+        BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
 
     @T.prim_func
     def decode(
         Q: T.Tensor((NT, Hq, D), q_dtype),
-        KC: KT,
-        VC: VT,
+        KC: _rows_tensor(k_layout[0], k_layout[1], kv_dtype, "k"),
+        VC: _rows_tensor(v_layout[0], v_layout[1], kv_dtype, "v"),
         cu_seqlens_q: T.Tensor((B1,), "int32"),
         seqlens_k: T.Tensor((B,), "int32"),
         page_table: T.Tensor((B, MP), "int32"),
@@ -211,23 +243,26 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
         sm_scale: T.float32,
         softcap: T.float32,
         window: T.int32,
+        page_size: T.int32,
         num_splits: T.int32,
         O: T.Tensor(O_shape, out_dtype),
         LSE: T.Tensor(L_shape, "float32"),
     ):
         with T.Kernel(num_splits, Hkv, B, threads=threads) as (bs, bh, bb):
-            Q_s = T.alloc_shared([block_M, D], q_dtype)
-            K_s = T.alloc_shared([block_N, D], q_dtype)
-            V_s = T.alloc_shared([block_N, DV], q_dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], ACC)
-            acc_p = T.alloc_fragment([block_M, block_N], q_dtype)
-            acc_o = T.alloc_fragment([block_M, DV], ACC)
-            m_i = T.alloc_fragment([block_M], ACC)
-            m_prev = T.alloc_fragment([block_M], ACC)
-            m_tile = T.alloc_fragment([block_M], ACC)
-            alpha = T.alloc_fragment([block_M], ACC)
-            row_sum = T.alloc_fragment([block_M], ACC)
-            l_i = T.alloc_fragment([block_M], ACC)
+            Q_s = T.alloc_shared([BM, D], q_dtype)
+            K_s = T.alloc_shared([BN, D], q_dtype)
+            V_s = T.alloc_shared([BN, DV], q_dtype)
+            K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
+            V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
+            acc_s = T.alloc_fragment([BM, BN], ACC)
+            acc_p = T.alloc_fragment([BM, BN], q_dtype)
+            acc_o = T.alloc_fragment([BM, DV], ACC)
+            m_i = T.alloc_fragment([BM], ACC)
+            m_prev = T.alloc_fragment([BM], ACC)
+            m_tile = T.alloc_fragment([BM], ACC)
+            alpha = T.alloc_fragment([BM], ACC)
+            row_sum = T.alloc_fragment([BM], ACC)
+            l_i = T.alloc_fragment([BM], ACC)
 
             b = bb
             kvh = bh
@@ -235,83 +270,49 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             qlen = cu_seqlens_q[b + 1] - q0
             sk = seqlens_k[b]
             prefix = sk - qlen
-            ksc = k_scale[kvh] if is_fp8 else T.float32(1.0)
-            scale_log2 = LOG2E if has_softcap else sm_scale * ksc * LOG2E
+            logit_scale = sm_scale * k_scale[kvh] if is_fp8 else sm_scale
+            scale_log2 = LOG2E if has_softcap else logit_scale * LOG2E
 
             kv_lo = T.max(prefix - window, 0) if has_window else 0
-            n_lo = kv_lo // block_N
-            n_total = T.max(T.ceildiv(sk, block_N) - n_lo, 0)
+            n_lo = kv_lo // BN
+            n_total = T.max(T.ceildiv(sk, BN) - n_lo, 0)
             per_split = T.ceildiv(n_total, num_splits)
             it_lo = bs * per_split
             n_iters = T.max(T.min(per_split, n_total - it_lo), 0)
 
-            # row r = token (r // G) of this request, query head kvh * G + (r % G)
-            for r, d in T.Parallel(block_M, D):
-                Q_s[r, d] = T.if_then_else(r < rows and r // G < qlen, Q[q0 + r // G, kvh * G + r % G, d],
+            # row r: token r // G of this request, query head kvh * G + r % G
+            for r, d in T.Parallel(BM, D):
+                Q_s[r, d] = T.if_then_else(T.And(r < rows, r // G < qlen), Q[q0 + r // G, kvh * G + r % G, d],
                                            T.Cast(q_dtype, 0))
             T.fill(acc_o, 0)
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
             for it in T.Pipelined(n_iters, num_stages=num_stages):
-                n0 = (n_lo + it_lo + it) * block_N
-                for j, d in T.Parallel(block_N, D):
-                    K_s[j, d] = T.if_then_else(
-                        n0 + j < sk,
-                        T.Cast(q_dtype, KC[page_table[b, (n0 + j) // P], (n0 + j) % P, kvh, d]),
-                        T.Cast(q_dtype, 0))
+                n0 = (n_lo + it_lo + it) * BN
+                load_tile(KC, K_s, K8_s, n0, kvh, D, k_layout[2], page_table, b, sk, page_size, MP)
                 T.clear(acc_s)
                 T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if has_softcap:
-                    for r, j in T.Parallel(block_M, block_N):
-                        acc_s[r, j] = softcap * T.tanh(acc_s[r, j] * (sm_scale * ksc / softcap))
-                for r, j in T.Parallel(block_M, block_N):
+                for r, j in T.Parallel(BM, BN):
                     acc_s[r, j] = T.if_then_else(_visible(n0 + j, prefix + r // G, sk, window, True, has_window),
                                                  acc_s[r, j], NEG_INF)
-                T.copy(m_i, m_prev)
-                T.reduce_max(acc_s, m_tile, dim=1, clear=True)
-                for r in T.Parallel(block_M):
-                    m_i[r] = T.max(m_prev[r], m_tile[r])
-                for r in T.Parallel(block_M):
-                    alpha[r] = T.if_then_else(m_i[r] == NEG_INF, 1.0,
-                                              T.exp2((m_prev[r] - m_i[r]) * scale_log2))
-                for r, j in T.Parallel(block_M, block_N):
-                    acc_s[r, j] = T.if_then_else(m_i[r] == NEG_INF, 0.0,
-                                                 T.exp2(acc_s[r, j] * scale_log2 - m_i[r] * scale_log2))
-                T.reduce_sum(acc_s, row_sum, dim=1)
-                for r in T.Parallel(block_M):
-                    l_i[r] = l_i[r] * alpha[r] + row_sum[r]
-                T.copy(acc_s, acc_p)
-                for r, d in T.Parallel(block_M, DV):
-                    acc_o[r, d] *= alpha[r]
-                for j, d in T.Parallel(block_N, DV):
-                    V_s[j, d] = T.if_then_else(
-                        n0 + j < sk,
-                        T.Cast(q_dtype, VC[page_table[b, (n0 + j) // P], (n0 + j) % P, kvh, d]),
-                        T.Cast(q_dtype, 0))
+                softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
+                             logit_scale, softcap)
+                load_tile(VC, V_s, V8_s, n0, kvh, DV, v_layout[2], page_table, b, sk, page_size, MP)
                 T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-            vsc = v_scale[kvh] if is_fp8 else T.float32(1.0)
-            for r in T.Parallel(block_M):
-                m_tile[r] = m_i[r] * scale_log2
-                if has_sinks and not split:
-                    row_sum[r] = T.if_then_else(
-                        m_i[r] == NEG_INF, 0.0,
-                        T.exp2(sinks[kvh * G + r % G] * LOG2E - m_i[r] * scale_log2))
-                    alpha[r] = T.if_then_else(m_i[r] == NEG_INF, sinks[kvh * G + r % G] * LOG2E,
-                                              T.log2(l_i[r] + row_sum[r]) + m_tile[r])
-                    l_i[r] = l_i[r] + row_sum[r]
-                else:
-                    alpha[r] = T.if_then_else(l_i[r] == 0.0, NEG_INF, T.log2(l_i[r]) + m_tile[r])
-            for r, d in T.Parallel(block_M, DV):
+            finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda r: kvh * G + r % G,
+                        has_sinks and not split)
+            out_scale = v_scale[kvh] if is_fp8 else 1.0
+            for r, d in T.Parallel(BM, DV):
                 if r < rows and r // G < qlen:
                     if split:
                         O[bs, q0 + r // G, kvh * G + r % G, d] = T.if_then_else(
-                            l_i[r] == 0.0, 0.0, acc_o[r, d] * vsc / l_i[r])
+                            l_i[r] == 0.0, 0.0, acc_o[r, d] * out_scale / l_i[r])
                     else:
                         O[q0 + r // G, kvh * G + r % G, d] = T.Cast(
-                            q_dtype, T.if_then_else(l_i[r] == 0.0, 0.0, acc_o[r, d] * vsc / l_i[r]))
-            for r in T.Parallel(block_M):
+                            q_dtype, T.if_then_else(l_i[r] == 0.0, 0.0, acc_o[r, d] * out_scale / l_i[r]))
+            for r in T.Parallel(BM):
                 if r < rows and r // G < qlen:
                     if split:
                         LSE[bs, q0 + r // G, kvh * G + r % G] = alpha[r]

@@ -6,26 +6,26 @@ import torch
 
 from ..._tilelang import compile_cached, tl_dtype
 from .._common import FP8_E4M3
+from ...paged_layout import cache_rows
 from .tilelang_kernel import build_write_kv
 
 
-def _inv_scale(scale, num_kv_heads: int, device) -> torch.Tensor:
+def _per_head(scale, num_kv_heads: int, device) -> torch.Tensor:
     if scale is None:
         return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
-    return (1.0 / s).expand(num_kv_heads).contiguous()
+    return s.expand(num_kv_heads).contiguous()
 
 
 def write_kv_tilelang(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.stride(-1) != 1:
-            raise ValueError(f"write_kv: {name} must be contiguous in its head dim (stride(-1) == 1), "
-                             f"got strides {c.stride()}")
+    k_rows, k_layout = cache_rows(k_cache, "k_cache", op="write_kv(impl='tilelang')")
+    v_rows, v_layout = cache_rows(v_cache, "v_cache", op="write_kv(impl='tilelang')")
     _, hkv, d = k.shape
     dv = v.shape[2]
-    key = ("write_kv", hkv, d, dv, k.dtype, k_cache.dtype)
-    kernel = compile_cached(key, lambda: build_write_kv(hkv, d, dv, tl_dtype(k.dtype), tl_dtype(k_cache.dtype)))
+    key = ("write_kv", hkv, d, dv, k.dtype, k_cache.dtype, k_layout, v_layout)
+    kernel = compile_cached(key, lambda: build_write_kv(hkv, d, dv, tl_dtype(k.dtype), tl_dtype(k_cache.dtype),
+                                                        k_layout, v_layout))
     quant = k_cache.dtype == FP8_E4M3
-    kernel(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping.to(torch.int64).contiguous(),
-           _inv_scale(k_scale if quant else None, hkv, k.device),
-           _inv_scale(v_scale if quant else None, hkv, k.device))
+    kernel(k.contiguous(), v.contiguous(), k_rows, v_rows, slot_mapping.to(torch.int64).contiguous(),
+           _per_head(k_scale if quant else None, hkv, k.device),
+           _per_head(v_scale if quant else None, hkv, k.device))
