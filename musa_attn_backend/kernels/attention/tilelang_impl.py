@@ -58,22 +58,28 @@ def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         cache_rows(c, name, op=op)
 
 
-def prefill_config(d: int, dv: int) -> PrefillConfig:
+def _stages(is_fp8: bool) -> int:
+    # FP8 tiles are converted in shared memory; TileLang 0.1.15 mis-lowers the cp.async wait counts of a
+    # two-stage pipeline with that conversion, so FP8 runs one stage (loads not overlapped with math).
+    return 1 if is_fp8 else 2
+
+
+def prefill_config(d: int, dv: int, is_fp8: bool = False) -> PrefillConfig:
     if max(d, dv) <= 128:
-        return PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=256)
-    return PrefillConfig(block_M=128, block_N=64, num_stages=2, threads=256)
+        return PrefillConfig(block_M=128, block_N=128, num_stages=_stages(is_fp8), threads=256)
+    return PrefillConfig(block_M=128, block_N=64, num_stages=_stages(is_fp8), threads=256)
 
 
-def decode_config(max_q: int, group: int) -> Optional[DecodeConfig]:
+def decode_config(max_q: int, group: int, is_fp8: bool = False) -> Optional[DecodeConfig]:
     """A decode tiling for ``max_q`` tokens x ``group`` heads per KV head, or None (use prefill)."""
     if max_q > DECODE_MAX_Q:
         return None
     q_pad = 1 << (max_q - 1).bit_length()  # 1, 2, 4, 8: few compiled variants
     rows = q_pad * group
     if rows <= 64:
-        return DecodeConfig(max_q=q_pad, block_M=64, block_N=64, num_stages=2, threads=128)
+        return DecodeConfig(max_q=q_pad, block_M=64, block_N=64, num_stages=_stages(is_fp8), threads=128)
     if rows <= 128:
-        return DecodeConfig(max_q=q_pad, block_M=128, block_N=64, num_stages=2, threads=256)
+        return DecodeConfig(max_q=q_pad, block_M=128, block_N=64, num_stages=_stages(is_fp8), threads=256)
     return None
 
 
@@ -125,9 +131,9 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     v_rows, v_layout = cache_rows(v_cache, "v_cache", op="paged_attention(impl='tilelang')")
     common = common + (meta.page_size,)
 
-    dcfg = decode_config(meta.max_seqlen_q, group) if causal else None
+    dcfg = decode_config(meta.max_seqlen_q, group, is_fp8) if causal else None
     if dcfg is None:
-        cfg = prefill_config(d, dv)
+        cfg = prefill_config(d, dv, is_fp8)
         key = ("prefill", hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8, k_layout,
                v_layout, cfg)
         kernel = compile_cached(key, lambda: K.build_prefill(

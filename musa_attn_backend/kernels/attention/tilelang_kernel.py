@@ -50,15 +50,23 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
-    def load_tile(C, dst, stage, n0, kvh, width, head_stride, page_table, b, sk, page_size, max_pages):
-        if is_fp8:
-            for j, d in T.Parallel(BN, width):
-                stage[j, d] = C[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * head_stride + d]
-            for j, d in T.Parallel(BN, width):
-                dst[j, d] = T.Cast(q_dtype, stage[j, d])
+    def load_kv(KC, VC, K_s, V_s, K8_s, V8_s, n0, kvh, page_table, b, sk, page_size, max_pages):
+        """Gather the K and V rows of one tile (one copy loop when D == DV: TileLang 0.1.15 mis-counts the
+        cp.async groups in a pipeline epilogue when one stage commits two groups)."""
+        K_dst = K8_s if is_fp8 else K_s
+        V_dst = V8_s if is_fp8 else V_s
+        if D == DV:
+            for j, d in T.Parallel(BN, D):
+                K_dst[j, d] = KC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_K + d]
+                V_dst[j, d] = VC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_V + d]
         else:
-            for j, d in T.Parallel(BN, width):
-                dst[j, d] = C[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * head_stride + d]
+            for j, d in T.Parallel(BN, D):
+                K_dst[j, d] = KC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_K + d]
+            for j, d in T.Parallel(BN, DV):
+                V_dst[j, d] = VC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_V + d]
+        if is_fp8:
+            T.copy(K8_s, K_s)
+            T.copy(V8_s, V_s)
 
     @T.macro
     def softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, logit_scale,
@@ -96,7 +104,7 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_
             else:
                 alpha[i] = T.if_then_else(l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_tile[i])
 
-    return load_tile, softmax_step, finish_rows
+    return load_kv, softmax_step, finish_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +123,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     B1 = T.dynamic("batch_plus_1")
     MP = T.dynamic("max_pages")
     NEG_INF = -T.infinity(ACC)
-    load_tile, softmax_step, finish_rows = _attention_macros(
+    load_kv, softmax_step, finish_rows = _attention_macros(
         BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
 
     @T.prim_func
@@ -177,7 +185,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
 
             for it in T.Pipelined(n_iters, num_stages=num_stages):
                 n0 = (n_lo + it) * BN
-                load_tile(KC, K_s, K8_s, n0, kvh, D, k_layout[2], page_table, b, sk, page_size, MP)
+                load_kv(KC, VC, K_s, V_s, K8_s, V8_s, n0, kvh, page_table, b, sk, page_size, MP)
                 T.clear(acc_s)
                 T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(BM, BN):
@@ -185,7 +193,6 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                                                  acc_s[i, j], NEG_INF)
                 softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
                              logit_scale, softcap)
-                load_tile(VC, V_s, V8_s, n0, kvh, DV, v_layout[2], page_table, b, sk, page_size, MP)
                 T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda i: h, has_sinks)
@@ -226,7 +233,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     out_dtype = ACC if split else q_dtype
     O_shape = (S, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (S, NT, Hq) if split else (NT, Hq)
-    load_tile, softmax_step, finish_rows = _attention_macros(
+    load_kv, softmax_step, finish_rows = _attention_macros(
         BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
 
     @T.prim_func
@@ -290,7 +297,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
 
             for it in T.Pipelined(n_iters, num_stages=num_stages):
                 n0 = (n_lo + it_lo + it) * BN
-                load_tile(KC, K_s, K8_s, n0, kvh, D, k_layout[2], page_table, b, sk, page_size, MP)
+                load_kv(KC, VC, K_s, V_s, K8_s, V8_s, n0, kvh, page_table, b, sk, page_size, MP)
                 T.clear(acc_s)
                 T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for r, j in T.Parallel(BM, BN):
@@ -298,7 +305,6 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                                                  acc_s[r, j], NEG_INF)
                 softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
                              logit_scale, softcap)
-                load_tile(VC, V_s, V8_s, n0, kvh, DV, v_layout[2], page_table, b, sk, page_size, MP)
                 T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda r: kvh * G + r % G,
