@@ -23,6 +23,7 @@ from ..._tilelang import tl_lang as T
 
 LOG2E = 1.4426950408889634
 ACC = "float32"
+SLOT_TILES = 8  # tiles whose cache rows are resolved together before each pipelined run
 
 
 def _rows_tensor(width: int, row_stride: int, dtype: str, name: str):
@@ -50,20 +51,27 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
-    def load_kv(KC, VC, K_s, V_s, K8_s, V8_s, n0, kvh, page_table, b, sk, page_size, max_pages):
-        """Gather the K and V rows of one tile (one copy loop when D == DV: TileLang 0.1.15 mis-counts the
-        cp.async groups in a pipeline epilogue when one stage commits two groups)."""
+    def resolve_slots(slot_s, pos0, page_table, b, sk, page_size, max_pages):
+        """Cache rows of ``SLOT_TILES`` tiles from key ``pos0`` on: one page-table read per row, all rows in
+        parallel, before the pipelined loop that copies them (which then reads addresses from shared)."""
+        for r in T.Parallel(SLOT_TILES * BN):
+            slot_s[r] = _slot(page_table, b, pos0 + r, sk, page_size, max_pages)
+
+    @T.macro
+    def load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, t, kvh):
+        """Gather the K and V rows of tile ``t`` of the resolved chunk. K and V share one copy loop when
+        D == DV (TileLang 0.1.15 mis-counts the cp.async groups of a pipeline stage that commits two)."""
         K_dst = K8_s if is_fp8 else K_s
         V_dst = V8_s if is_fp8 else V_s
         if D == DV:
             for j, d in T.Parallel(BN, D):
-                K_dst[j, d] = KC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_K + d]
-                V_dst[j, d] = VC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_V + d]
+                K_dst[j, d] = KC[slot_s[t * BN + j], kvh * HS_K + d]
+                V_dst[j, d] = VC[slot_s[t * BN + j], kvh * HS_V + d]
         else:
             for j, d in T.Parallel(BN, D):
-                K_dst[j, d] = KC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_K + d]
+                K_dst[j, d] = KC[slot_s[t * BN + j], kvh * HS_K + d]
             for j, d in T.Parallel(BN, DV):
-                V_dst[j, d] = VC[_slot(page_table, b, n0 + j, sk, page_size, max_pages), kvh * HS_V + d]
+                V_dst[j, d] = VC[slot_s[t * BN + j], kvh * HS_V + d]
         if is_fp8:
             T.copy(K8_s, K_s)
             T.copy(V8_s, V_s)
@@ -104,7 +112,7 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_
             else:
                 alpha[i] = T.if_then_else(l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_tile[i])
 
-    return load_kv, softmax_step, finish_rows
+    return resolve_slots, load_kv, softmax_step, finish_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +131,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     B1 = T.dynamic("batch_plus_1")
     MP = T.dynamic("max_pages")
     NEG_INF = -T.infinity(ACC)
-    load_kv, softmax_step, finish_rows = _attention_macros(
+    resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(
         BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
 
     @T.prim_func
@@ -151,6 +159,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
+            slot_s = T.alloc_shared([SLOT_TILES * BN], "int32")
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -183,17 +192,19 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            for it in T.Pipelined(n_iters, num_stages=num_stages):
-                n0 = (n_lo + it) * BN
-                load_kv(KC, VC, K_s, V_s, K8_s, V8_s, n0, kvh, page_table, b, sk, page_size, MP)
-                T.clear(acc_s)
-                T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(BM, BN):
-                    acc_s[i, j] = T.if_then_else(_visible(n0 + j, prefix + m0 + i, sk, window, causal, has_window),
-                                                 acc_s[i, j], NEG_INF)
-                softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
-                             logit_scale, softcap)
-                T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
+                resolve_slots(slot_s, (n_lo + c * SLOT_TILES) * BN, page_table, b, sk, page_size, MP)
+                for it in T.Pipelined(T.min(SLOT_TILES, n_iters - c * SLOT_TILES), num_stages=num_stages):
+                    n0 = (n_lo + c * SLOT_TILES + it) * BN
+                    load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
+                    T.clear(acc_s)
+                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    for i, j in T.Parallel(BM, BN):
+                        acc_s[i, j] = T.if_then_else(_visible(n0 + j, prefix + m0 + i, sk, window, causal, has_window),
+                                                     acc_s[i, j], NEG_INF)
+                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
+                                 logit_scale, softcap)
+                    T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda i: h, has_sinks)
             out_scale = v_scale[kvh] if is_fp8 else 1.0
@@ -233,7 +244,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     out_dtype = ACC if split else q_dtype
     O_shape = (S, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (S, NT, Hq) if split else (NT, Hq)
-    load_kv, softmax_step, finish_rows = _attention_macros(
+    resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(
         BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
 
     @T.prim_func
@@ -261,6 +272,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
+            slot_s = T.alloc_shared([SLOT_TILES * BN], "int32")
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -295,17 +307,19 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            for it in T.Pipelined(n_iters, num_stages=num_stages):
-                n0 = (n_lo + it_lo + it) * BN
-                load_kv(KC, VC, K_s, V_s, K8_s, V8_s, n0, kvh, page_table, b, sk, page_size, MP)
-                T.clear(acc_s)
-                T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for r, j in T.Parallel(BM, BN):
-                    acc_s[r, j] = T.if_then_else(_visible(n0 + j, prefix + r // G, sk, window, True, has_window),
-                                                 acc_s[r, j], NEG_INF)
-                softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
-                             logit_scale, softcap)
-                T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
+                resolve_slots(slot_s, (n_lo + it_lo + c * SLOT_TILES) * BN, page_table, b, sk, page_size, MP)
+                for it in T.Pipelined(T.min(SLOT_TILES, n_iters - c * SLOT_TILES), num_stages=num_stages):
+                    n0 = (n_lo + it_lo + c * SLOT_TILES + it) * BN
+                    load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
+                    T.clear(acc_s)
+                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    for r, j in T.Parallel(BM, BN):
+                        acc_s[r, j] = T.if_then_else(_visible(n0 + j, prefix + r // G, sk, window, True, has_window),
+                                                     acc_s[r, j], NEG_INF)
+                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
+                                 logit_scale, softcap)
+                    T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda r: kvh * G + r % G,
                         has_sinks and not split)
