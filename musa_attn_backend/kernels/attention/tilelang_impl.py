@@ -93,9 +93,22 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seqlen_k: int, block_N: in
     return max(1, min(want, tiles // 4, MAX_SPLITS))
 
 
+_CONSTANTS: dict = {}
+
+
+def _constant(kind: str, n: int, device) -> torch.Tensor:
+    """Cached all-ones / all-zeros float32 vectors (no allocation or fill on the hot path)."""
+    key = (kind, n, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = (torch.ones if kind == "ones" else torch.zeros)(n, dtype=torch.float32, device=device)
+        _CONSTANTS[key] = t
+    return t
+
+
 def _per_head(scale, hkv: int, device) -> torch.Tensor:
     if scale is None:
-        return torch.ones(hkv, dtype=torch.float32, device=device)
+        return _constant("ones", hkv, device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
     return s.expand(hkv).contiguous()
 
@@ -115,7 +128,7 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     has_sinks = sinks is not None
     scale = float(sm_scale) if sm_scale is not None else d ** -0.5
     common = (
-        sinks.float().contiguous() if has_sinks else torch.zeros(hq, dtype=torch.float32, device=dev),
+        sinks.float().contiguous() if has_sinks else _constant("zeros", hq, dev),
         _per_head(k_scale if is_fp8 else None, hkv, dev),
         _per_head(v_scale if is_fp8 else None, hkv, dev),
         scale,
