@@ -76,6 +76,8 @@ def decode_config(max_q: int, group: int, is_fp8: bool = False) -> Optional[Deco
         return None
     q_pad = 1 << (max_q - 1).bit_length()  # 1, 2, 4, 8: few compiled variants
     rows = q_pad * group
+    if rows <= 16:
+        return DecodeConfig(max_q=q_pad, block_M=16, block_N=64, num_stages=_stages(is_fp8), threads=128)
     if rows <= 64:
         return DecodeConfig(max_q=q_pad, block_M=64, block_N=64, num_stages=_stages(is_fp8), threads=128)
     if rows <= 128:

@@ -242,6 +242,10 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     S = T.dynamic("num_splits")
     NEG_INF = -T.infinity(ACC)
     out_dtype = ACC if split else q_dtype
+    # Fewer than 64 rows (e.g. 1 token x 4 heads): 16-row tiles on mma.sync with warps splitting the
+    # columns, instead of 64-row warpgroup MMAs that are mostly padding.
+    small = BM < 64
+    policy = T.GemmWarpPolicy.FullCol if small else T.GemmWarpPolicy.FullRow
     O_shape = (S, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (S, NT, Hq) if split else (NT, Hq)
     resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(
@@ -268,6 +272,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     ):
         with T.Kernel(num_splits, Hkv, B, threads=threads) as (bs, bh, bb):
             Q_s = T.alloc_shared([BM, D], q_dtype)
+            P_s = T.alloc_shared([BM, BN], q_dtype) if small else None
             K_s = T.alloc_shared([BN, D], q_dtype)
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
@@ -313,13 +318,19 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                     n0 = (n_lo + it_lo + c * SLOT_TILES + it) * BN
                     load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
                     T.clear(acc_s)
-                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=policy)
                     for r, j in T.Parallel(BM, BN):
                         acc_s[r, j] = T.if_then_else(_visible(n0 + j, prefix + r // G, sk, window, True, has_window),
                                                      acc_s[r, j], NEG_INF)
                     softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
                                  logit_scale, softcap)
-                    T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    if small:
+                        # each warp owns a column slice of the scores; P goes through shared memory to feed
+                        # the second product, whose warps own column slices of the output
+                        T.copy(acc_p, P_s)
+                        T.gemm(P_s, V_s, acc_o, policy=policy)
+                    else:
+                        T.gemm(acc_p, V_s, acc_o, policy=policy)
 
             finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda r: kvh * G + r % G,
                         has_sinks and not split)
