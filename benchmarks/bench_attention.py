@@ -244,10 +244,15 @@ def plot(rows, path):
 
 
 def git_commit() -> str:
+    """HEAD of the checkout; on a machine that got a copy without .git, MUSA_ATTN_COMMIT or the
+    ``.commit`` file that scripts/device_check.sh's caller leaves in the tree."""
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE, text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
+        stamp = HERE.parent / ".commit"
+        if stamp.exists():
+            return stamp.read_text().strip()
         return os.environ.get("MUSA_ATTN_COMMIT", "unknown")
 
 
