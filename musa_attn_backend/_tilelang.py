@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 from typing import Any, Callable, Hashable
 
 import torch
+from filelock import FileLock
 
-from .cache import configure_tilelang_env
+from .cache import cache_dir, configure_tilelang_env
 from .platform import get_platform
 
 configure_tilelang_env()
@@ -41,19 +44,42 @@ def tl_dtype(dtype: torch.dtype) -> str:
         raise ValueError(f"no TileLang dtype for {dtype}; supported: {list(_TORCH_TO_TL)}") from None
 
 
-def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass_configs=None):
-    """Compile ``build()`` (a ``@T.prim_func``) once per (key, target) in this process.
+def kernel_digest(full_key) -> str:
+    return hashlib.sha256(repr(full_key).encode()).hexdigest()[:32]
 
-    TileLang keeps compiled libraries on disk as well (see :mod:`musa_attn_backend.cache`), so a second
-    process with the same kernel loads it instead of invoking nvcc / mcc again.
+
+def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass_configs=None):
+    """Compile ``build()`` (a ``@T.prim_func``) once per (key, target, TileLang version).
+
+    In a process: a dict. Across processes: TileLang's on-disk cache inside our cache directory, guarded by
+    a per-kernel file lock so that processes starting at once compile each kernel once (the others wait,
+    then load it), plus a marker file written by atomic rename once the kernel is in the cache (what
+    ``musa-attn warmup`` reports as already warm).
     """
     target = target if target is not None else get_platform().tilelang_target()
-    full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())))
+    full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version())
     kernel = _kernels.get(full_key)
-    if kernel is None:
-        with _lock:
-            kernel = _kernels.get(full_key)
-            if kernel is None:
+    if kernel is not None:
+        return kernel
+    with _lock:
+        kernel = _kernels.get(full_key)
+        if kernel is None:
+            digest = kernel_digest(full_key)
+            root = cache_dir(create=True) / "kernels"
+            root.mkdir(exist_ok=True)
+            with FileLock(str(root / f"{digest}.lock")):
                 kernel = tl.compile(build(), target=target, pass_configs=pass_configs)
-                _kernels[full_key] = kernel
+                marker = root / f"{digest}.done"
+                if not marker.exists():
+                    tmp = root / f".{digest}.{os.getpid()}.tmp"
+                    tmp.write_text(repr(full_key) + "\n")
+                    os.replace(tmp, marker)
+            _kernels[full_key] = kernel
     return kernel
+
+
+def is_warm(key: Hashable, *, target=None, pass_configs=None) -> bool:
+    """Whether a kernel with this key is already compiled into the on-disk cache."""
+    target = target if target is not None else get_platform().tilelang_target()
+    full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version())
+    return (cache_dir() / "kernels" / f"{kernel_digest(full_key)}.done").exists()

@@ -2,6 +2,7 @@
 
     musa-attn doctor [--json] [--require sglang,vllm]   what is installed, found and usable here
     musa-attn demo [--device cpu|cuda|musa] [--dtype bf16|fp16|fp32] [--impl auto|tilelang|reference]
+    musa-attn warmup --model-config config.json [--tp N] [--engine sglang|vllm] [--target sm_90a]
     musa-attn bench [--quick] [--ops prefill,decode] [--out DIR]   (GPU; from a source checkout)
 """
 
@@ -229,6 +230,47 @@ def cmd_demo(args) -> int:
     return 0 if run_demo(device=device, dtype=dtype, seed=args.seed, impl=args.impl) else 1
 
 
+def cmd_warmup(args) -> int:
+    import time
+
+    from . import warmup
+
+    if args.target:
+        os.environ["MUSA_ATTN_TARGET"] = args.target  # inherited by the worker processes
+    from .platform import get_platform, reset
+
+    reset()
+    platform = get_platform()
+    if not platform.target_kind:
+        print("musa-attn warmup: no GPU to compile for here; pass --target sm_90a (or mp_31)", file=sys.stderr)
+        return 2
+    if args.model_config:
+        model = warmup.from_hf_config(warmup.load_config(args.model_config), tp=args.tp, dtype=args.dtype)
+    else:
+        missing = [n for n in ("heads", "kv_heads", "head_dim") if getattr(args, n) is None]
+        if missing:
+            print("musa-attn warmup: give --model-config, or --heads, --kv-heads and --head-dim "
+                  f"(missing: {', '.join('--' + m.replace('_', '-') for m in missing)})", file=sys.stderr)
+            return 2
+        model = warmup.ModelAttention(args.heads, args.kv_heads, args.head_dim, args.head_dim_v or args.head_dim,
+                                      warmup.DTYPES[args.dtype or "bf16"], has_window=args.sliding_window,
+                                      has_softcap=args.softcap, has_sinks=args.sinks)
+    jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
+                       speculative_tokens=args.speculative_tokens)
+    from .cache import cache_dir
+
+    markers = cache_dir(create=True) / "kernels"
+    before = len(list(markers.glob("*.done"))) if markers.exists() else 0
+    print(f"warmup: {model} engine={args.engine} target={platform.tilelang_target()} -> {len(jobs)} kernels "
+          f"into {cache_dir()}")
+    t0 = time.perf_counter()
+    warmup.run(jobs, workers=args.jobs, progress=not args.quiet)
+    after = len(list(markers.glob("*.done")))
+    print(f"warmup: done in {time.perf_counter() - t0:.1f}s; {after - before} compiled now, "
+          f"{len(jobs) - (after - before)} already in the cache")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from pathlib import Path
 
@@ -255,6 +297,24 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--impl", choices=("auto", "tilelang", "reference"), default="auto")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
+    w = sub.add_parser("warmup", help="compile every kernel a model needs into the kernel cache, ahead of serving")
+    w.add_argument("--model-config", help="a Hugging Face config.json (or the folder holding it)")
+    w.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
+    w.add_argument("--heads", type=int, help="query heads per rank (without --model-config)")
+    w.add_argument("--kv-heads", type=int, help="KV heads per rank")
+    w.add_argument("--head-dim", type=int)
+    w.add_argument("--head-dim-v", type=int)
+    w.add_argument("--sliding-window", action="store_true", help="the model has sliding-window layers")
+    w.add_argument("--softcap", action="store_true", help="the model uses a logit softcap")
+    w.add_argument("--sinks", action="store_true", help="the model has attention sinks")
+    w.add_argument("--dtype", choices=("bf16", "fp16"), help="activation dtype (default: the config's, or bf16)")
+    w.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
+    w.add_argument("--engine", default="sglang", choices=("sglang", "vllm"), help="KV-cache layout to compile for")
+    w.add_argument("--speculative-tokens", type=int, default=0, help="draft tokens verified per step")
+    w.add_argument("--target", help="compile for this target instead of the local GPU (sm_90a, mp_31, ...)")
+    w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiler processes (default: cores, <= 8)")
+    w.add_argument("--quiet", action="store_true")
+    w.set_defaults(func=cmd_warmup)
     b = sub.add_parser("bench", help="benchmark against SDPA/FlexAttention on a GPU (benchmarks/bench_attention.py)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on (--quick, --ops, --out, ...)")
     b.set_defaults(func=cmd_bench)

@@ -115,61 +115,89 @@ def _per_head(scale, hkv: int, device) -> torch.Tensor:
     return s.expand(hkv).contiguous()
 
 
+@dataclass(frozen=True)
+class AttnSpec:
+    """Everything a compiled attention kernel is specialised on (besides tiling and causal/split)."""
+
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    q_dtype: str  # TileLang dtype names
+    kv_dtype: str
+    has_window: bool = False
+    has_softcap: bool = False
+    has_sinks: bool = False
+    k_layout: tuple = ()  # (width, row stride, head stride) of the K cache rows
+    v_layout: tuple = ()
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype.startswith("float8")
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+
+def prefill_kernel(spec: AttnSpec, causal: bool, target=None):
+    cfg = prefill_config(spec.d, spec.dv, spec.is_fp8)
+    return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
+        spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
+        spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
+        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads), target=target)
+
+
+def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
+    return compile_cached(("decode", spec, split, dcfg), lambda: K.build_decode(
+        spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, dcfg.max_q, spec.has_window,
+        spec.has_softcap, spec.has_sinks, spec.is_fp8, split, spec.k_layout, spec.v_layout,
+        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads), target=target)
+
+
+def combine_kernel(spec: AttnSpec, target=None):
+    return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks),
+                          lambda: K.build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks), target=target)
+
+
 def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale=None, sliding_window=None,
                              logit_softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False):
     check_tilelang_supported(q, k_cache, v_cache)
     q = q.contiguous()
     nt, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
-    group = hq // hkv
     dev = q.device
-    is_fp8 = k_cache.dtype == FP8_E4M3
-    qt, kt = tl_dtype(q.dtype), tl_dtype(k_cache.dtype)
-    has_window = sliding_window is not None
-    has_softcap = logit_softcap is not None
-    has_sinks = sinks is not None
-    scale = float(sm_scale) if sm_scale is not None else d ** -0.5
-    common = (
-        sinks.float().contiguous() if has_sinks else _constant("zeros", hq, dev),
-        _per_head(k_scale if is_fp8 else None, hkv, dev),
-        _per_head(v_scale if is_fp8 else None, hkv, dev),
-        scale,
-        float(logit_softcap) if has_softcap else 0.0,
-        int(sliding_window) if has_window else 0,
+    op = "paged_attention(impl='tilelang')"
+    k_rows, k_layout = cache_rows(k_cache, "k_cache", op=op)
+    v_rows, v_layout = cache_rows(v_cache, "v_cache", op=op)
+    spec = AttnSpec(hq, hkv, d, dv, tl_dtype(q.dtype), tl_dtype(k_cache.dtype), sliding_window is not None,
+                    logit_softcap is not None, sinks is not None, k_layout, v_layout)
+    args = (
+        q, k_rows, v_rows, meta.cu_seqlens_q, meta.seqlens_k, meta.page_table,
+        sinks.float().contiguous() if spec.has_sinks else _constant("zeros", hq, dev),
+        _per_head(k_scale if spec.is_fp8 else None, hkv, dev),
+        _per_head(v_scale if spec.is_fp8 else None, hkv, dev),
+        float(sm_scale) if sm_scale is not None else d ** -0.5,
+        float(logit_softcap) if spec.has_softcap else 0.0,
+        int(sliding_window) if spec.has_window else 0,
+        meta.page_size,
     )
     out = _alloc((nt, hq, dv), q.dtype, dev)
     lse = _alloc((nt, hq), torch.float32, dev)
     if nt == 0:
         return (out, lse) if return_lse else out
-    tables = (meta.cu_seqlens_q, meta.seqlens_k, meta.page_table)
-    k_rows, k_layout = cache_rows(k_cache, "k_cache", op="paged_attention(impl='tilelang')")
-    v_rows, v_layout = cache_rows(v_cache, "v_cache", op="paged_attention(impl='tilelang')")
-    common = common + (meta.page_size,)
 
-    dcfg = decode_config(meta.max_seqlen_q, group, is_fp8) if causal else None
+    dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8) if causal else None
     if dcfg is None:
-        cfg = prefill_config(d, dv, is_fp8)
-        key = ("prefill", hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8, k_layout,
-               v_layout, cfg)
-        kernel = compile_cached(key, lambda: K.build_prefill(
-            hq, hkv, d, dv, qt, kt, causal, has_window, has_softcap, has_sinks, is_fp8, k_layout, v_layout,
-            cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads))
-        kernel(q, k_rows, v_rows, *tables, *common, int(meta.max_seqlen_q), out, lse)
-        return (out, lse) if return_lse else out
-
-    splits = num_splits_for(meta.batch_size, hkv, meta.max_seqlen_k, dcfg.block_N, get_platform().sm_count or 132)
-    split = splits > 1
-    key = ("decode", hq, hkv, d, dv, qt, kt, has_window, has_softcap, has_sinks, is_fp8, split, k_layout, v_layout,
-           dcfg)
-    kernel = compile_cached(key, lambda: K.build_decode(
-        hq, hkv, d, dv, qt, kt, dcfg.max_q, has_window, has_softcap, has_sinks, is_fp8, split, k_layout, v_layout,
-        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads))
-    if not split:
-        kernel(q, k_rows, v_rows, *tables, *common, 1, out, lse)
-        return (out, lse) if return_lse else out
-    o_part = _alloc((splits, nt, hq, dv), torch.float32, dev)
-    l_part = _alloc((splits, nt, hq), torch.float32, dev)
-    kernel(q, k_rows, v_rows, *tables, *common, splits, o_part, l_part)
-    combine = compile_cached(("combine", hq, dv, qt, has_sinks), lambda: K.build_combine(hq, dv, qt, has_sinks))
-    combine(o_part, l_part, common[0], out, lse)
+        prefill_kernel(spec, causal)(*args, int(meta.max_seqlen_q), out, lse)
+    else:
+        splits = num_splits_for(meta.batch_size, hkv, meta.max_seqlen_k, dcfg.block_N,
+                                get_platform().sm_count or 132)
+        if splits == 1:
+            decode_kernel(spec, dcfg, split=False)(*args, 1, out, lse)
+        else:
+            o_part = _alloc((splits, nt, hq, dv), torch.float32, dev)
+            l_part = _alloc((splits, nt, hq), torch.float32, dev)
+            decode_kernel(spec, dcfg, split=True)(*args, splits, o_part, l_part)
+            combine_kernel(spec)(o_part, l_part, args[6], out, lse)
     return (out, lse) if return_lse else out

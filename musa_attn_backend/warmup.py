@@ -1,0 +1,167 @@
+"""Ahead-of-time compilation of every kernel a model will use (``musa-attn warmup``).
+
+From a Hugging Face ``config.json`` (or explicit head counts), the tensor-parallel size, the engine (its KV
+cache layout) and the dtypes, :func:`plan` lists the kernels serving will launch: prefill/extend, decode
+(with and without split-KV, and for speculative verify lengths), the split combine and the KV write.
+:func:`run` compiles them in parallel worker processes into the on-disk kernel cache, so a serving image
+can ship warm and nothing is compiled on the serving hot path (the first call only loads the kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+ENGINES = ("sglang", "vllm")
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "half": "float16"}
+KV_DTYPES = {"auto": None, "fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3"}
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    """The attention shapes of one model on one tensor-parallel rank."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str = "bfloat16"
+    has_window: bool = False  # some layers use a sliding window
+    only_window: bool = False  # every layer does
+    has_softcap: bool = False
+    has_sinks: bool = False
+
+
+def from_hf_config(config: dict, *, tp: int = 1, dtype: Optional[str] = None) -> ModelAttention:
+    """Read head counts, head dim, dtype, sliding window, logit softcap and sinks from a HF config dict."""
+    cfg = config.get("text_config", config)
+    hq_total = int(cfg["num_attention_heads"])
+    hkv_total = int(cfg.get("num_key_value_heads") or hq_total)
+    if hq_total % tp:
+        raise ValueError(f"num_attention_heads={hq_total} is not divisible by tp={tp}")
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq_total)
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    layer_types = cfg.get("layer_types") or []
+    windowed = [t for t in layer_types if "sliding" in str(t)]
+    has_window = bool(window) and (not layer_types or bool(windowed))
+    only_window = has_window and (not layer_types or len(windowed) == len(layer_types)) and \
+        not cfg.get("max_window_layers")
+    model_type = str(cfg.get("model_type", ""))
+    torch_dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return ModelAttention(
+        num_q_heads=hq_total // tp,
+        num_kv_heads=max(1, hkv_total // tp),
+        head_dim=head_dim,
+        head_dim_v=int(cfg.get("v_head_dim") or head_dim),
+        dtype=DTYPES.get(str(torch_dtype).replace("torch.", ""), "bfloat16"),
+        has_window=has_window,
+        only_window=only_window,
+        has_softcap=bool(cfg.get("attn_logit_softcapping")),
+        has_sinks=model_type.startswith("gpt_oss") or bool(cfg.get("attention_sinks")),
+    )
+
+
+def cache_layouts(engine: str, hkv: int, d: int, dv: int) -> tuple[tuple, tuple]:
+    """(width, row stride, head stride) of the K and V cache rows as each engine allocates them."""
+    if engine == "sglang":  # separate K and V pools [slots, H, D]
+        return (hkv * d, hkv * d, d), (hkv * dv, hkv * dv, dv)
+    if engine == "vllm":  # one NHD buffer [blocks, block_size, H, D + Dv]; K and V are views
+        row = hkv * (d + dv)
+        return ((hkv - 1) * (d + dv) + d, row, d + dv), ((hkv - 1) * (d + dv) + dv, row, d + dv)
+    raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # prefill | decode | combine | write_kv
+    args: tuple
+
+    def describe(self) -> str:
+        return f"{self.kind}{self.args}"
+
+
+def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[str] = None,
+         speculative_tokens: int = 0) -> list[Job]:
+    """The kernels serving ``model`` will launch."""
+    from .kernels.attention.tilelang_impl import AttnSpec, decode_config
+
+    kv = KV_DTYPES.get(kv_dtype or "auto", kv_dtype) or model.dtype
+    k_layout, v_layout = cache_layouts(engine, model.num_kv_heads, model.head_dim, model.head_dim_v)
+    windows = [True] if model.only_window else ([False, True] if model.has_window else [False])
+    jobs: list[Job] = []
+    for window in windows:
+        spec = AttnSpec(model.num_q_heads, model.num_kv_heads, model.head_dim, model.head_dim_v, model.dtype, kv,
+                        window, model.has_softcap, model.has_sinks, k_layout, v_layout)
+        jobs.append(Job("prefill", (spec, True)))
+        q_lens = sorted({1} | ({1 + speculative_tokens} if speculative_tokens else set()))
+        seen = set()
+        for q in q_lens:
+            dcfg = decode_config(q, spec.group, spec.is_fp8)
+            if dcfg is None or dcfg in seen:
+                continue  # those batches run the prefill kernel
+            seen.add(dcfg)
+            jobs += [Job("decode", (spec, dcfg, False)), Job("decode", (spec, dcfg, True))]
+        jobs.append(Job("combine", (spec,)))
+    jobs.append(Job("write_kv", (model.num_kv_heads, model.head_dim, model.head_dim_v, model.dtype, kv,
+                                 k_layout, v_layout)))
+    return list(dict.fromkeys(jobs))
+
+
+def _compile(job: Job) -> tuple[Job, float]:
+    t0 = time.perf_counter()
+    if job.kind == "write_kv":
+        from .kernels.kv_cache.tilelang_impl import write_kv_kernel
+
+        write_kv_kernel(*job.args)
+    else:
+        from .kernels.attention import tilelang_impl as impl
+
+        {"prefill": impl.prefill_kernel, "decode": impl.decode_kernel, "combine": impl.combine_kernel}[job.kind](
+            *job.args)
+    return job, time.perf_counter() - t0
+
+
+def run(jobs: Iterable[Job], *, workers: int = 0, progress: bool = True) -> list[tuple[Job, float]]:
+    """Compile ``jobs`` in ``workers`` processes (0: one per core, at most 8); returns (job, seconds)."""
+    jobs = list(jobs)
+    workers = workers or min(8, os.cpu_count() or 1)
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), desc="warmup", unit="kernel")
+        except ImportError:
+            bar = None
+    done: list[tuple[Job, float]] = []
+    # spawn, not fork: the parent may hold an initialised CUDA context
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)) or 1, mp_context=ctx) as pool:
+        futures = [pool.submit(_compile, j) for j in jobs]
+        for fut in as_completed(futures):
+            job, secs = fut.result()
+            done.append((job, secs))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{job.kind} {secs:.1f}s")
+            elif progress:
+                print(f"[{len(done)}/{len(jobs)}] {job.kind} ({secs:.1f}s)", flush=True)
+    if bar is not None:
+        bar.close()
+    return done
+
+
+def load_config(path: str) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    return json.loads(p.read_text())

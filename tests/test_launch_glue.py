@@ -1,0 +1,112 @@
+"""The launchers pass the TileLang kernels what their signatures declare (checked on a CPU, no GPU).
+
+``compile_cached`` is replaced by a stub that builds the real ``@T.prim_func`` and, instead of running it,
+checks every argument against the parameter it binds to: tensors by rank and dtype, scalars by kind, and
+named dims (heads, head dims) by size.
+"""
+
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels.attention import tilelang_impl as attn_impl
+from musa_attn_backend.kernels.kv_cache import tilelang_impl as kv_impl
+from musa_attn_backend.testing import random_batch
+
+TL = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
+      "int64": torch.int64, "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def compile_cached(self, key, build, **kw):
+        func = build()
+
+        def run(*args):
+            params = list(func.params)
+            assert len(args) == len(params), f"{func.attrs['global_symbol'] if func.attrs else key}: " \
+                                             f"{len(args)} args for {len(params)} params"
+            for arg, param in zip(args, params):
+                buf = func.buffer_map.get(param)
+                if buf is None:
+                    assert isinstance(arg, (int, float)) and not isinstance(arg, bool), (param.name, arg)
+                    assert ("int" in str(param.dtype)) == isinstance(arg, int), (param.name, param.dtype, arg)
+                    continue
+                assert isinstance(arg, torch.Tensor), (buf.name, type(arg))
+                assert arg.dim() == len(buf.shape), (buf.name, arg.shape, buf.shape)
+                assert arg.dtype == TL[str(buf.dtype)], (buf.name, arg.dtype, buf.dtype)
+                for size, dim in zip(arg.shape, buf.shape):
+                    if hasattr(dim, "value"):  # a compile-time dim must match exactly
+                        assert size == dim.value, (buf.name, tuple(arg.shape), buf.shape)
+            self.calls.append(key[0])
+
+        return run
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    r = Recorder()
+    monkeypatch.setattr(attn_impl, "compile_cached", r.compile_cached)
+    monkeypatch.setattr(kv_impl, "compile_cached", r.compile_cached)
+    return r
+
+
+def _case(decode, batch_size, max_len, hq=8, hkv=2, d=64, fp8=False, **opts):
+    b = random_batch(random.Random(0), batch_size=batch_size, page_size=16, max_seq_len=max_len, decode=decode,
+                     max_query_len=40)
+    kc, vc, _, _ = b.make_kv(hkv, d, torch.bfloat16)
+    if fp8:
+        kc, vc = kc.nan_to_num(0).to(torch.float8_e4m3fn), vc.nan_to_num(0).to(torch.float8_e4m3fn)
+        opts.update(k_scale=0.5, v_scale=torch.ones(hkv))
+    q = torch.randn(b.num_tokens, hq, d).bfloat16()
+    return q, kc, vc, b.meta(), opts
+
+
+@pytest.mark.parametrize("decode,batch_size,max_len,expect", [
+    (False, 3, 100, ["prefill"]),
+    (True, 64, 100, ["decode"]),  # enough blocks: no split
+    (True, 1, 4000, ["decode", "combine"]),  # split-KV + combine
+])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_attention_launch_matches_signatures(rec, decode, batch_size, max_len, expect, fp8):
+    q, kc, vc, meta, opts = _case(decode, batch_size, max_len, fp8=fp8)
+    sinks = torch.randn(q.shape[1])
+    out, lse = attn_impl.paged_attention_tilelang(q, kc, vc, meta, sliding_window=16, logit_softcap=5.0,
+                                                  sinks=sinks, return_lse=True, **opts)
+    assert rec.calls == expect
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+
+
+def test_non_causal_decode_shape_uses_prefill(rec):
+    q, kc, vc, meta, opts = _case(True, 4, 100)
+    attn_impl.paged_attention_tilelang(q, kc, vc, meta, causal=False)
+    assert rec.calls == ["prefill"]
+
+
+def test_write_kv_launch_matches_signature(rec):
+    buf = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16)  # vLLM NHD: [blocks, block, heads, 2D]
+    kc, vc = buf.split(64, dim=-1)
+    k = torch.randn(5, 2, 64).bfloat16()
+    kv_impl.write_kv_tilelang(k, k, kc, vc, torch.arange(5))
+    kv_impl.write_kv_tilelang(k, k, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), torch.arange(5),
+                              k_scale=0.5, v_scale=0.25)
+    assert rec.calls == ["write_kv", "write_kv"]
+
+
+def test_split_count_heuristic():
+    f = attn_impl.num_splits_for
+    assert f(batch=256, num_kv_heads=8, max_seqlen_k=32768, block_N=64, sm_count=132) == 1
+    assert f(batch=1, num_kv_heads=8, max_seqlen_k=32768, block_N=64, sm_count=132) == 33
+    assert f(batch=1, num_kv_heads=8, max_seqlen_k=256, block_N=64, sm_count=132) == 1  # >= 4 tiles a split
+    assert 1 <= f(batch=3, num_kv_heads=1, max_seqlen_k=10**6, block_N=64, sm_count=132) <= attn_impl.MAX_SPLITS
+
+
+def test_decode_tiling_choice():
+    c = attn_impl.decode_config
+    assert c(1, 4).block_M == 16 and c(1, 16).block_M == 16
+    assert c(2, 16).block_M == 64 and c(8, 8).block_M == 64 and c(8, 16).block_M == 128
+    assert c(8, 32) is None and c(9, 1) is None  # too many rows / too long: prefill kernel
+    assert c(3, 4).max_q == 4  # padded to a power of two

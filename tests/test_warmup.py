@@ -1,0 +1,88 @@
+"""``musa-attn warmup``: model configs -> kernel plan, engine cache layouts, and a real compile for sm_90a."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from musa_attn_backend import warmup
+from musa_attn_backend.paged_layout import cache_rows
+
+LLAMA = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "torch_dtype": "bfloat16"}
+GEMMA2 = {"model_type": "gemma2", "hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4,
+          "head_dim": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0, "torch_dtype": "bfloat16",
+          "layer_types": ["sliding_attention", "full_attention"] * 13}
+GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "head_dim": 64, "sliding_window": 128, "torch_dtype": "bfloat16",
+           "layer_types": ["sliding_attention", "full_attention"] * 12}
+MISTRAL = {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "sliding_window": 4096, "torch_dtype": "float16"}
+
+
+def test_from_hf_config():
+    m = warmup.from_hf_config(LLAMA, tp=2)
+    assert (m.num_q_heads, m.num_kv_heads, m.head_dim, m.dtype, m.has_window) == (16, 4, 128, "bfloat16", False)
+    g = warmup.from_hf_config(GEMMA2)
+    assert (g.head_dim, g.has_window, g.only_window, g.has_softcap) == (256, True, False, True)
+    o = warmup.from_hf_config(GPT_OSS, tp=8)
+    assert (o.num_q_heads, o.num_kv_heads, o.has_sinks, o.has_window) == (8, 1, True, True)
+    s = warmup.from_hf_config(MISTRAL)
+    assert s.only_window and s.dtype == "float16"
+    assert warmup.from_hf_config(LLAMA, tp=16).num_kv_heads == 1  # KV heads replicated past their count
+    with pytest.raises(ValueError, match="divisible"):
+        warmup.from_hf_config(LLAMA, tp=3)
+
+
+def test_plan_lists_each_kernel_serving_needs():
+    jobs = warmup.plan(warmup.from_hf_config(GEMMA2), engine="vllm", speculative_tokens=3)
+    kinds = [j.kind for j in jobs]
+    # windowed and full layers: two specs x (prefill, decode q=1 split/no-split, decode q=4, combine)
+    assert kinds.count("prefill") == 2 and kinds.count("combine") == 2 and kinds.count("write_kv") == 1
+    assert kinds.count("decode") == 8
+    assert len(set(jobs)) == len(jobs)
+    fp8 = warmup.plan(warmup.from_hf_config(LLAMA), kv_dtype="fp8")
+    assert all(j.args[0].kv_dtype == "float8_e4m3" for j in fp8 if j.kind != "write_kv")
+
+
+@pytest.mark.parametrize("hkv,d", [(8, 128), (1, 64), (4, 256)])
+def test_cache_layouts_match_what_each_engine_allocates(hkv, d):
+    # SGLang: separate K and V pools [slots, H, D], viewed as pages of 16.
+    k_pool = torch.zeros(64, hkv, d, dtype=torch.bfloat16).view(4, 16, hkv, d)
+    k_sg, v_sg = warmup.cache_layouts("sglang", hkv, d, d)
+    assert cache_rows(k_pool)[1] == k_sg and cache_rows(k_pool)[1] == v_sg
+    # vLLM NHD: one [blocks, block, H, 2D] buffer, K and V are views.
+    buf = torch.zeros(4, 16, hkv, 2 * d, dtype=torch.bfloat16)
+    kc, vc = buf.split(d, dim=-1)
+    k_vl, v_vl = warmup.cache_layouts("vllm", hkv, d, d)
+    assert cache_rows(kc)[1] == k_vl and cache_rows(vc)[1] == v_vl
+
+
+def test_warmup_compiles_for_sm90a_then_hits_the_cache(tmp_path):
+    """The representative CI compile of attention kernels: a GQA model (4 q / 1 kv heads, head dim 64)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, '
+                   '"num_key_value_heads": 1, "torch_dtype": "bfloat16"}')
+    env = {**os.environ, "MUSA_ATTN_CACHE_DIR": str(tmp_path / "cache"), "TILELANG_CACHE_DIR": ""}
+    env.pop("TILELANG_CACHE_DIR")
+    cmd = [sys.executable, "-m", "musa_attn_backend.cli", "warmup", "--model-config", str(cfg), "--target",
+           "sm_90a", "-j", "2", "--quiet"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "5 compiled now, 0 already in the cache" in first.stdout
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.done"))) == 5
+    assert any((tmp_path / "cache" / "tilelang").rglob("*.cubin")), "TileLang wrote no kernel into our cache"
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0 and "0 compiled now, 5 already in the cache" in again.stdout, again.stdout
+
+
+def test_warmup_needs_a_target(monkeypatch, capsys):
+    from musa_attn_backend import cli
+
+    monkeypatch.delenv("MUSA_ATTN_TARGET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: warmup has a target")
+    assert cli.main(["warmup", "--heads", "4", "--kv-heads", "1", "--head-dim", "64"]) == 2
+    assert "--target" in capsys.readouterr().err
