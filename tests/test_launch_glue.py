@@ -110,3 +110,17 @@ def test_decode_tiling_choice():
     assert c(2, 16).block_M == 64 and c(8, 8).block_M == 64 and c(8, 16).block_M == 128
     assert c(8, 32) is None and c(9, 1) is None  # too many rows / too long: prefill kernel
     assert c(3, 4).max_q == 4  # padded to a power of two
+
+
+def test_unsupported_cache_layouts_are_refused_before_launch(rec):
+    q, kc, vc, meta, _ = _case(False, 2, 50)
+    hnd = torch.zeros(kc.shape[0], kc.shape[2], 16, 2 * kc.shape[3], dtype=torch.bfloat16)  # [blocks, H, N, 2D]
+    k_hnd, v_hnd = hnd.transpose(1, 2).split(kc.shape[3], dim=-1)
+    with pytest.raises(ValueError, match="layout not supported"):
+        attn_impl.paged_attention_tilelang(q, k_hnd, v_hnd, meta)
+    odd = torch.zeros(kc.shape[0], 16, kc.shape[2], kc.shape[3] + 4, dtype=torch.bfloat16)[..., : kc.shape[3]]
+    with pytest.raises(ValueError, match="multiples of 8"):
+        attn_impl.paged_attention_tilelang(q, odd, odd, meta)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        attn_impl.paged_attention_tilelang(q[..., :40], kc[..., :40], vc[..., :40], meta)
+    assert rec.calls == []  # nothing was compiled or launched

@@ -47,3 +47,24 @@ def check_scale(op: str, name: str, scale: Optional[Union[float, torch.Tensor]],
         check(scale.is_floating_point(), f"{op}: {name} must be a floating tensor, got {scale.dtype}")
     else:
         check(isinstance(scale, (int, float)) and scale > 0, f"{op}: {name} must be a positive number, got {scale!r}")
+
+
+_CONSTANTS: dict = {}
+
+
+def constant_vector(kind: str, n: int, device) -> torch.Tensor:
+    """Cached all-ones / all-zeros float32 vectors for kernels (no allocation or fill on the hot path)."""
+    key = (kind, n, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = (torch.ones if kind == "ones" else torch.zeros)(n, dtype=torch.float32, device=device)
+        _CONSTANTS[key] = t
+    return t
+
+
+def per_kv_head(scale: Optional[Union[float, torch.Tensor]], num_kv_heads: int, device) -> torch.Tensor:
+    """A float32 ``[num_kv_heads]`` scale vector for a kernel (ones when ``scale`` is None)."""
+    if scale is None:
+        return constant_vector("ones", num_kv_heads, device)
+    s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
+    return s.expand(num_kv_heads).contiguous()

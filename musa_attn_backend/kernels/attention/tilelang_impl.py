@@ -12,7 +12,7 @@ import torch
 from ..._tilelang import compile_cached, tl_dtype
 from ...paged_layout import cache_rows
 from ...platform import get_platform
-from .._common import FP8_E4M3, check
+from .._common import FP8_E4M3, check, constant_vector, per_kv_head
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -54,8 +54,7 @@ def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     for name, dim in (("head_dim", d), ("v head_dim", dv)):
         check(dim % 16 == 0 and 16 <= dim <= MAX_HEAD_DIM,
               f"{op}: {name} must be a multiple of 16 in [16, {MAX_HEAD_DIM}] (64, 96, 128, 256, ...), got {dim}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        cache_rows(c, name, op=op)
+    # cache layout checks: cache_rows, called before any launch
 
 
 def _stages(is_fp8: bool) -> int:
@@ -93,26 +92,6 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seqlen_k: int, block_N: in
     want = math.ceil(2 * sm_count / blocks)
     tiles = max(1, math.ceil(max_seqlen_k / block_N))
     return max(1, min(want, tiles // 4, MAX_SPLITS))
-
-
-_CONSTANTS: dict = {}
-
-
-def _constant(kind: str, n: int, device) -> torch.Tensor:
-    """Cached all-ones / all-zeros float32 vectors (no allocation or fill on the hot path)."""
-    key = (kind, n, str(device))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = (torch.ones if kind == "ones" else torch.zeros)(n, dtype=torch.float32, device=device)
-        _CONSTANTS[key] = t
-    return t
-
-
-def _per_head(scale, hkv: int, device) -> torch.Tensor:
-    if scale is None:
-        return _constant("ones", hkv, device)
-    s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
-    return s.expand(hkv).contiguous()
 
 
 @dataclass(frozen=True)
@@ -174,9 +153,9 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
                     logit_softcap is not None, sinks is not None, k_layout, v_layout)
     args = (
         q, k_rows, v_rows, meta.cu_seqlens_q, meta.seqlens_k, meta.page_table,
-        sinks.float().contiguous() if spec.has_sinks else _constant("zeros", hq, dev),
-        _per_head(k_scale if spec.is_fp8 else None, hkv, dev),
-        _per_head(v_scale if spec.is_fp8 else None, hkv, dev),
+        sinks.float().contiguous() if spec.has_sinks else constant_vector("zeros", hq, dev),
+        per_kv_head(k_scale if spec.is_fp8 else None, hkv, dev),
+        per_kv_head(v_scale if spec.is_fp8 else None, hkv, dev),
         float(sm_scale) if sm_scale is not None else d ** -0.5,
         float(logit_softcap) if spec.has_softcap else 0.0,
         int(sliding_window) if spec.has_window else 0,

@@ -5,16 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..._tilelang import compile_cached, tl_dtype
-from .._common import FP8_E4M3
+from .._common import FP8_E4M3, per_kv_head
 from ...paged_layout import cache_rows
 from .tilelang_kernel import build_write_kv
-
-
-def _per_head(scale, num_kv_heads: int, device) -> torch.Tensor:
-    if scale is None:
-        return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
-    s = torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(-1)
-    return s.expand(num_kv_heads).contiguous()
 
 
 def write_kv_kernel(hkv: int, d: int, dv: int, in_dtype: str, cache_dtype: str, k_layout: tuple, v_layout: tuple,
@@ -32,5 +25,5 @@ def write_kv_tilelang(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_s
     kernel = write_kv_kernel(hkv, d, v.shape[2], tl_dtype(k.dtype), tl_dtype(k_cache.dtype), k_layout, v_layout)
     quant = k_cache.dtype == FP8_E4M3
     kernel(k.contiguous(), v.contiguous(), k_rows, v_rows, slot_mapping.to(torch.int64).contiguous(),
-           _per_head(k_scale if quant else None, hkv, k.device),
-           _per_head(v_scale if quant else None, hkv, k.device))
+           per_kv_head(k_scale if quant else None, hkv, k.device),
+           per_kv_head(v_scale if quant else None, hkv, k.device))
