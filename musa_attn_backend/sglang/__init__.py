@@ -1,8 +1,10 @@
 """SGLang adapter (entry point ``sglang.srt.plugins: tilelang_musa``).
 
 SGLang calls :func:`register` with no arguments in each of its processes (launcher, scheduler,
-detokenizer). For now it announces the plugin; the attention backend itself is registered by the SGLang
-adapter issue.
+detokenizer). It registers the ``tilelang_musa`` attention backend factory and adds the name to the
+``--attention-backend`` / ``--prefill-attention-backend`` / ``--decode-attention-backend`` choices. It is
+idempotent. Registration errors are raised (SGLang logs and skips a failing plugin, so the user then sees
+``invalid choice: 'tilelang_musa'`` together with our log line naming the cause).
 """
 
 from __future__ import annotations
@@ -15,10 +17,29 @@ logger = logging.getLogger(__name__)
 
 registered = False
 
+SUPPORTED_SGLANG = ("0.5.23",)
+
 
 def register() -> None:
     """Entry-point hook; idempotent."""
     global registered
-    if not registered:
-        logger.info("musa_attn_backend: SGLang plugin %r loaded", BACKEND_NAME)
+    if registered:
+        return
+    try:
+        import sglang
+        from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+        from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    except Exception as e:
+        logger.error("musa_attn_backend: cannot register %r with this SGLang (%s: %s); supported: SGLang %s",
+                     BACKEND_NAME, type(e).__name__, e, ", ".join(SUPPORTED_SGLANG))
+        raise
+    from .backend import create_backend
+
+    register_attention_backend(BACKEND_NAME)(create_backend)
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    version = getattr(sglang, "__version__", "?")
+    if version not in SUPPORTED_SGLANG:
+        logger.warning("musa_attn_backend: SGLang %s is untested (tested: %s)", version, ", ".join(SUPPORTED_SGLANG))
+    logger.info("musa_attn_backend: registered attention backend %r with SGLang %s", BACKEND_NAME, version)
     registered = True

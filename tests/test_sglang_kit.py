@@ -1,0 +1,132 @@
+"""SGLang 0.5.23's own attention test kit, run against ``tilelang_musa`` (CPU: the reference ops; GPU with
+``-m gpu``: the TileLang kernels).
+
+The kit builds a mock model runner with SGLang's real ``ReqToTokenPool`` and ``MHATokenToKVPool``, writes
+prefix K/V through the pool, runs the backend found in SGLang's registry under our name (registered by our
+entry point through ``load_plugins``) and compares with its own PyTorch reference.
+"""
+
+import dataclasses
+import unittest
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit  # noqa: E402
+
+from musa_attn_backend import BACKEND_NAME  # noqa: E402
+
+# Our decode window includes the current token (keys q-W .. q), the kit's "extend_window" rule.
+kit._SWA_DECODE_EXTEND_WINDOW = kit._SWA_DECODE_EXTEND_WINDOW | {BACKEND_NAME}
+
+
+def _case(name, mode, *, heads=4, kv_heads=4, page=16, prefix=(0,), extend=None, window=None):
+    kw = dict(name=name, backend=BACKEND_NAME, forward_mode=mode, num_heads=heads, num_kv_heads=kv_heads,
+              page_size=page, prefix_lens=tuple(prefix))
+    if extend is not None:
+        kw["extend_lens"] = tuple(extend)
+    if window is not None:
+        kw["sliding_window_size"] = window
+    return kit.DenseAttentionCase(**kw)
+
+
+EXTRA = [
+    _case("extend_batch1_single_token", ForwardMode.EXTEND, prefix=(0,), extend=(1,)),
+    _case("extend_empty_prefix_gqa_page1", ForwardMode.EXTEND, heads=8, kv_heads=2, page=1, prefix=(0, 0),
+          extend=(7, 33)),
+    _case("mixed_mode_prefix_and_fresh", ForwardMode.MIXED, heads=8, kv_heads=2, prefix=(40, 0, 5),
+          extend=(1, 20, 1)),
+    _case("extend_long_context_page64", ForwardMode.EXTEND, heads=4, kv_heads=1, page=64, prefix=(300,),
+          extend=(37,)),
+    _case("decode_batch64_page1", ForwardMode.DECODE, heads=8, kv_heads=2, page=1,
+          prefix=tuple((7 * i) % 50 + 1 for i in range(64))),
+    _case("decode_long_context", ForwardMode.DECODE, heads=8, kv_heads=2, page=16, prefix=(420, 3)),
+]
+
+CASES = (list(kit.make_dense_cases(BACKEND_NAME)) + list(kit.make_swa_no_prefix_input_config_cases(BACKEND_NAME))
+         + list(kit.make_swa_prefix_input_config_cases(BACKEND_NAME)) + EXTRA)
+LAYOUTS = ["shuffled_pages", "interleaved_pages", "non_monotonic_extend"]
+
+
+class _TC(unittest.TestCase):
+    def runTest(self):  # pragma: no cover - only a carrier for assert methods / skipTest
+        pass
+
+
+def _max_context(case):
+    need = max(p + e for p, e in zip(case.prefix_lens, case.input_lens)) + 1
+    return max(kit.DEFAULT_MAX_CONTEXT_LEN, -(-need // case.page_size) * case.page_size + case.page_size)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_kit_case_cpu(case, layout):
+    if layout == "non_monotonic_extend" and case.forward_mode.is_decode():
+        pytest.skip("layout applies to extend batches")
+    if layout == "non_monotonic_extend" and case.page_size > 1:
+        # It permutes tokens inside a request's slots, which SGLang's paged allocator never does for
+        # page_size > 1 (position p of a page always sits at offset p % page_size); we read pages.
+        pytest.skip("token-granular scatter is a page_size 1 layout")
+    with torch.no_grad():
+        kit.run_dense_attention_case(_TC(), case, device="cpu", dtype=torch.float32, loc_layout=layout,
+                                     max_context_len=_max_context(case))
+
+
+def test_registry_has_our_factory():
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    from musa_attn_backend.sglang.backend import create_backend
+
+    assert ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
+    assert ATTENTION_BACKEND_CHOICES.count(BACKEND_NAME) == 1
+
+
+def test_backend_refuses_unsupported_model(monkeypatch):
+    from musa_attn_backend.sglang import backend
+
+    runner = type("R", (), dict(device="cpu", page_size=1, dtype=torch.int8, req_to_token_pool=None,
+                                token_to_kv_pool=None))()
+    with pytest.raises(ValueError, match="model dtype torch.int8 is not supported"):
+        backend.create_backend(runner)
+    runner.dtype = torch.bfloat16
+    runner.use_mla_backend = True
+    with pytest.raises(ValueError, match="MLA"):
+        backend.create_backend(runner)
+
+
+# --------------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [c for c in CASES if c.name in {
+    "mha_extend_page_size_1", "mha_extend_ragged_page_boundary", "gqa_decode_page_boundary",
+    "mqa_extend_total_exact_page", "swa_extend_prefix_window_edges", "mixed_mode_prefix_and_fresh",
+    "decode_batch64_page1", "decode_long_context"}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_kit_case_gpu_tilelang(case, gpu_device):
+    """The same kit cases on the GPU: the backend runs the TileLang kernels (bf16, head dim 64)."""
+    with torch.no_grad():
+        kit.run_dense_attention_case(_TC(), case, device=gpu_device, dtype=torch.bfloat16,
+                                     max_context_len=_max_context(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c.forward_mode.is_decode()], ids=lambda c: c.name)
+def test_kit_decode_cuda_graph_capture_and_replay(case, gpu_device):
+    """Decode captured into a CUDA graph and replayed on padded batches equals eager (kit runner)."""
+    from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
+        run_dense_cuda_graph_decode_case)
+
+    if gpu_device != "cuda":
+        pytest.skip("the kit's graph runner drives torch.cuda graphs")
+    with torch.no_grad():
+        run_dense_cuda_graph_decode_case(_TC(), case, device=gpu_device, dtype=torch.bfloat16,
+                                         max_context_len=_max_context(case))
