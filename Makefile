@@ -1,5 +1,5 @@
 # make demo   - set up .venv and run the main job (doctor + paged-attention demo)
-# make test   - set up .venv and run the CPU test suite (what CI runs)
+# make test   - set up .venv and run the CPU test suite and the real-engine tests (what CI runs)
 # make test-gpu - run the GPU tests (on a machine with a CUDA or MUSA GPU)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +13,7 @@ demo: setup
 	$(VENV)/bin/musa-attn demo
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests integration_tests
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu tests

@@ -1,0 +1,90 @@
+"""Start and stop a real ``python -m sglang.launch_server`` on the CPU for the integration tests.
+
+The server finds ``tilelang_musa`` only through our installed entry point. CPU serving needs
+``SGLANG_USE_CPU_ENGINE=1 --device cpu``, an explicit ``--max-total-tokens`` (else the KV pool is sized from
+host RAM) and the import-only ``sgl_kernel`` shim in ``sgl_kernel_shim/`` (see its docstring). The whole
+process tree runs in its own session and is killed on exit, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+SHIM = Path(__file__).resolve().parent / "sgl_kernel_shim"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, payload: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@contextmanager
+def sglang_server(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int = 16,
+                  max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=()):
+    port = free_port()
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGL_KERNEL_SHIM_LOG=str(shim_log),
+               PYTHONPATH=os.pathsep.join([str(SHIM)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if p]))
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
+           "--attention-backend", backend, "--max-total-tokens", str(max_total_tokens), "--page-size",
+           str(page_size), "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--disable-cuda-graph", "--skip-server-warmup", "--random-seed", "0", *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{backend} server exited with {proc.returncode}:\n{_tail(log)}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"{backend} server not ready after {startup_timeout:.0f}s:\n{_tail(log)}")
+            time.sleep(1.0)
+        yield base
+    finally:
+        _kill_tree(proc)
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    lines = path.read_bytes().decode(errors="replace").splitlines()
+    return "\n".join(l[:400] for l in lines[-n:] if "server_args=" not in l)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, then SIGKILL whatever is left of it."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(pgid, signal.SIGKILL)  # scheduler / detokenizer children that outlived the leader
+    except ProcessLookupError:
+        pass
+    proc.wait()
