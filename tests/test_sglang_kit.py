@@ -130,3 +130,12 @@ def test_kit_decode_cuda_graph_capture_and_replay(case, gpu_device):
     with torch.no_grad():
         run_dense_cuda_graph_decode_case(_TC(), case, device=gpu_device, dtype=torch.bfloat16,
                                          max_context_len=_max_context(case))
+
+
+def test_speculative_modes_are_refused_not_misread():
+    from musa_attn_backend.sglang.backend import backend_class
+
+    backend = backend_class().__new__(backend_class())
+    fb = type("FB", (), {"forward_mode": ForwardMode.TARGET_VERIFY})()
+    with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
+        backend._build(fb)

@@ -42,6 +42,12 @@ def _make_class():
 
         # ------------------------------------------------------------- metadata
         def _build(self, fb, out: Optional[PagedKVMeta] = None) -> PagedKVMeta:
+            mode = fb.forward_mode
+            if mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend():
+                # These batches carry their query layout (and tree masks) in spec_info, not in
+                # extend_seq_lens: refuse rather than attend with the wrong lengths.
+                raise NotImplementedError(f"tilelang_musa: forward mode {mode.name} (speculative decoding / dLLM) "
+                                          "is not supported yet; serve without speculative decoding")
             req_to_token = self.req_to_token_pool.req_to_token
             common = dict(req_to_token=req_to_token, req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens,
                           out_cache_loc=fb.out_cache_loc, page_size=self.page_size, out=out)
