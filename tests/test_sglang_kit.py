@@ -6,7 +6,6 @@ prefix K/V through the pool, runs the backend found in SGLang's registry under o
 entry point through ``load_plugins``) and compares with its own PyTorch reference.
 """
 
-import dataclasses
 import unittest
 
 import pytest

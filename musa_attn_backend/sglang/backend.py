@@ -97,7 +97,7 @@ def _make_class():
             if save_kv_cache and k is not None and v is not None:
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(fb), k, v,
                                                     getattr(layer, "k_scale", None), getattr(layer, "v_scale", None))
-            hq, hkv = layer.tp_q_head_num, layer.tp_k_head_num
+            hq = layer.tp_q_head_num
             d, dv = layer.qk_head_dim, layer.v_head_dim
             k_cache = _paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.page_size)
             v_cache = _paged(self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.page_size)

@@ -12,7 +12,7 @@ import torch
 from ..._tilelang import compile_cached, tl_dtype
 from ...paged_layout import cache_rows
 from ...platform import get_platform
-from .._common import FP8_E4M3, check, constant_vector, per_kv_head
+from .._common import check, constant_vector, per_kv_head
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)

@@ -8,7 +8,7 @@ pools both work without copies.
 
 import functools
 
-from ..._tilelang import tl, tl_lang as T
+from ..._tilelang import tl_lang as T
 
 FP8_MAX = 448.0
 
