@@ -48,24 +48,20 @@ def _make_class():
                 # extend_seq_lens: refuse rather than attend with the wrong lengths.
                 raise NotImplementedError(f"tilelang_musa: forward mode {mode.name} (speculative decoding / dLLM) "
                                           "is not supported yet; serve without speculative decoding")
-            req_to_token = self.req_to_token_pool.req_to_token
-            common = dict(req_to_token=req_to_token, req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens,
-                          out_cache_loc=fb.out_cache_loc, page_size=self.page_size, out=out)
-            if fb.forward_mode.is_decode_or_idle():
-                max_k = None
-                if out is None and getattr(fb, "seq_lens_cpu", None) is not None and fb.seq_lens_cpu.numel():
-                    max_k = int(fb.seq_lens_cpu.max())
-                return PagedKVMeta.from_sglang(**common, max_seqlen_k=max_k)
-            max_q = None
+            common = dict(req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=fb.req_pool_indices,
+                          seq_lens=fb.seq_lens, out_cache_loc=fb.out_cache_loc, page_size=self.page_size, out=out)
+            # Host-side bounds SGLang already has (no device sync). Under a CUDA graph (out=) the key bound
+            # stays the buffers' capacity, so the split count recorded at capture stays valid at replay.
+            seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
+            if out is None and seq_lens_cpu is not None and seq_lens_cpu.numel():
+                common["max_seqlen_k"] = int(seq_lens_cpu.max())
+            if mode.is_decode_or_idle():
+                return PagedKVMeta.from_sglang(**common)
             lens_cpu = getattr(fb, "extend_seq_lens_cpu", None)
-            if lens_cpu is not None and len(lens_cpu):
-                max_q = int(max(lens_cpu))
-            max_k = None
-            if getattr(fb, "seq_lens_cpu", None) is not None and fb.seq_lens_cpu.numel():
-                max_k = int(fb.seq_lens_cpu.max())
             return PagedKVMeta.from_sglang(**common, extend_prefix_lens=fb.extend_prefix_lens,
-                                           extend_seq_lens=fb.extend_seq_lens, max_seqlen_q=max_q,
-                                           max_seqlen_k=max_k)
+                                           extend_seq_lens=fb.extend_seq_lens,
+                                           max_seqlen_q=int(max(lens_cpu)) if lens_cpu is not None and len(lens_cpu)
+                                           else None)
 
         def init_forward_metadata(self, forward_batch):
             self.forward_metadata = self._build(forward_batch)
