@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 
@@ -33,7 +31,3 @@ def _fresh_platform(monkeypatch):
     platform.reset()
     yield
     platform.reset()
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
