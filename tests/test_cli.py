@@ -27,7 +27,8 @@ def test_doctor_sees_both_engines_discover_the_entry_point(doctor_json):
         assert r["entry_point"] == f"musa_attn_backend.{engine}:register", r
         assert r["register_called"] is True, r  # the engine's own loader ran our hook
     assert doctor_json["engines"]["sglang"]["version"] == "0.5.23"
-    assert doctor_json["engines"]["sglang"]["backend_registered"] is True  # the adapter registered the name
+    for engine in ("sglang", "vllm"):  # the adapters registered the name
+        assert doctor_json["engines"][engine]["backend_registered"] is True, engine
     assert doctor_json["engines"]["vllm"]["version"] == "0.33.0"
     assert doctor_json["problems"] == []
 

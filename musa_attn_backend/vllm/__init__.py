@@ -1,7 +1,14 @@
 """vLLM adapter (entry point ``vllm.general_plugins: tilelang_musa``).
 
-vLLM calls :func:`register` with no arguments in every process. For now it announces the plugin; the v1
-attention backend is registered by the vLLM adapter issue.
+vLLM calls :func:`register` with no arguments in every process. It adds the ``TILELANG_MUSA`` member to
+``AttentionBackendEnum`` (so ``--attention-backend tilelang_musa``, ``LLM(..., attention_backend=
+"tilelang_musa")`` and ``--attention-config '{"backend": "tilelang_musa"}'`` resolve; the lookup is
+case-insensitive) and makes that member survive pickling into *spawned* workers.
+
+The spawn trap: enum members pickle by value, and a spawned worker unpickles the ``VllmConfig`` holding the
+member before it loads plugins, so a dynamically added member fails (``'...' is not a valid
+AttentionBackendEnum``). Our member pickles by reference instead: to a call of :func:`_restore_member`, which
+imports this module, registers, and returns the member. Nothing for the user to do: fork and spawn both work.
 """
 
 from __future__ import annotations
@@ -12,12 +19,41 @@ from .. import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
+ENUM_NAME = BACKEND_NAME.upper()  # TILELANG_MUSA
+CLASS_PATH = "musa_attn_backend.vllm.backend.TileLangMusaBackend"
+SUPPORTED_VLLM = ("0.33.0",)
+
 registered = False
+
+
+def _restore_member(name: str):
+    """Unpickling target of our enum member (see the module docstring)."""
+    register()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[name]
+
+
+def _reduce_member(protocol=None):
+    return _restore_member, (ENUM_NAME,)
 
 
 def register() -> None:
     """Entry-point hook; idempotent."""
     global registered
-    if not registered:
-        logger.info("musa_attn_backend: vLLM plugin %r loaded", BACKEND_NAME)
+    if registered:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if ENUM_NAME not in AttentionBackendEnum.__members__:
+        register_backend(ENUM_NAME, CLASS_PATH)
+    member = AttentionBackendEnum[ENUM_NAME]
+    # An instance attribute: pickle looks __reduce_ex__ up on the object, so only our member changes.
+    object.__setattr__(member, "__reduce_ex__", _reduce_member)
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if version not in SUPPORTED_VLLM:
+        logger.warning("musa_attn_backend: vLLM %s is untested (tested: %s)", version, ", ".join(SUPPORTED_VLLM))
+    logger.info("musa_attn_backend: registered attention backend %s with vLLM %s", ENUM_NAME, version)
     registered = True

@@ -1,0 +1,167 @@
+"""vLLM 0.33 v1 attention backend ``TILELANG_MUSA``: ``CommonAttentionMetadata`` -> PagedKVMeta -> our kernels.
+
+No math here. The builder turns vLLM's batch into the shared paged-KV metadata once per batch; the impl writes
+K/V with our KV-write op (``do_kv_cache_update``) and runs :func:`musa_attn_backend.kernels.paged_attention`
+(TileLang on a GPU, the PyTorch reference on a CPU) on vLLM's NHD cache ``[blocks, block_size, H, 2D]`` seen as
+K and V views, in place. CUDA graphs: declared ``NEVER`` until graph capture has been tested on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from ..kernels import paged_attention, write_kv
+from ..metadata import PagedKVMeta
+
+NAME = "TILELANG_MUSA"
+FP8_KV = ("fp8", "fp8_e4m3")
+
+
+@dataclass
+class TileLangMusaMetadata:
+    meta: PagedKVMeta
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    causal: bool = True
+
+
+class TileLangMusaBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["TileLangMusaImpl"]:
+        return TileLangMusaImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["TileLangMusaMetadataBuilder"]:
+        return TileLangMusaMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(1)]  # one kernel for every page size
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (KVCacheLayout.LBNHC,)  # NHD: tokens of a block contiguous, K|V per head
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size % 16 == 0 and 16 <= head_size <= 256
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True
+
+
+class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TileLangMusaMetadata:
+        cm = common_attn_metadata
+        n, bs = cm.num_actual_tokens, cm.num_reqs
+        slots = cm.slot_mapping[:n]
+        meta = PagedKVMeta.from_vllm(block_table=cm.block_table_tensor[:bs], query_start_loc=cm.query_start_loc[:bs + 1],
+                                     seq_lens=cm.seq_lens[:bs], slot_mapping=slots, page_size=self.block_size,
+                                     max_seqlen_q=int(cm.max_query_len), max_seqlen_k=int(cm.max_seq_len))
+        return TileLangMusaMetadata(meta=meta, num_actual_tokens=n, slot_mapping=slots, causal=cm.causal)
+
+
+class TileLangMusaImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
+                 alibi_slopes=None, sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, sinks: Optional[torch.Tensor] = None,
+                 **kwargs) -> None:
+        if alibi_slopes is not None:
+            raise ValueError(f"{NAME}: ALiBi is not supported")
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"{NAME}: attention type {attn_type} is not supported (decoder only)")
+        if kv_cache_dtype not in TileLangMusaBackend.supported_kv_cache_dtypes:
+            raise ValueError(f"{NAME}: kv_cache_dtype {kv_cache_dtype!r} is not supported; "
+                             f"use one of {TileLangMusaBackend.supported_kv_cache_dtypes}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        # vLLM's window n covers n keys including the query's own: our left window is n - 1.
+        self.window = sliding_window - 1 if sliding_window else None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype in FP8_KV
+        self.logits_soft_cap = logits_soft_cap or None
+        self.sinks = sinks
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def _caches(self, kv_cache: torch.Tensor):
+        # logical [blocks, H, block_size, 2D] -> K and V views [blocks, block_size, H, D]
+        k, v = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        if self.fp8:
+            k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
+        return k, v
+
+    def _scales(self, layer):
+        if not self.fp8:
+            return None, None
+        return getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.kv_sharing_target_layer_name is not None:
+            return  # the layer reads another layer's cache
+        k_cache, v_cache = self._caches(kv_cache)
+        n = slot_mapping.numel()
+        k_scale, v_scale = self._scales(layer)
+        write_kv(key[:n], value[:n], k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(f"{NAME}: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        n = attn_metadata.num_actual_tokens
+        k_cache, v_cache = self._caches(kv_cache)
+        k_scale, v_scale = self._scales(layer)
+        out = paged_attention(query[:n], k_cache, v_cache, attn_metadata.meta, causal=attn_metadata.causal,
+                              sm_scale=self.scale, sliding_window=self.window, logit_softcap=self.logits_soft_cap,
+                              sinks=self.sinks, k_scale=k_scale, v_scale=v_scale)
+        output[:n].copy_(out.view(output[:n].shape))
+        return output

@@ -1,0 +1,178 @@
+"""vLLM 0.33 ``TILELANG_MUSA``: registration (incl. fork/spawn workers) and builder + impl on CPU vs SDPA,
+following vLLM's own backend-test pattern (mixed decode/prefill/extend batch, shuffled blocks, NHD cache)."""
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from musa_attn_backend.testing import dense_attention, random_batch  # noqa: E402
+
+REGISTER = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+"""
+
+
+def _run(code: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_selection_survives_fork_and_spawn_workers(method, tmp_path):
+    """The parent selects tilelang_musa; a worker started with ``method`` unpickles the config (before any
+    plugin loads there) and gets the same backend class."""
+    # Plugins load only in the parent (inside the main guard): a spawned child re-imports this file as
+    # __mp_main__ and must unpickle the config without having loaded any plugin, as vLLM's workers do.
+    code = f"""
+import multiprocessing as mp
+
+def worker(cfg, q):
+    q.put((cfg.backend.name, cfg.backend.get_class().__name__))
+
+if __name__ == "__main__":
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm.config.attention import AttentionConfig
+    cfg = AttentionConfig(backend="tilelang_musa")
+    ctx = mp.get_context("{method}")
+    q = ctx.Queue()
+    p = ctx.Process(target=worker, args=(cfg, q))
+    p.start()
+    print("RESULT", q.get(timeout=240))
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+"""
+    # spawn re-imports __main__, so the parent runs from a file
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(code))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "RESULT ('TILELANG_MUSA', 'TileLangMusaBackend')" in res.stdout, res.stdout[-1500:] + res.stderr[-3000:]
+
+
+def test_names_resolve_after_plugin_load():
+    res = _run(REGISTER + """
+from vllm.config.attention import AttentionConfig
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+for name in ("tilelang_musa", "TILELANG_MUSA"):
+    assert AttentionConfig(backend=name).backend is AttentionBackendEnum.TILELANG_MUSA
+cls = AttentionBackendEnum.TILELANG_MUSA.get_class()
+import torch
+ok = cls.validate_configuration(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
+    use_mla=False, has_sink=True, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+    device_capability=None, attn_type="decoder")
+bad = cls.validate_configuration(head_size=72, dtype=torch.int8, kv_cache_dtype="fp8_e5m2", block_size=16,
+    use_mla=True, has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+    device_capability=None, attn_type="decoder")
+print("OK", ok, len(bad))
+""")
+    assert "OK [] " in res.stdout, res.stdout[-1500:] + res.stderr[-3000:]
+    assert int(res.stdout.split("OK [] ")[1].split()[0]) >= 3  # head size, dtype, kv dtype, MLA refused
+
+
+def _common_metadata(batch, device="cpu"):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    v = batch.vllm_view()
+    return CommonAttentionMetadata(
+        query_start_loc=v["query_start_loc"], query_start_loc_cpu=v["query_start_loc"].cpu(),
+        seq_lens=v["seq_lens"], num_reqs=batch.batch_size, num_actual_tokens=batch.num_tokens,
+        max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens), block_table_tensor=v["block_table"],
+        slot_mapping=v["slot_mapping"], causal=True, seq_lens_cpu_upper_bound=v["seq_lens"].cpu())
+
+
+@pytest.mark.parametrize("hq,hkv,block", [(8, 2, 16), (4, 4, 32), (8, 1, 1)])
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 24}, {"logits_soft_cap": 20.0}, {"sinks": True}])
+def test_builder_and_impl_match_sdpa_on_mixed_batch(hq, hkv, block, opts):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from musa_attn_backend.vllm.backend import TileLangMusaBackend
+
+    d = 64
+    rng = random.Random(hq * 100 + block)
+    # decodes first (vLLM reorders them to the front), then a fresh prefill and an extend with a prefix
+    batch = random_batch(rng, batch_size=5, page_size=block, max_seq_len=120,
+                         query_lens=[1, 1, 1, 37, 20], prefix_lens=[30, 77, 5, 0, 44])
+    vllm_config = VllmConfig()
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=torch.float32)
+    builder = TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], vllm_config, torch.device("cpu"))
+    md = builder.build(0, _common_metadata(batch))
+    sinks = torch.randn(hq) if opts.get("sinks") else None
+    window = opts.get("sliding_window")
+    with set_current_vllm_config(vllm_config):
+        impl = TileLangMusaBackend.get_impl_cls()(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=hkv,
+                                                  alibi_slopes=None, sliding_window=window, kv_cache_dtype="auto",
+                                                  logits_soft_cap=opts.get("logits_soft_cap"), sinks=sinks)
+    # vLLM's NHD storage [blocks, block, H, 2D], seen logically as [blocks, H, block, 2D]; poisoned.
+    kv_cache = torch.full((batch.num_pages, block, hkv, 2 * d), float("nan")).permute(0, 2, 1, 3)
+    _, _, ks, vs = batch.make_kv(hkv, d, torch.float32)
+    layer = type("L", (), {})()
+    # the cached prefixes, written by the backend's own writer
+    prefix_slots = torch.tensor([batch.slot(b, p) for b, n in enumerate(batch.prefix_lens) for p in range(n)])
+    impl.do_kv_cache_update(layer, torch.cat([k[:p] for k, p in zip(ks, batch.prefix_lens)]),
+                            torch.cat([v[:p] for v, p in zip(vs, batch.prefix_lens)]), kv_cache, prefix_slots)
+    key = torch.cat([k[p:] for k, p in zip(ks, batch.prefix_lens)])
+    value = torch.cat([v[p:] for v, p in zip(vs, batch.prefix_lens)])
+    impl.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
+    query = torch.randn(batch.num_tokens, hq, d)
+    output = torch.full((batch.num_tokens, hq, d), float("nan"))
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert impl.forward(layer, query, key, value, kv_cache, None, output.clone()).abs().sum() == 0  # profiling
+    cu = 0
+    for b, (p, n) in enumerate(zip(batch.prefix_lens, batch.query_lens)):
+        ref = dense_attention(query[cu: cu + n], ks[b], vs[b], prefix_len=p, causal=True, sm_scale=d ** -0.5,
+                              sliding_window=window - 1 if window else None)
+        if opts.get("logits_soft_cap") or sinks is not None:  # SDPA has neither: the reference op is the truth
+            from musa_attn_backend.kernels import paged_attention
+
+            ref = paged_attention(query, kv_cache.transpose(1, 2).split(d, -1)[0],
+                                  kv_cache.transpose(1, 2).split(d, -1)[1], md.meta, sm_scale=d ** -0.5,
+                                  logit_softcap=opts.get("logits_soft_cap"), sinks=sinks,
+                                  impl="reference")[cu: cu + n]
+        torch.testing.assert_close(output[cu: cu + n], ref, atol=1e-4, rtol=1e-4)
+        cu += n
+
+
+def test_impl_refuses_unsupported():
+    from musa_attn_backend.vllm.backend import TileLangMusaImpl
+
+    with pytest.raises(ValueError, match="ALiBi"):
+        TileLangMusaImpl(4, 64, 0.1, 4, alibi_slopes=[1.0] * 4)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        TileLangMusaImpl(4, 64, 0.1, 4, kv_cache_dtype="int8_per_token_head")
+
+
+def test_spawn_trap_is_real_without_our_reduce(tmp_path):
+    """Control: with our by-reference pickling removed, a spawned worker cannot unpickle the member."""
+    code = """
+import multiprocessing as mp
+
+def worker(cfg, q):
+    q.put(cfg.backend.name)
+
+if __name__ == "__main__":
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    del AttentionBackendEnum.TILELANG_MUSA.__dict__["__reduce_ex__"]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=worker, args=(AttentionConfig(backend="tilelang_musa"), q))
+    p.start()
+    p.join(120)
+    print("EXIT", p.exitcode)
+"""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(code))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "EXIT 1" in res.stdout and "is not a valid AttentionBackendEnum" in res.stderr, \
+        res.stdout[-1000:] + res.stderr[-2000:]
