@@ -53,8 +53,8 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
 
     In a process: a dict. Across processes: TileLang's on-disk cache inside our cache directory, guarded by
     a per-kernel file lock so that processes starting at once compile each kernel once (the others wait,
-    then load it), plus a marker file written by atomic rename once the kernel is in the cache (what
-    ``musa-attn warmup`` reports as already warm).
+    then load it), plus a marker file written by atomic rename once the kernel is in the cache (``musa-attn
+    warmup`` counts the markers to report what was already warm).
     """
     target = target if target is not None else get_platform().tilelang_target()
     full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version())
@@ -77,9 +77,3 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
             _kernels[full_key] = kernel
     return kernel
 
-
-def is_warm(key: Hashable, *, target=None, pass_configs=None) -> bool:
-    """Whether a kernel with this key is already compiled into the on-disk cache."""
-    target = target if target is not None else get_platform().tilelang_target()
-    full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version())
-    return (cache_dir() / "kernels" / f"{kernel_digest(full_key)}.done").exists()

@@ -26,9 +26,10 @@ def cache_dir(create: bool = False) -> Path:
 
 
 def tilelang_cache_dir() -> Path:
-    return Path(os.environ["TILELANG_CACHE_DIR"]) if os.environ.get("TILELANG_CACHE_DIR") else cache_dir() / "tilelang"
+    """Where TileLang keeps compiled kernels: ``TILELANG_CACHE_DIR`` if set, else ``<cache>/tilelang``."""
+    return Path(os.environ.get("TILELANG_CACHE_DIR") or cache_dir() / "tilelang")
 
 
 def configure_tilelang_env() -> None:
     """Point TileLang's cache into ours; must run before ``import tilelang`` to take effect."""
-    os.environ.setdefault("TILELANG_CACHE_DIR", str(cache_dir() / "tilelang"))
+    os.environ["TILELANG_CACHE_DIR"] = str(tilelang_cache_dir())
