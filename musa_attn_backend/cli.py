@@ -256,7 +256,7 @@ def cmd_warmup(args) -> int:
                                       warmup.DTYPES[args.dtype or "bf16"], has_window=args.sliding_window,
                                       has_softcap=args.softcap, has_sinks=args.sinks)
     jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
-                       speculative_tokens=args.speculative_tokens)
+                       speculative_tokens=args.speculative_tokens, page_size=args.page_size)
     from .cache import cache_dir
 
     markers = cache_dir(create=True) / "kernels"
@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     w.add_argument("--engine", default="sglang", choices=("sglang", "vllm"), help="KV-cache layout to compile for")
     w.add_argument("--speculative-tokens", type=int, default=0, help="draft tokens verified per step")
+    w.add_argument("--page-size", type=int, default=None,
+                   help="the engine's KV page size (default: SGLang 1, vLLM 16); pages of 128+ tokens use the "
+                        "bulk-copy prefill kernel")
     w.add_argument("--target", help="compile for this target instead of the local GPU (sm_90a, mp_31, ...)")
     w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiler processes (default: cores, <= 8)")
     w.add_argument("--quiet", action="store_true")

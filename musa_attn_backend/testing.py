@@ -99,10 +99,13 @@ class PagedBatch:
 
     # ------------------------------------------------------------------ data
     def make_kv(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, head_dim_v: Optional[int] = None,
-                poison: float = float("nan")):
+                poison: float = float("nan"), stale: float = 1000.0):
         """Random per-request K/V ``[seq_len, Hkv, D]`` and a pool holding them at their slots.
 
-        Slots no request owns are filled with ``poison`` so that a kernel reading the wrong page shows.
+        Slots no request owns are filled with ``poison`` so that a kernel reading the wrong page shows. Slots of
+        a request's own pages past its sequence end hold large finite junk (``stale``, times a normal sample):
+        engines allocate their caches zeroed and overwrite slots, so such slots hold stale finite values, which
+        whole-page (TMA) loads read and must mask out.
         Returns ``(k_cache, v_cache, ks, vs)``.
         """
         dv = head_dim_v or head_dim
@@ -112,6 +115,11 @@ class PagedBatch:
         v_flat = torch.full(shape + (dv,), poison, dtype=torch.float32)
         ks, vs = [], []
         for b, n in enumerate(self.seq_lens):
+            own = torch.tensor(self.pages[b], dtype=torch.long)
+            tail = (own[-1:] * self.page_size + torch.arange(self.page_size))[n - (len(own) - 1) * self.page_size:] \
+                if len(own) else own
+            k_flat[tail] = stale * torch.randn(len(tail), num_kv_heads, head_dim, generator=g)
+            v_flat[tail] = stale * torch.randn(len(tail), num_kv_heads, dv, generator=g)
             k = torch.randn(n, num_kv_heads, head_dim, generator=g)
             v = torch.randn(n, num_kv_heads, dv, generator=g)
             pos = torch.arange(n)

@@ -89,9 +89,12 @@ class Job:
         return f"{self.kind}{self.args}"
 
 
+DEFAULT_PAGE_SIZE = {"sglang": 1, "vllm": 16}
+
+
 def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[str] = None,
-         speculative_tokens: int = 0) -> list[Job]:
-    """The kernels serving ``model`` will launch."""
+         speculative_tokens: int = 0, page_size: Optional[int] = None) -> list[Job]:
+    """The kernels serving ``model`` will launch (``page_size``: the engine's, default its default)."""
     from .kernels.attention.tilelang_impl import AttnSpec, decode_config
 
     kv = KV_DTYPES.get(kv_dtype or "auto", kv_dtype) or model.dtype
@@ -101,7 +104,7 @@ def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[st
     for window in windows:
         spec = AttnSpec(model.num_q_heads, model.num_kv_heads, model.head_dim, model.head_dim_v, model.dtype, kv,
                         window, model.has_softcap, model.has_sinks, k_layout, v_layout)
-        jobs.append(Job("prefill", (spec, True)))
+        jobs.append(Job("prefill", (spec, True, page_size or DEFAULT_PAGE_SIZE[engine])))
         q_lens = sorted({1} | ({1 + speculative_tokens} if speculative_tokens else set()))
         seen = set()
         for q in q_lens:

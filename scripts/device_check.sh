@@ -5,10 +5,26 @@ set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache}
+# The device cannot pip-install the checkout, so the engines would not find our entry points: write the
+# package's dist-info (metadata + entry_points.txt from pyproject.toml) onto the path.
+ep=/tmp/musa_attn_ep
+python3 - "$ep" <<'PY'
+import pathlib, sys, tomllib
+proj = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+d = pathlib.Path(sys.argv[1]) / f"musa_attn_backend-{proj.get('version', '0.0.0')}.dist-info"
+d.mkdir(parents=True, exist_ok=True)
+(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: musa-attn-backend\nVersion: {proj.get('version', '0.0.0')}\n")
+lines = []
+for group, eps in proj.get("entry-points", {}).items():
+    lines.append(f"[{group}]")
+    lines += [f"{k} = {v}" for k, v in eps.items()]
+(d / "entry_points.txt").write_text("\n".join(lines) + "\n")
+PY
+export PYTHONPATH=$ep:$PYTHONPATH
 what=${1:-all}; shift || true
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__, torch.cuda.get_device_name())"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -m gpu tests -q -n "${JOBS:-12}" -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -40
+  python3 -m pytest -m gpu "${TESTS:-tests}" -q -n "${JOBS:-12}" -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_attention.py --out "$out" 2>&1 | tee "$out/bench.log" | tail -60

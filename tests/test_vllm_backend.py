@@ -88,57 +88,82 @@ def _common_metadata(batch, device="cpu"):
         slot_mapping=v["slot_mapping"], causal=True, seq_lens_cpu_upper_bound=v["seq_lens"].cpu())
 
 
-@pytest.mark.parametrize("hq,hkv,block", [(8, 2, 16), (4, 4, 32), (8, 1, 1)])
-@pytest.mark.parametrize("opts", [{}, {"sliding_window": 24}, {"logits_soft_cap": 20.0}, {"sinks": True}])
-def test_builder_and_impl_match_sdpa_on_mixed_batch(hq, hkv, block, opts):
+def _builder_impl_vs_reference(hq, hkv, block, opts, *, device="cpu", dtype=torch.float32, d=64, tol=1e-4,
+                               query_lens=(1, 1, 1, 37, 20), prefix_lens=(30, 77, 5, 0, 44), max_seq_len=120):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from musa_attn_backend.vllm.backend import TileLangMusaBackend
 
-    d = 64
     rng = random.Random(hq * 100 + block)
     # decodes first (vLLM reorders them to the front), then a fresh prefill and an extend with a prefix
-    batch = random_batch(rng, batch_size=5, page_size=block, max_seq_len=120,
-                         query_lens=[1, 1, 1, 37, 20], prefix_lens=[30, 77, 5, 0, 44])
+    batch = random_batch(rng, batch_size=len(query_lens), page_size=block, max_seq_len=max_seq_len,
+                         query_lens=list(query_lens), prefix_lens=list(prefix_lens), device=device)
     vllm_config = VllmConfig()
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=torch.float32)
-    builder = TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], vllm_config, torch.device("cpu"))
-    md = builder.build(0, _common_metadata(batch))
-    sinks = torch.randn(hq) if opts.get("sinks") else None
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=dtype)
+    builder = TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], vllm_config, torch.device(device))
+    md = builder.build(0, _common_metadata(batch, device))
+    sinks = torch.randn(hq, device=device) if opts.get("sinks") else None
     window = opts.get("sliding_window")
     with set_current_vllm_config(vllm_config):
         impl = TileLangMusaBackend.get_impl_cls()(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=hkv,
                                                   alibi_slopes=None, sliding_window=window, kv_cache_dtype="auto",
                                                   logits_soft_cap=opts.get("logits_soft_cap"), sinks=sinks)
     # vLLM's NHD storage [blocks, block, H, 2D], seen logically as [blocks, H, block, 2D]; poisoned.
-    kv_cache = torch.full((batch.num_pages, block, hkv, 2 * d), float("nan")).permute(0, 2, 1, 3)
-    _, _, ks, vs = batch.make_kv(hkv, d, torch.float32)
+    kv_cache = torch.full((batch.num_pages, block, hkv, 2 * d), float("nan"), dtype=dtype,
+                          device=device).permute(0, 2, 1, 3)
+    _, _, ks, vs = batch.make_kv(hkv, d, dtype)
     layer = type("L", (), {})()
     # the cached prefixes, written by the backend's own writer
-    prefix_slots = torch.tensor([batch.slot(b, p) for b, n in enumerate(batch.prefix_lens) for p in range(n)])
+    prefix_slots = torch.tensor([batch.slot(b, p) for b, n in enumerate(batch.prefix_lens) for p in range(n)],
+                                device=device)
     impl.do_kv_cache_update(layer, torch.cat([k[:p] for k, p in zip(ks, batch.prefix_lens)]),
                             torch.cat([v[:p] for v, p in zip(vs, batch.prefix_lens)]), kv_cache, prefix_slots)
     key = torch.cat([k[p:] for k, p in zip(ks, batch.prefix_lens)])
     value = torch.cat([v[p:] for v, p in zip(vs, batch.prefix_lens)])
     impl.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
-    query = torch.randn(batch.num_tokens, hq, d)
-    output = torch.full((batch.num_tokens, hq, d), float("nan"))
+    query = torch.randn(batch.num_tokens, hq, d, device=device).to(dtype)
+    output = torch.full((batch.num_tokens, hq, d), float("nan"), dtype=dtype, device=device)
     impl.forward(layer, query, key, value, kv_cache, md, output)
+    assert not output.isnan().any(), "unwritten output rows"
     assert impl.forward(layer, query, key, value, kv_cache, None, output.clone()).abs().sum() == 0  # profiling
     cu = 0
     for b, (p, n) in enumerate(zip(batch.prefix_lens, batch.query_lens)):
-        ref = dense_attention(query[cu: cu + n], ks[b], vs[b], prefix_len=p, causal=True, sm_scale=d ** -0.5,
-                              sliding_window=window - 1 if window else None)
+        ref = dense_attention(query[cu: cu + n].float(), ks[b].float(), vs[b].float(), prefix_len=p, causal=True,
+                              sm_scale=d ** -0.5, sliding_window=window - 1 if window else None)
         if opts.get("logits_soft_cap") or sinks is not None:  # SDPA has neither: the reference op is the truth
             from musa_attn_backend.kernels import paged_attention
 
             ref = paged_attention(query, kv_cache.transpose(1, 2).split(d, -1)[0],
                                   kv_cache.transpose(1, 2).split(d, -1)[1], md.meta, sm_scale=d ** -0.5,
                                   logit_softcap=opts.get("logits_soft_cap"), sinks=sinks,
-                                  impl="reference")[cu: cu + n]
-        torch.testing.assert_close(output[cu: cu + n], ref, atol=1e-4, rtol=1e-4)
+                                  impl="reference")[cu: cu + n].float()
+        torch.testing.assert_close(output[cu: cu + n].float(), ref, atol=tol, rtol=tol)
         cu += n
+
+
+@pytest.mark.parametrize("hq,hkv,block", [(8, 2, 16), (4, 4, 32), (8, 1, 1)])
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 24}, {"logits_soft_cap": 20.0}, {"sinks": True}])
+def test_builder_and_impl_match_sdpa_on_mixed_batch(hq, hkv, block, opts):
+    _builder_impl_vs_reference(hq, hkv, block, opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,block", [(32, 8, 16), (32, 8, 128), (8, 1, 64), (16, 16, 1)])
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 100}, {"logits_soft_cap": 30.0}, {"sinks": True}])
+def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, monkeypatch):
+    """vLLM's real builder/impl classes on the GPU: the TileLang kernels (KV write, decode, prefill incl. the
+    whole-page copy path at block 128) on a mixed batch with long prefixes, bf16, vs float32 math."""
+    from musa_attn_backend.kernels.attention import tilelang_impl
+
+    monkeypatch.setattr(tilelang_impl, "POISON", True)
+    calls = []
+    real = tilelang_impl.paged_attention_tilelang
+    monkeypatch.setattr(tilelang_impl, "paged_attention_tilelang", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _builder_impl_vs_reference(hq, hkv, block, opts, device=gpu_device, dtype=torch.bfloat16, d=128, tol=2e-2,
+                               query_lens=(1, 1, 1, 1, 300, 129), prefix_lens=(900, 77, 5, 2000, 0, 700),
+                               max_seq_len=2200)
+    assert calls, "the TileLang path did not run"
 
 
 def test_impl_refuses_unsupported():

@@ -36,6 +36,7 @@ class PrefillConfig:
     block_N: int
     num_stages: int
     threads: int
+    tma: bool = False  # key tiles copied as whole blocks of one page (bulk copy) instead of row gathers
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,21 @@ def _stages(is_fp8: bool) -> int:
     return 1 if is_fp8 else 2
 
 
-def prefill_config(d: int, dv: int, is_fp8: bool = False) -> PrefillConfig:
-    if max(d, dv) <= 128:
-        return PrefillConfig(block_M=128, block_N=128, num_stages=_stages(is_fp8), threads=256)
-    return PrefillConfig(block_M=128, block_N=64, num_stages=_stages(is_fp8), threads=256)
+def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
+                   has_window: bool = False) -> PrefillConfig:
+    """Prefill tiling. Where the platform has a bulk-copy engine (TMA / TME), a bf16/fp16 cache without a
+    window whose pages hold whole key tiles (64+ tokens) is read one tile per block copy, with the tile
+    width picked to divide the page; other caches gather rows (128-key tiles up to head dim 128).
+
+    Measured on the H200 (benchmarks/results/tune-prefill-*.json, hd 128, 32/8 heads, 8k causal): whole-
+    tile copies 361 TFLOP/s with 128-key tiles and 311 with 64-key tiles; row gathers about 210."""
+    wide = max(d, dv) <= 128
+    tile = 128 if wide else 64
+    if get_platform().bulk_copy and not is_fp8 and not has_window:
+        for bn in (tile, 64):
+            if page_size % bn == 0:
+                return PrefillConfig(block_M=128, block_N=bn, num_stages=2, threads=256, tma=True)
+    return PrefillConfig(block_M=128, block_N=tile, num_stages=_stages(is_fp8), threads=256)
 
 
 def decode_config(max_q: int, group: int, is_fp8: bool = False) -> Optional[DecodeConfig]:
@@ -119,12 +131,12 @@ class AttnSpec:
         return self.hq // self.hkv
 
 
-def prefill_kernel(spec: AttnSpec, causal: bool, target=None):
-    cfg = prefill_config(spec.d, spec.dv, spec.is_fp8)
+def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None):
+    cfg = prefill_config(spec.d, spec.dv, spec.is_fp8, page_size, spec.has_window)
     return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
-        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads), target=target)
+        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma), target=target)
 
 
 def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
@@ -168,7 +180,7 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
 
     dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8) if causal else None
     if dcfg is None:
-        prefill_kernel(spec, causal)(*args, int(meta.max_seqlen_q), out, lse)
+        prefill_kernel(spec, causal, meta.page_size)(*args, int(meta.max_seqlen_q), out, lse)
     else:
         splits = num_splits_for(meta.batch_size, hkv, meta.max_seqlen_k, dcfg.block_N,
                                 get_platform().sm_count or 132)

@@ -77,20 +77,22 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_
             T.copy(V8_s, V_s)
 
     @T.macro
-    def softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, logit_scale,
-                     softcap):
-        if has_softcap:
-            for i, j in T.Parallel(BM, BN):
-                acc_s[i, j] = softcap * T.tanh(acc_s[i, j] * (logit_scale / softcap))
+    def softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, guard):
+        """Online softmax of the masked scores in ``acc_s`` (P to ``acc_p``, ``acc_o`` rescaled). ``guard``:
+        a row may have seen only masked keys so far (its running max is -inf)."""
         T.copy(m_i, m_prev)
-        T.reduce_max(acc_s, m_tile, dim=1, clear=True)
-        for i in T.Parallel(BM):
-            m_i[i] = T.max(m_prev[i], m_tile[i])
-        for i in T.Parallel(BM):
-            alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 1.0, T.exp2((m_prev[i] - m_i[i]) * scale_log2))
-        for i, j in T.Parallel(BM, BN):
-            acc_s[i, j] = T.if_then_else(m_i[i] == NEG_INF, 0.0,
-                                         T.exp2(acc_s[i, j] * scale_log2 - m_i[i] * scale_log2))
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        if guard:
+            for i in T.Parallel(BM):
+                alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 1.0, T.exp2((m_prev[i] - m_i[i]) * scale_log2))
+            for i, j in T.Parallel(BM, BN):
+                acc_s[i, j] = T.if_then_else(m_i[i] == NEG_INF, 0.0,
+                                             T.exp2(acc_s[i, j] * scale_log2 - m_i[i] * scale_log2))
+        else:
+            for i in T.Parallel(BM):
+                alpha[i] = T.exp2((m_prev[i] - m_i[i]) * scale_log2)
+            for i, j in T.Parallel(BM, BN):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_i[i] * scale_log2)
         T.reduce_sum(acc_s, row_sum, dim=1)
         for i in T.Parallel(BM):
             l_i[i] = l_i[i] * alpha[i] + row_sum[i]
@@ -119,10 +121,24 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_
 def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str, causal: bool,
                   has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool,
                   k_layout: tuple, v_layout: tuple,
-                  block_M: int = 128, block_N: int = 128, num_stages: int = 2, threads: int = 256):
+                  block_M: int = 128, block_N: int = 128, num_stages: int = 2, threads: int = 256,
+                  tma: bool = False):
     """Varlen prefill/extend: one block per (query tile of one request, query head).
 
     ``k_layout``/``v_layout`` = (width, row stride, head stride) of the cache row views.
+
+    Key tiles are loaded in one of two ways:
+
+    * default: row gathers (cp.async, any page size, FP8 too). The cache rows of ``SLOT_TILES``
+      tiles are resolved into shared memory before their pipelined run; rows past the sequence are
+      zero-filled.
+    * ``tma`` (bf16/fp16 cache, no window, ``page_size % block_N == 0``, checked by the launcher): each tile
+      is one block copy of ``block_N`` consecutive rows of one page (TMA with a warp-specialised producer on
+      Hopper). Rows of the last page past the sequence are read and masked, so they must hold finite values
+      (both engines allocate their caches zeroed).
+
+    The causal / window / sequence-end mask is the initial value of the QK accumulator, and only tiles that
+    cross a boundary compute it; the others start from zero.
     """
     G = Hq // Hkv
     BM, BN = block_M, block_N
@@ -131,8 +147,54 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     B1 = T.dynamic("batch_plus_1")
     MP = T.dynamic("max_pages")
     NEG_INF = -T.infinity(ACC)
+    HS_K, HS_V = k_layout[2], v_layout[2]
+    use_tma = tma
+    assert not use_tma or (not is_fp8 and not has_window), "TMA tiles: bf16/fp16 caches without a window"
+    # Only with a window can a row see no key of a whole tile (otherwise key 0, in the first tile, is
+    # visible to every row), so only then does the softmax guard against an all-masked row.
+    guard_empty = has_window
     resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(
-        BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
+        BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_softcap)
+
+    def _tile_crosses(n0, qpos0, sk, window):
+        """Some (row, key) of the tile of keys from ``n0`` is masked (rows: query positions from ``qpos0``)."""
+        c = n0 + BN > sk
+        if causal:
+            c = T.Or(c, n0 + BN - 1 > qpos0)
+        if has_window:
+            c = T.Or(c, n0 < qpos0 + BM - 1 - window)
+        return c
+
+    def page_row(page_table, b, pos, page_size):
+        return page_table[b, pos // page_size] * page_size + pos % page_size
+
+    @T.macro
+    def load_tma(KC, VC, K_s, V_s, page_table, b, n0, page_size, kvh):
+        # whole tiles only: TileLang 0.1.15 lowers a block copy into a slice of a shared tile without TMA
+        T.copy(KC[page_row(page_table, b, n0, page_size):page_row(page_table, b, n0, page_size) + BN,
+                  kvh * HS_K:kvh * HS_K + D], K_s)
+        T.copy(VC[page_row(page_table, b, n0, page_size):page_row(page_table, b, n0, page_size) + BN,
+                  kvh * HS_V:kvh * HS_V + DV], V_s)
+
+    @T.macro
+    def tile_scores(Q_s, K_s, acc_s, n0, qpos0, sk, window, logit_scale, softcap):
+        """acc_s <- masked QK^T of the tile of keys from ``n0`` (rows: query positions from ``qpos0``)."""
+        crosses = _tile_crosses(n0, qpos0, sk, window)
+        if has_softcap:
+            T.clear(acc_s)
+            T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(BM, BN):
+                acc_s[i, j] = T.if_then_else(
+                    T.Or(T.Not(crosses), _visible(n0 + j, qpos0 + i, sk, window, causal, has_window)),
+                    softcap * T.tanh(acc_s[i, j] * (logit_scale / softcap)), NEG_INF)
+        else:
+            if crosses:  # the mask as the initial value of the product: no pass of its own
+                for i, j in T.Parallel(BM, BN):
+                    acc_s[i, j] = T.if_then_else(_visible(n0 + j, qpos0 + i, sk, window, causal, has_window),
+                                                 0, NEG_INF)
+            else:
+                T.clear(acc_s)
+            T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
     @T.prim_func
     def prefill(
@@ -159,7 +221,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
-            slot_s = T.alloc_shared([SLOT_TILES * BN], "int32")
+            slot_s = None if use_tma else T.alloc_shared([SLOT_TILES * BN], "int32")
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -177,7 +239,9 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             qlen = cu_seqlens_q[b + 1] - q0
             sk = seqlens_k[b]
             prefix = sk - qlen
-            m0 = bx * BM
+            # causal: the last query tiles see the most keys; they get the lowest block ids so that they are
+            # scheduled first and the short tiles fill the tail of the last wave
+            m0 = (T.ceildiv(max_seqlen_q, BM) - 1 - bx) * BM if causal else bx * BM
             logit_scale = sm_scale * k_scale[kvh] if is_fp8 else sm_scale
             scale_log2 = LOG2E if has_softcap else logit_scale * LOG2E
 
@@ -192,19 +256,22 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
-                resolve_slots(slot_s, (n_lo + c * SLOT_TILES) * BN, page_table, b, sk, page_size, MP)
-                for it in T.Pipelined(T.min(SLOT_TILES, n_iters - c * SLOT_TILES), num_stages=num_stages):
-                    n0 = (n_lo + c * SLOT_TILES + it) * BN
-                    load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
-                    T.clear(acc_s)
-                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    for i, j in T.Parallel(BM, BN):
-                        acc_s[i, j] = T.if_then_else(_visible(n0 + j, prefix + m0 + i, sk, window, causal, has_window),
-                                                     acc_s[i, j], NEG_INF)
-                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
-                                 logit_scale, softcap)
+            if use_tma:
+                for k in T.Pipelined(n_iters, num_stages=num_stages):
+                    load_tma(KC, VC, K_s, V_s, page_table, b, (n_lo + k) * BN, page_size, kvh)
+                    tile_scores(Q_s, K_s, acc_s, (n_lo + k) * BN, prefix + m0, sk, window, logit_scale, softcap)
+                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, guard_empty)
                     T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            else:
+                for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
+                    resolve_slots(slot_s, (n_lo + c * SLOT_TILES) * BN, page_table, b, sk, page_size, MP)
+                    for it in T.Pipelined(T.min(SLOT_TILES, n_iters - c * SLOT_TILES), num_stages=num_stages):
+                        load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
+                        tile_scores(Q_s, K_s, acc_s, (n_lo + c * SLOT_TILES + it) * BN, prefix + m0, sk, window,
+                                    logit_scale, softcap)
+                        softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
+                                     guard_empty)
+                        T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda i: h, has_sinks)
             out_scale = v_scale[kvh] if is_fp8 else 1.0
@@ -320,10 +387,12 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                     T.clear(acc_s)
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=policy)
                     for r, j in T.Parallel(BM, BN):
-                        acc_s[r, j] = T.if_then_else(_visible(n0 + j, prefix + r // G, sk, window, True, has_window),
-                                                     acc_s[r, j], NEG_INF)
-                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
-                                 logit_scale, softcap)
+                        acc_s[r, j] = T.if_then_else(
+                            _visible(n0 + j, prefix + r // G, sk, window, True, has_window),
+                            softcap * T.tanh(acc_s[r, j] * (logit_scale / softcap)) if has_softcap else acc_s[r, j],
+                            NEG_INF)
+                    # a split may hold only keys that some rows (earlier tokens, or a window) cannot see
+                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, True)
                     if small:
                         # each warp owns a column slice of the scores; P goes through shared memory to feed
                         # the second product, whose warps own column slices of the output

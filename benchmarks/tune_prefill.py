@@ -1,0 +1,172 @@
+"""Prefill tile/schedule search on the GPU: every candidate configuration is checked against SDPA and timed.
+
+    python benchmarks/tune_prefill.py [--seqlens 4096,8192] [--pages 1,64,128] [--out DIR]
+
+Candidates are compiled in parallel worker processes first (into the kernel cache), then each is run on a
+ragged extend batch against PyTorch SDPA in float32 (wrong results are reported, never timed) and timed under
+a CUDA graph on one long causal and non-causal sequence, next to cuDNN SDPA in the same run. The JSON result
+(one row per candidate and shape) goes to ``--out``; ``prefill_config`` in ``tilelang_impl`` records the
+winners.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+HQ, HKV, D = 32, 8, 128
+
+
+def candidates(page_sizes):
+    grid = [(False, 128, 2), (False, 64, 2), (True, 128, 2), (True, 64, 2)]
+    out = []
+    for tma, bn, stages in grid:
+        pages = [p for p in page_sizes if not tma or p % bn == 0]
+        if pages:
+            out.append(dict(tma=tma, block_N=bn, num_stages=stages, pages=pages))
+    return out
+
+
+def build(cand, causal):
+    from musa_attn_backend.kernels.attention import tilelang_kernel as K
+    lay = (HKV * D, HKV * D, D)
+    return K.build_prefill.__wrapped__(HQ, HKV, D, D, "bfloat16", "bfloat16", causal, False, False, False, False,
+                                       lay, lay, 128, cand["block_N"], cand["num_stages"], 256, cand["tma"])
+
+
+def key(cand, causal):
+    return ("tune_prefill", tuple(sorted((k, v) for k, v in cand.items() if k != "pages")), causal)
+
+
+def _compile(args):
+    cand, causal = args
+    from musa_attn_backend._tilelang import compile_cached
+    t = time.time()
+    try:
+        compile_cached(key(cand, causal), lambda: build(cand, causal))
+        return cand, causal, time.time() - t, None
+    except Exception as e:  # report and go on
+        return cand, causal, time.time() - t, f"{type(e).__name__}: {str(e)[-600:]}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlens", default="4096,8192,16384")
+    ap.add_argument("--pages", default="1,64,128")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    args = ap.parse_args(argv)
+    pages = [int(x) for x in args.pages.split(",")]
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    cands = candidates(pages)
+    jobs = [(c, causal) for c in cands for causal in (True, False)]
+    failed = {}
+    t0 = time.time()
+    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for cand, causal, dt, err in ex.map(_compile, jobs):
+            print(f"compiled {cand} causal={causal} in {dt:.0f}s {'FAILED ' + err if err else ''}", flush=True)
+            if err:
+                failed[key(cand, causal)] = err
+    print(f"compile: {time.time() - t0:.0f}s", flush=True)
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from bench_attention import bench_ms, paged_cache, git_commit
+    from musa_attn_backend._tilelang import compile_cached, tilelang_version
+    from musa_attn_backend.metadata import PagedKVMeta
+
+    def meta_for(qlens, klens, table, ps):
+        cu = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device="cuda")
+        return cu, torch.tensor(klens, dtype=torch.int32, device="cuda"), table
+
+    def run(kernel, q, k, v, cu, sk, table, ps, maxq):
+        lay_rows = lambda c: c.view(-1, HKV * D)
+        nt = q.shape[0]
+        out = torch.full((nt, HQ, D), float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full((nt, HQ), float("nan"), dtype=torch.float32, device="cuda")
+        z = torch.zeros(HQ, device="cuda")
+        one = torch.ones(HKV, device="cuda")
+        kernel(q, lay_rows(k), lay_rows(v), cu, sk, table, z, one, one, D ** -0.5, 0.0, 0, ps, maxq, out, lse)
+        return out
+
+    rows = []
+    for cand in cands:
+        for causal in (True, False):
+            if key(cand, causal) in failed:
+                rows.append(dict(config=cand, causal=causal, error=failed[key(cand, causal)]))
+                continue
+            kern = compile_cached(key(cand, causal), lambda: build(cand, causal))
+            for ps in cand["pages"]:
+                # correctness: ragged extend batch with prefixes, shuffled pages
+                torch.manual_seed(0)
+                qlens, klens = [1, 130, 257, 700], [5, 300, 257, 1500]
+                g = torch.Generator().manual_seed(1)
+                k, v, table = paged_cache(len(qlens), max(klens), HKV, D, ps, torch.bfloat16)
+                q = torch.randn(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
+                cu, sk, table = meta_for(qlens, klens, table, ps)
+                out = run(kern, q, k, v, cu, sk, table, ps, max(qlens)).float()
+                err = 0.0
+                for i, (ql, kl) in enumerate(zip(qlens, klens)):
+                    rows_k = table[i].repeat_interleave(ps) * ps + torch.arange(table.shape[1] * ps, device="cuda") % ps
+                    kk = k.view(-1, HKV, D)[rows_k[:kl].long()].float().repeat_interleave(HQ // HKV, 1)
+                    vv = v.view(-1, HKV, D)[rows_k[:kl].long()].float().repeat_interleave(HQ // HKV, 1)
+                    qq = q[cu[i]:cu[i] + ql].float()
+                    s = torch.einsum("qhd,khd->hqk", qq, kk) * D ** -0.5
+                    if causal:
+                        qpos = torch.arange(kl - ql, kl, device="cuda")[:, None]
+                        s = s.masked_fill(torch.arange(kl, device="cuda")[None] > qpos, float("-inf"))
+                    ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+                    o = out[cu[i]:cu[i] + ql]
+                    err = max(err, ((o - ref).abs().max() / ref.abs().max()).item()) if o.isfinite().all() else float("nan")
+                ok = err < 2e-2
+                for s_len in seqlens:
+                    k, v, table = paged_cache(1, s_len, HKV, D, ps, torch.bfloat16)
+                    q = torch.randn(s_len, HQ, D, device="cuda", dtype=torch.bfloat16)
+                    cu, sk, table = meta_for([s_len], [s_len], table, ps)
+                    ms = bench_ms(lambda: run(kern, q, k, v, cu, sk, table, ps, s_len)) if ok else None
+                    flops = 4 * s_len * s_len * HQ * D * (0.5 if causal else 1.0)
+                    row = dict(config={x: y for x, y in cand.items() if x != "pages"}, causal=causal, page_size=ps,
+                               seqlen=s_len, max_rel_err=err, ours_ms=ms,
+                               tflops=flops / ms / 1e9 if ms else None)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    # peers once per shape
+    peers = {}
+    for s_len in seqlens:
+        for causal in (True, False):
+            q = torch.randn(1, HQ, s_len, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, HKV, s_len, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel(be):
+                        ms = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+                    peers[f"{name}/{s_len}/{causal}"] = ms
+                    flops = 4 * s_len * s_len * HQ * D * (0.5 if causal else 1.0)
+                    print(f"{name} s={s_len} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+                except Exception as e:
+                    print(name, "failed", e)
+    res = dict(device=torch.cuda.get_device_name(), commit=git_commit(),
+               date=_dt.datetime.now(_dt.timezone.utc).isoformat(), tilelang=tilelang_version(),
+               torch=torch.__version__, heads_q=HQ, heads_kv=HKV, head_dim=D, rows=rows, peers=peers)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"tune-prefill-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(res, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
