@@ -96,7 +96,9 @@ def paged_cache(batch, seqlen, hkv, d, page_size, dtype, contiguous=False, seed=
     return k, v, table
 
 
-def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_size=64, peers=True):
+def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_sizes=(1, 128), peers=True):
+    """One row per (causal, length, page size). ``ours_contiguous_ms``: the same kernel and page size with the
+    request's pages in order (the paged-vs-contiguous ratio)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -105,13 +107,14 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
             batch = 1
             q = torch.randn(s, hq, d, device="cuda", dtype=dtype)
             res = {}
-            for name, contig, ps in (("ours", False, page_size), ("ours_contiguous", True, s)):
-                k, v, table = paged_cache(batch, s, hkv, d, ps, dtype, contiguous=contig)
-                meta = PagedKVMeta.from_vllm(block_table=table, query_start_loc=torch.tensor(
-                    [0, s], dtype=torch.int32, device="cuda"), seq_lens=torch.tensor([s], dtype=torch.int32,
-                    device="cuda"), slot_mapping=torch.arange(s, device="cuda"), page_size=ps, max_seqlen_q=s,
-                    max_seqlen_k=s)
-                res[name] = bench_ms(lambda: paged_attention(q, k, v, meta, causal=causal, impl="tilelang"))
+            for ps in page_sizes:
+                for name, contig in (("ours", False), ("ours_contiguous", True)):
+                    k, v, table = paged_cache(batch, s, hkv, d, ps, dtype, contiguous=contig)
+                    meta = PagedKVMeta.from_vllm(block_table=table, query_start_loc=torch.tensor(
+                        [0, s], dtype=torch.int32, device="cuda"), seq_lens=torch.tensor([s], dtype=torch.int32,
+                        device="cuda"), slot_mapping=torch.arange(s, device="cuda"), page_size=ps, max_seqlen_q=s,
+                        max_seqlen_k=s)
+                    res[name, ps] = bench_ms(lambda: paged_attention(q, k, v, meta, causal=causal, impl="tilelang"))
             peer_ms = {}
             if peers:
                 qt = q.view(1, s, hq, d).transpose(1, 2)
@@ -139,13 +142,14 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                 except Exception as e:
                     print(f"  flex skipped: {type(e).__name__}: {e}"[:200])
             flops = 4 * batch * hq * s * s * d * (0.5 if causal else 1.0)
-            rows.append({
-                "op": "prefill",
-                "shape": dict(batch=batch, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
-                              page_size=page_size, causal=causal, dtype=str(dtype).replace("torch.", "")),
-                "ours_ms": res["ours"], "ours_contiguous_ms": res["ours_contiguous"],
-                "tflops": flops / res["ours"] / 1e9, "gbps": None, "peers": peer_ms,
-            })
+            for ps in page_sizes:
+                rows.append({
+                    "op": "prefill",
+                    "shape": dict(batch=batch, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
+                                  page_size=ps, causal=causal, dtype=str(dtype).replace("torch.", "")),
+                    "ours_ms": res["ours", ps], "ours_contiguous_ms": res["ours_contiguous", ps],
+                    "tflops": flops / res["ours", ps] / 1e9, "gbps": None, "peers": peer_ms,
+                })
     return rows
 
 

@@ -108,7 +108,7 @@ def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[st
         q_lens = sorted({1} | ({1 + speculative_tokens} if speculative_tokens else set()))
         seen = set()
         for q in q_lens:
-            dcfg = decode_config(q, spec.group, spec.is_fp8)
+            dcfg = decode_config(q, spec.group, spec.is_fp8, spec.dv)
             if dcfg is None or dcfg in seen:
                 continue  # those batches run the prefill kernel
             seen.add(dcfg)

@@ -128,7 +128,8 @@ def test_kit_decode_cuda_graph_capture_and_replay(case, gpu_device):
         pytest.skip("the kit's graph runner drives torch.cuda graphs")
     with torch.no_grad():
         run_dense_cuda_graph_decode_case(_TC(), case, device=gpu_device, dtype=torch.bfloat16,
-                                         max_context_len=_max_context(case))
+                                         max_context_len=_max_context(case),
+                                         cuda_graph_capture_batch_size=max(4, case.batch_size))
 
 
 def test_speculative_modes_are_refused_not_misread():

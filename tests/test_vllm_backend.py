@@ -109,9 +109,14 @@ def _builder_impl_vs_reference(hq, hkv, block, opts, *, device="cpu", dtype=torc
         impl = TileLangMusaBackend.get_impl_cls()(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=hkv,
                                                   alibi_slopes=None, sliding_window=window, kv_cache_dtype="auto",
                                                   logits_soft_cap=opts.get("logits_soft_cap"), sinks=sinks)
-    # vLLM's NHD storage [blocks, block, H, 2D], seen logically as [blocks, H, block, 2D]; poisoned.
-    kv_cache = torch.full((batch.num_pages, block, hkv, 2 * d), float("nan"), dtype=dtype,
-                          device=device).permute(0, 2, 1, 3)
+    # vLLM's NHD storage [blocks, block, H, 2D], seen logically as [blocks, H, block, 2D]. Blocks no request
+    # owns are NaN; owned blocks start as large finite junk (vLLM zero-allocates its cache and reuses slots,
+    # so slots past a sequence end hold stale finite values, which whole-block loads read and mask).
+    kv_cache = (1000 * torch.randn((batch.num_pages, block, hkv, 2 * d), device=device)).to(dtype)
+    owned = torch.zeros(batch.num_pages, dtype=torch.bool)
+    owned[[p for pages in batch.pages for p in pages]] = True
+    kv_cache[~owned.to(device)] = float("nan")
+    kv_cache = kv_cache.permute(0, 2, 1, 3)
     _, _, ks, vs = batch.make_kv(hkv, d, dtype)
     layer = type("L", (), {})()
     # the cached prefixes, written by the backend's own writer

@@ -81,14 +81,16 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
     return PrefillConfig(block_M=128, block_N=tile, num_stages=_stages(is_fp8), threads=256)
 
 
-def decode_config(max_q: int, group: int, is_fp8: bool = False) -> Optional[DecodeConfig]:
+def decode_config(max_q: int, group: int, is_fp8: bool = False, dv: int = 128) -> Optional[DecodeConfig]:
     """A decode tiling for ``max_q`` tokens x ``group`` heads per KV head, or None (use prefill)."""
     if max_q > DECODE_MAX_Q:
         return None
     q_pad = 1 << (max_q - 1).bit_length()  # 1, 2, 4, 8: few compiled variants
     rows = q_pad * group
     if rows <= 16:
-        return DecodeConfig(max_q=q_pad, block_M=16, block_N=64, num_stages=_stages(is_fp8), threads=128)
+        # 16-row mma.sync tiles, warps splitting the columns: each warp needs 8+ output columns
+        warps = max(1, min(4, dv // 8))
+        return DecodeConfig(max_q=q_pad, block_M=16, block_N=64, num_stages=_stages(is_fp8), threads=32 * warps)
     if rows <= 64:
         return DecodeConfig(max_q=q_pad, block_M=64, block_N=64, num_stages=_stages(is_fp8), threads=128)
     if rows <= 128:
@@ -178,7 +180,7 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     if nt == 0:
         return (out, lse) if return_lse else out
 
-    dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8) if causal else None
+    dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8, spec.dv) if causal else None
     if dcfg is None:
         prefill_kernel(spec, causal, meta.page_size)(*args, int(meta.max_seqlen_q), out, lse)
     else:
