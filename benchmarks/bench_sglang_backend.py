@@ -3,6 +3,7 @@
     python benchmarks/bench_sglang_backend.py [--out benchmarks/results] [--ops decode,extend]
                                               [--page-sizes 1,64] [--timing auto|graph|eager]
     python benchmarks/bench_sglang_backend.py --smoke      (CPU, tiny shapes, fp32, peer torch_native)
+    python benchmarks/bench_sglang_backend.py --smoke --peers triton,torch_native   (+ Triton interpreter)
 
 Both backends run through SGLang 0.5.23's attention test kit
 (``sglang.test.kits.attention_unittest.attention_methods.dense_attention``): the kit's ``MockModelRunner``
@@ -20,8 +21,13 @@ Per row (one batch shape), for each backend on the *same* runner, cache and inpu
     of ``--rep`` after warm-up). If the capture fails for either backend, that row times both eagerly
     and says so (row ``timing`` and ``notes``); the top-level ``timing`` is the mode the run asked for.
 
-A failing backend on a shape records an error string in the row; the run continues. Each run writes
-``sglang-backend-<UTC stamp>.json`` under ``--out`` and prints a table.
+A failing backend on a shape records an error string in the row; the run continues (a CUDA fault that
+poisons the context makes the later rows fail too; rerun those with ``--ops`` / ``--page-sizes`` /
+``--decode-batches``). Each run writes ``sglang-backend-<UTC stamp>.json`` under ``--out`` and prints a table.
+
+Not modelled: the engine's decode CUDA-graph metadata path (``init_forward_metadata_out_graph`` on
+``init_cuda_graph_state`` buffers); here the metadata is the eager ``init_forward_metadata`` for both
+backends and only the layer call is captured.
 """
 
 from __future__ import annotations
@@ -249,11 +255,6 @@ def fill_prefix_kv(case, runner, layer, locs, *, dtype, device, chunk=1 << 18):
 
 
 # --------------------------------------------------------------------------------------------- timing
-def _sync(cuda):
-    if cuda:
-        torch.cuda.synchronize()
-
-
 def time_cpu_ms(fn, warmup, rep) -> float:
     for _ in range(warmup):
         fn()
@@ -291,134 +292,37 @@ def _err(e: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------- one row
-class _Skip(Exception):
-    pass
-
-
-class _KitCarrier:
-    """The kit's fixtures call ``testcase.skipTest``; our harness has no TestCase."""
-
-    def skipTest(self, reason):
-        raise _Skip(reason)
-
-
 def agreement_tol(kit, dtype: torch.dtype) -> float:
     """Max |ours - peer| still called agreement: the kit's own dense tolerance for 16-bit, 1e-4 for fp32."""
     return 1e-4 if dtype == torch.float32 else float(kit.DENSE_ATOL)
 
 
 def run_row(kit, shape: Shape, peers, *, device, timing, warmup, rep, seed=0, verbose=False) -> dict:
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
+    """One shape: ours and each peer on the same kit runner, cache and inputs. Never raises: a failure is
+    recorded in ``row["errors"]`` (per backend, or ``setup``)."""
     cuda = device != "cpu"
     row = {"op": shape.op, "shape": shape.as_dict(), "ours_ms": None, "peers": {}, "ratio": None,
            "max_abs_diff": None, "timing": None}
-    errors, notes = {}, []
-    names = [OURS] + list(peers)
-    runner = None
-    state = {}
+    errors, notes, held = {}, [], {}
     try:
-        case = make_case(kit, shape, OURS)
-        max_ctx = context_len_for(case)
-        torch.manual_seed(seed)
-        runner = make_runner(kit, case, dtype=shape.dtype, device=device, head_dim=shape.head_dim,
-                             max_context_len=max_ctx)
-        module = kit.ProjectedDenseAttention(hidden_size=HIDDEN_SIZE, num_heads=shape.heads_q,
-                                             num_kv_heads=shape.heads_kv, head_dim=shape.head_dim,
-                                             dtype=shape.dtype, device=device)
-        layer = module.attn
-        locs = shuffled_page_locs(case, max_ctx, seed + 17)
-        fb = make_forward_batch(case, runner, locs, device)
-        fill_prefix_kv(case, runner, layer, locs, dtype=shape.dtype, device=device)
-        t = case.num_input_tokens
-        q = torch.randn(t, shape.heads_q * shape.head_dim, dtype=shape.dtype, device=device)
-        k = torch.randn(t, shape.heads_kv * shape.head_dim, dtype=shape.dtype, device=device)
-        v = torch.randn(t, shape.heads_kv * shape.head_dim, dtype=shape.dtype, device=device)
-
-        # 1) build each backend on the same runner, metadata once, one checked call (also the JIT warm-up)
-        for name in names:
-            try:
-                backend = ATTENTION_BACKENDS[name](runner)
-                ctx = ForwardContext(attn_backend=backend)
-
-                def call(layer=layer):
-                    return layer(q, k, v, fb)  # RadixAttention -> backend.forward(..., save_kv_cache=True)
-
-                with forward_context(ctx):
-                    backend.init_forward_metadata(fb)
-                    out = call()
-                    _sync(cuda)
-                state[name] = dict(backend=backend, ctx=ctx, call=call, out=out.float().reshape(t, -1).clone())
-            except Exception as e:
-                errors[name] = _err(e)
-                if verbose:
-                    traceback.print_exc()
-        if OURS in state:
-            diffs = {}
-            for p in peers:
-                if p in state:
-                    try:
-                        diffs[p] = (state[OURS]["out"] - state[p]["out"]).abs().max().item()
-                    except Exception as e:  # e.g. a peer returning another shape
-                        errors[f"compare_{p}"] = _err(e)
-            if diffs:
-                row["max_abs_diff"] = diffs[peers[0]] if peers[0] in diffs else max(diffs.values())
-                row["agree"] = all(math.isfinite(x) and x <= agreement_tol(kit, shape.dtype) for x in diffs.values())
-                if len(diffs) > 1:
-                    row["max_abs_diff_by_peer"] = diffs
-        for s in state.values():
-            s.pop("out")
-
-        # 2) same timing mode for all backends of the row: graph if every capture works, else eager
-        mode = timing
-        if mode == "graph":
-            for name, s in state.items():
-                try:
-                    with forward_context(s["ctx"]):
-                        s["graph"] = capture_graph(s["call"])
-                except Exception as e:
-                    notes.append(f"{name}: CUDA graph capture failed ({_err(e)}); row timed eagerly")
-                    mode = "eager"
-                    break
-            if mode == "eager":
-                for s in state.values():
-                    s.pop("graph", None)
-                if cuda:
-                    torch.cuda.synchronize()
-        row["timing"] = mode
-        timer = time_cuda_ms if cuda else time_cpu_ms
-        for name, s in state.items():
-            try:
-                if mode == "graph":
-                    ms = timer(s["graph"].replay, warmup, rep)
-                else:
-                    with forward_context(s["ctx"]):
-                        ms = timer(s["call"], warmup, rep)
-            except Exception as e:
-                errors[name] = _err(e)
-                continue
-            if name == OURS:
-                row["ours_ms"] = ms
-            else:
-                row["peers"][name] = ms
-    except _Skip as e:
-        errors["setup"] = f"skipped: {e}"
+        _measure(kit, shape, list(peers), row, errors, notes, held, device=device, timing=timing, warmup=warmup,
+                 rep=rep, seed=seed, verbose=verbose)
     except Exception as e:
         errors["setup"] = _err(e)
         if verbose:
             traceback.print_exc()
     finally:
-        state.clear()
+        # Everything of the row is out of scope here except the runner (its server-args override is undone).
+        runner = held.pop("runner", None)
         if runner is not None:
             runner._server_args_override.restore()
-        runner = None
+        del runner
         gc.collect()
         if cuda:
             try:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-            except Exception as e:  # a faulted context: later rows will say so
+            except Exception as e:  # a faulted CUDA context: later rows will say so too
                 errors.setdefault("cleanup", _err(e))
     main_peer = peers[0] if peers else None
     if row["ours_ms"] and main_peer in row["peers"]:
@@ -430,6 +334,99 @@ def run_row(kit, shape: Shape, peers, *, device, timing, warmup, rep, seed=0, ve
     if notes:
         row["notes"] = notes
     return row
+
+
+def _measure(kit, shape, peers, row, errors, notes, held, *, device, timing, warmup, rep, seed, verbose):
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    cuda = device != "cpu"
+    case = make_case(kit, shape, OURS)
+    max_ctx = context_len_for(case)
+    torch.manual_seed(seed)
+    runner = held["runner"] = make_runner(kit, case, dtype=shape.dtype, device=device, head_dim=shape.head_dim,
+                                          max_context_len=max_ctx)
+    module = kit.ProjectedDenseAttention(hidden_size=HIDDEN_SIZE, num_heads=shape.heads_q,
+                                         num_kv_heads=shape.heads_kv, head_dim=shape.head_dim, dtype=shape.dtype,
+                                         device=device)
+    layer = module.attn
+    locs = shuffled_page_locs(case, max_ctx, seed + 17)
+    fb = make_forward_batch(case, runner, locs, device)
+    fill_prefix_kv(case, runner, layer, locs, dtype=shape.dtype, device=device)
+    t = case.num_input_tokens
+    q = torch.randn(t, shape.heads_q * shape.head_dim, dtype=shape.dtype, device=device)
+    k = torch.randn(t, shape.heads_kv * shape.head_dim, dtype=shape.dtype, device=device)
+    v = torch.randn(t, shape.heads_kv * shape.head_dim, dtype=shape.dtype, device=device)
+
+    def call():
+        return layer(q, k, v, fb)  # RadixAttention -> backend.forward(..., save_kv_cache=True)
+
+    # 1) each backend on the same runner: metadata once, one call to check (also the JIT warm-up)
+    state, outs = {}, {}
+    for name in [OURS] + peers:
+        try:
+            backend = ATTENTION_BACKENDS[name](runner)
+            ctx = ForwardContext(attn_backend=backend)
+            with forward_context(ctx):
+                backend.init_forward_metadata(fb)
+                out = call()
+            if cuda:
+                torch.cuda.synchronize()
+            outs[name] = out.float().reshape(t, -1).clone()
+            state[name] = {"backend": backend, "ctx": ctx}
+        except Exception as e:
+            errors[name] = _err(e)
+            if verbose:
+                traceback.print_exc()
+    diffs = {}
+    for p in peers:
+        if OURS in outs and p in outs:
+            try:
+                diffs[p] = (outs[OURS] - outs[p]).abs().max().item()
+            except Exception as e:  # e.g. a peer returning another shape
+                errors[f"compare_{p}"] = _err(e)
+    outs.clear()
+    if diffs:
+        row["max_abs_diff"] = diffs[peers[0]] if peers[0] in diffs else max(diffs.values())
+        row["agree"] = all(math.isfinite(x) and x <= agreement_tol(kit, shape.dtype) for x in diffs.values())
+        if len(diffs) > 1:
+            row["max_abs_diff_by_peer"] = diffs
+
+    # 2) one timing mode for every backend of the row: graph if every capture works, else eager
+    mode = timing
+    if mode == "graph":
+        for name, s in state.items():
+            try:
+                with forward_context(s["ctx"]):
+                    s["graph"] = capture_graph(call)
+            except Exception as e:
+                notes.append(f"{name}: CUDA graph capture failed ({_err(e)}); row timed eagerly")
+                mode = "eager"
+                break
+        if mode == "eager":
+            for s in state.values():
+                s.pop("graph", None)
+            if cuda:
+                torch.cuda.synchronize()
+    row["timing"] = mode
+    timer = time_cuda_ms if cuda else time_cpu_ms
+    for name, s in state.items():
+        try:
+            if mode == "graph":
+                ms = timer(s["graph"].replay, warmup, rep)
+            else:
+                with forward_context(s["ctx"]):
+                    ms = timer(call, warmup, rep)
+        except Exception as e:
+            errors[name] = _err(e)
+            if verbose:
+                traceback.print_exc()
+            continue
+        if name == OURS:
+            row["ours_ms"] = ms
+        else:
+            row["peers"][name] = ms
+    state.clear()
 
 
 # --------------------------------------------------------------------------------------------- output
