@@ -24,7 +24,7 @@ export PYTHONPATH=$ep:$PYTHONPATH
 what=${1:-all}; shift || true
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__, torch.cuda.get_device_name())"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -m gpu "${TESTS:-tests}" -q -n "${JOBS:-12}" -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -40
+  python3 -m pytest -m gpu ${TESTS:-tests} -q -n "${JOBS:-12}" -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_attention.py --out "$out" 2>&1 | tee "$out/bench.log" | tail -60

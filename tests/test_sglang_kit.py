@@ -132,10 +132,70 @@ def test_kit_decode_cuda_graph_capture_and_replay(case, gpu_device):
                                          cuda_graph_capture_batch_size=max(4, case.batch_size))
 
 
-def test_speculative_modes_are_refused_not_misread():
+# --------------------------------------------------------------------------------------------------- verify
+VERIFY_CASES = [
+    _case("verify_chain4_page16", ForwardMode.TARGET_VERIFY, heads=8, kv_heads=2, page=16, prefix=(40, 3, 17),
+          extend=(4, 4, 4)),
+    _case("verify_chain2_page1_mha", ForwardMode.TARGET_VERIFY, page=1, prefix=(9, 1), extend=(2, 2)),
+    _case("verify_chain8_page64_long", ForwardMode.TARGET_VERIFY, heads=8, kv_heads=1, page=64, prefix=(300, 64),
+          extend=(8, 8)),
+    _case("verify_chain3_window", ForwardMode.TARGET_VERIFY, heads=4, kv_heads=2, page=16, prefix=(50, 12),
+          extend=(3, 3), window=8),
+]
+
+
+def _verify(case, device, dtype, **kw):
+    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
+        run_dense_spec_verify_case)
+
+    with torch.no_grad():
+        run_dense_spec_verify_case(_TC(), case, device=device, dtype=dtype, max_context_len=_max_context(case),
+                                   **kw)
+
+
+@pytest.mark.parametrize("spec_kind", ["eagle", "dflash", "frozen_kv_mtp"])
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: c.name)
+def test_kit_target_verify_chain_cpu(case, spec_kind):
+    """Speculative verify (TARGET_VERIFY) with chain drafts, through the kit's verify runner: the draft
+    tokens attend to the accepted prefix and causally to each other (the kit's custom-mask reference)."""
+    _verify(case, "cpu", torch.float32, topk=1, spec_kind=spec_kind)
+
+
+@pytest.mark.parametrize("spec_kind,topk", [("eagle", 2), ("ngram", 1)])
+def test_kit_target_verify_tree_is_refused(spec_kind, topk):
+    case = _case("verify_tree", ForwardMode.TARGET_VERIFY, heads=4, kv_heads=2, page=16, prefix=(10, 5),
+                 extend=(3, 3))
+    with pytest.raises(NotImplementedError, match="tree attention mask"):
+        _verify(case, "cpu", torch.float32, topk=topk, spec_kind=spec_kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: c.name)
+def test_kit_target_verify_gpu(case, gpu_device):
+    """Verify on the GPU (the split-KV decode kernel with 2-8 query tokens per request), bf16."""
+    _verify(case, gpu_device, torch.bfloat16, topk=1, spec_kind="eagle")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VERIFY_CASES[:2], ids=lambda c: c.name)
+def test_kit_target_verify_cuda_graph(case, gpu_device):
+    """Verify captured into a CUDA graph and replayed on padded batches equals the reference (kit runner)."""
+    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
+        run_dense_spec_verify_cuda_graph_case)
+
+    if gpu_device != "cuda":
+        pytest.skip("the kit's graph runner drives torch.cuda graphs")
+    with torch.no_grad():
+        run_dense_spec_verify_cuda_graph_case(_TC(), case, topk=1, device=gpu_device, dtype=torch.bfloat16,
+                                              max_context_len=_max_context(case),
+                                              cuda_graph_capture_batch_size=max(4, case.batch_size))
+
+
+def test_other_speculative_modes_are_refused_not_misread():
     from musa_attn_backend.sglang.backend import backend_class
 
     backend = backend_class().__new__(backend_class())
-    fb = type("FB", (), {"forward_mode": ForwardMode.TARGET_VERIFY})()
-    with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
-        backend._build(fb)
+    for mode in (ForwardMode.DRAFT_EXTEND_V2, ForwardMode.DLLM_EXTEND):
+        fb = type("FB", (), {"forward_mode": mode})()
+        with pytest.raises(NotImplementedError, match=mode.name):
+            backend._build(fb)

@@ -3,8 +3,9 @@
 No math here: the backend turns ``ForwardBatch`` into the shared paged-KV metadata once per batch
 (``init_forward_metadata``), writes new K/V through the pool's own API and calls
 :func:`musa_attn_backend.kernels.paged_attention` once per layer (TileLang on a GPU, the PyTorch reference on
-a CPU). Decode supports CUDA-graph capture/replay: the metadata lives in fixed-capacity buffers that
-``init_forward_metadata_out_graph`` rewrites in place, and nothing in the captured region syncs the host.
+a CPU). Decode and speculative verify (chain drafts) support CUDA-graph capture/replay: the metadata lives in
+fixed-capacity buffers that ``init_forward_metadata_out_graph`` rewrites in place, and nothing in the captured
+region syncs the host.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def _make_class():
         # ------------------------------------------------------------- metadata
         def _build(self, fb, out: Optional[PagedKVMeta] = None) -> PagedKVMeta:
             mode = fb.forward_mode
-            if mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend():
-                # These batches carry their query layout (and tree masks) in spec_info, not in
+            if mode.is_draft_extend_v2() or mode.is_dllm_extend():
+                # These batches carry their query layout in spec_info / block structure, not in
                 # extend_seq_lens: refuse rather than attend with the wrong lengths.
-                raise NotImplementedError(f"tilelang_musa: forward mode {mode.name} (speculative decoding / dLLM) "
-                                          "is not supported yet; serve without speculative decoding")
+                raise NotImplementedError(f"tilelang_musa: forward mode {mode.name} is not supported; the draft "
+                                          "model of speculative decoding runs on SGLang's draft backend")
             common = dict(req_to_token=self.req_to_token_pool.req_to_token, req_pool_indices=fb.req_pool_indices,
                           seq_lens=fb.seq_lens, out_cache_loc=fb.out_cache_loc, page_size=self.page_size, out=out)
             # Host-side bounds SGLang already has (no device sync). Under a CUDA graph (out=) the key bound
@@ -55,6 +56,17 @@ def _make_class():
             seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
             if out is None and seq_lens_cpu is not None and seq_lens_cpu.numel():
                 common["max_seqlen_k"] = int(seq_lens_cpu.max())
+            if mode.is_target_verify():
+                # seq_lens count the accepted tokens; each request verifies n draft tokens after them, whose
+                # K/V go to out_cache_loc. A chain of drafts attends causally (the verify mask is lower
+                # triangular), which is our causal extend with prefix = seq_lens.
+                n = _chain_draft_tokens(fb.spec_info)
+                prefix = fb.seq_lens
+                common["seq_lens"] = prefix + n
+                if "max_seqlen_k" in common:
+                    common["max_seqlen_k"] += n
+                return PagedKVMeta.from_sglang(**common, extend_prefix_lens=prefix,
+                                               extend_seq_lens=torch.full_like(prefix, n), max_seqlen_q=n)
             if mode.is_decode_or_idle():
                 return PagedKVMeta.from_sglang(**common)
             lens_cpu = getattr(fb, "extend_seq_lens_cpu", None)
@@ -137,6 +149,19 @@ def create_backend(model_runner):
     """SGLang's factory for ``--attention-backend tilelang_musa``."""
     _check_environment(torch.device(model_runner.device))
     return backend_class()(model_runner)
+
+
+def _chain_draft_tokens(spec_info) -> int:
+    """Draft tokens per request of a speculative verify batch whose drafts form a chain (EAGLE / MTP with
+    ``topk == 1``, DFlash). Tree-shaped drafts (``topk > 1``, n-gram) need their custom mask: refused."""
+    n = getattr(spec_info, "draft_token_num", None)
+    topk = getattr(spec_info, "topk", None)
+    kind = type(spec_info).__name__
+    if n is None or topk != 1 or "Ngram" in kind:
+        raise NotImplementedError(
+            f"tilelang_musa: speculative verify with {kind} (topk={topk}) uses a tree attention mask, which is "
+            "not supported; use chain drafts (--speculative-eagle-topk 1) or another attention backend")
+    return int(n)
 
 
 def _paged(buf: torch.Tensor, page_size: int) -> torch.Tensor:
