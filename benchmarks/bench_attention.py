@@ -248,16 +248,18 @@ def plot(rows, path):
 
 
 def git_commit() -> str:
-    """HEAD of the checkout; on a machine that got a copy without .git, MUSA_ATTN_COMMIT or the
-    ``.commit`` file that scripts/device_check.sh's caller leaves in the tree."""
+    """The commit the run measures: the ``.commit`` file the caller leaves in the tree (the lent GPU machine
+    gets a copy whose git metadata can be stale), else MUSA_ATTN_COMMIT, else HEAD of the checkout."""
+    stamp = HERE.parent / ".commit"
+    if stamp.exists() and stamp.read_text().strip():
+        return stamp.read_text().strip()
+    if os.environ.get("MUSA_ATTN_COMMIT"):
+        return os.environ["MUSA_ATTN_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=HERE, text=True,
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
-        stamp = HERE.parent / ".commit"
-        if stamp.exists():
-            return stamp.read_text().strip()
-        return os.environ.get("MUSA_ATTN_COMMIT", "unknown")
+        return "unknown"
 
 
 def main(argv=None):
