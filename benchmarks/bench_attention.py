@@ -30,6 +30,23 @@ from musa_attn_backend.kernels import paged_attention  # noqa: E402
 from musa_attn_backend.metadata import PagedKVMeta  # noqa: E402
 
 
+def capture_graph(fn):
+    """``fn`` captured once in a CUDA graph, after a warm-up call on the capture stream (raises where it
+    cannot be captured)."""
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(s):
+            fn()
+            with torch.cuda.graph(g, stream=s):
+                fn()
+    finally:
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+    return g
+
+
 def bench_ms(fn, warmup=5, rep=30, graph=True) -> float:
     """Median time of ``fn`` in ms with CUDA events after warm-up.
 
@@ -43,16 +60,7 @@ def bench_ms(fn, warmup=5, rep=30, graph=True) -> float:
     run = fn
     if graph:
         try:
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-                with torch.cuda.graph(g, stream=s):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            run = g.replay
+            run = capture_graph(fn).replay
         except Exception as e:  # not capturable: time it eagerly
             print(f"  (eager timing: {type(e).__name__}: {str(e)[:80]})")
             torch.cuda.synchronize()
@@ -66,6 +74,23 @@ def bench_ms(fn, warmup=5, rep=30, graph=True) -> float:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def eager_ms(fn, warmup=5, rep=30, cuda=True) -> float:
+    """Median eager time of ``fn`` in ms: CUDA events on a GPU, ``perf_counter`` otherwise (CPU smoke runs)."""
+    if cuda:
+        return bench_ms(fn, warmup=warmup, rep=rep, graph=False)
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
 

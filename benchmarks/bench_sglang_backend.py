@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import gc
 import importlib.metadata
 import json
 import math
 import os
 import platform as _platform
-import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -55,6 +54,8 @@ ROOT = HERE.parent
 for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+from bench_attention import capture_graph, eager_ms, git_commit  # noqa: E402
 
 OURS = "tilelang_musa"
 HIDDEN_SIZE = 64  # the kit module's hidden size; only its (unused) projections depend on it
@@ -255,38 +256,6 @@ def fill_prefix_kv(case, runner, layer, locs, *, dtype, device, chunk=1 << 18):
 
 
 # --------------------------------------------------------------------------------------------- timing
-def time_cpu_ms(fn, warmup, rep) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def time_cuda_ms(fn, warmup, rep) -> float:
-    from bench_attention import bench_ms  # CUDA events, median (graph=False: fn is already what we time)
-
-    return bench_ms(fn, warmup=warmup, rep=rep, graph=False)
-
-
-def capture_graph(fn):
-    """``fn`` captured once in a CUDA graph (after a warm-up call on the capture stream); raises if it
-    cannot be captured."""
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    return g
-
-
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
 
@@ -409,7 +378,7 @@ def _measure(kit, shape, peers, row, errors, notes, held, *, device, timing, war
             if cuda:
                 torch.cuda.synchronize()
     row["timing"] = mode
-    timer = time_cuda_ms if cuda else time_cpu_ms
+    timer = functools.partial(eager_ms, cuda=cuda)  # (fn, warmup, rep)
     for name, s in state.items():
         try:
             if mode == "graph":
@@ -430,17 +399,6 @@ def _measure(kit, shape, peers, row, errors, notes, held, *, device, timing, war
 
 
 # --------------------------------------------------------------------------------------------- output
-def commit_id() -> str:
-    stamp = ROOT / ".commit"
-    if stamp.exists() and stamp.read_text().strip():
-        return stamp.read_text().strip()
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -561,7 +519,7 @@ def main(argv=None) -> int:
     now = _dt.datetime.now(_dt.timezone.utc)
     doc = {
         "device": device_name(device),
-        "commit": commit_id(),
+        "commit": git_commit(),
         "date": now.isoformat(),
         "torch": torch.__version__,
         "tilelang": _version("tilelang"),

@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
-from bench_attention import bench_ms
+from bench_attention import capture_graph, eager_ms, git_commit  # noqa: E402
 
 OURS = "TILELANG_MUSA"
 TRITON = "TRITON_ATTN"
@@ -302,36 +301,6 @@ def sdpa_reference(query, canon, batch: Batch, d, scale, out):
 
 
 # ---------------------------------------------------------------------------------------------- timing
-def time_eager(fn, device, warmup, rep) -> float:
-    if device.type == "cuda":
-        return bench_ms(fn, warmup=warmup, rep=rep, graph=False)
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(rep):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def capture_graph(fn):
-    """``fn`` captured in a CUDA graph (raises where it cannot be captured)."""
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(s):
-            fn()
-            with torch.cuda.graph(g, stream=s):
-                fn()
-    finally:
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-    return g
-
-
 def graph_follows_inputs(g, fn, out, query):
     """Replay ``g`` on a new query into a NaN-poisoned output and compare with an eager call on the same
     input: catches graphs that missed a kernel (launched off the capture stream) or baked in host values."""
@@ -423,7 +392,7 @@ def run_row(case: Case, block_size: int, setups: dict, peer_names: list, args, h
 
     for name, fn in fns.items():
         try:
-            row["eager_ms"][name] = time_eager(fn, device, args.warmup, args.rep)
+            row["eager_ms"][name] = eager_ms(fn, args.warmup, args.rep, cuda=device.type == "cuda")
         except Exception as e:
             row["errors"][f"{name}/eager"] = _err(e)
 
@@ -436,7 +405,7 @@ def run_row(case: Case, block_size: int, setups: dict, peer_names: list, args, h
                 row.setdefault("graph_vs_eager_max_abs_diff", {})[name] = diff
                 if not ok:
                     raise RuntimeError(f"graph replay does not match an eager call on new inputs (max diff {diff})")
-                row["graph_ms"][name] = bench_ms(g.replay, warmup=args.warmup, rep=args.rep, graph=False)
+                row["graph_ms"][name] = eager_ms(g.replay, args.warmup, args.rep)
                 del g
             except Exception as e:
                 row["errors"][f"{name}/graph"] = _err(e)
@@ -456,19 +425,6 @@ def run_row(case: Case, block_size: int, setups: dict, peer_names: list, args, h
 
 
 # ---------------------------------------------------------------------------------------------- output
-def commit_id() -> str:
-    """The ``.commit`` file at the repo root (left by whoever copied the tree), else ``git rev-parse --short
-    HEAD``, else ``$MUSA_ATTN_COMMIT``, else "unknown"."""
-    stamp = ROOT / ".commit"
-    if stamp.exists() and stamp.read_text().strip():
-        return stamp.read_text().strip()
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("MUSA_ATTN_COMMIT") or "unknown"
-
-
 def versions() -> dict:
     out = {"torch": torch.__version__}
     for mod in ("tilelang", "vllm"):
@@ -583,7 +539,7 @@ def main(argv=None) -> int:
 
     doc = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "commit": commit_id(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(), **versions(),
+        "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(), **versions(),
         "timing": {"method": "CUDA events" if device.type == "cuda" else "time.perf_counter",
                    "statistic": "median", "warmup": args.warmup, "rep": args.rep,
                    "unit": "ms per impl.forward call (one layer), metadata built once per batch outside",

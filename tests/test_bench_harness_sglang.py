@@ -149,11 +149,15 @@ def test_a_failing_backend_is_recorded_and_the_row_still_times_ours(bench, kit):
 
 
 def test_commit_prefers_the_stamp_file(bench, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    import bench_attention
+
+    monkeypatch.setattr(bench_attention, "HERE", tmp_path / "benchmarks")
+    monkeypatch.delenv("MUSA_ATTN_COMMIT", raising=False)
     (tmp_path / ".commit").write_text("abc1234+wip\n")
-    assert bench.commit_id() == "abc1234+wip"
+    assert bench.git_commit() == "abc1234+wip"
     (tmp_path / ".commit").unlink()
-    assert bench.commit_id() == "unknown"  # tmp_path is no git checkout
+    (tmp_path / "benchmarks").mkdir()
+    assert bench.git_commit() == "unknown"  # tmp_path is no git checkout
 
 
 def _fake_capture(fail_for=None):
