@@ -244,17 +244,9 @@ def cmd_warmup(args) -> int:
     if not platform.target_kind:
         print("musa-attn warmup: no GPU to compile for here; pass --target sm_90a (or mp_31)", file=sys.stderr)
         return 2
-    if args.model_config:
-        model = warmup.from_hf_config(warmup.load_config(args.model_config), tp=args.tp, dtype=args.dtype)
-    else:
-        missing = [n for n in ("heads", "kv_heads", "head_dim") if getattr(args, n) is None]
-        if missing:
-            print("musa-attn warmup: give --model-config, or --heads, --kv-heads and --head-dim "
-                  f"(missing: {', '.join('--' + m.replace('_', '-') for m in missing)})", file=sys.stderr)
-            return 2
-        model = warmup.ModelAttention(args.heads, args.kv_heads, args.head_dim, args.head_dim_v or args.head_dim,
-                                      warmup.DTYPES[args.dtype or "bf16"], has_window=args.sliding_window,
-                                      has_softcap=args.softcap, has_sinks=args.sinks)
+    model = _model_from_args(args, "warmup")
+    if model is None:
+        return 2
     jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
                        speculative_tokens=args.speculative_tokens, page_size=args.page_size)
     from .cache import cache_dir
@@ -271,6 +263,55 @@ def cmd_warmup(args) -> int:
     return 0
 
 
+def _model_from_args(args, cmd: str):
+    """The model's attention shapes from --model-config or the explicit head flags (None after an error)."""
+    from . import warmup
+
+    if args.model_config:
+        return warmup.from_hf_config(warmup.load_config(args.model_config), tp=args.tp, dtype=args.dtype)
+    missing = [n for n in ("heads", "kv_heads", "head_dim") if getattr(args, n) is None]
+    if missing:
+        print(f"musa-attn {cmd}: give --model-config, or --heads, --kv-heads and --head-dim "
+              f"(missing: {', '.join('--' + m.replace('_', '-') for m in missing)})", file=sys.stderr)
+        return None
+    return warmup.ModelAttention(args.heads, args.kv_heads, args.head_dim, args.head_dim_v or args.head_dim,
+                                 warmup.DTYPES[args.dtype or "bf16"], has_window=args.sliding_window,
+                                 has_softcap=args.softcap, has_sinks=args.sinks)
+
+
+def cmd_tune(args) -> int:
+    from . import warmup
+    from .platform import get_platform
+
+    if not get_platform().has_gpu:
+        print("musa-attn tune: needs a GPU (candidates are checked and timed on it); `musa-attn warmup "
+              "--target ...` builds without one", file=sys.stderr)
+        return 2
+    model = _model_from_args(args, "tune")
+    if model is None:
+        return 2
+    import torch
+
+    from .kernels.attention.tune import tune_prefill
+
+    page_size = args.page_size or warmup.DEFAULT_PAGE_SIZE[args.engine]
+    windows = [True] if model.only_window else ([False, True] if model.has_window else [False])
+    ok = True
+    for window in windows:
+        res = tune_prefill(model.num_q_heads, model.num_kv_heads, model.head_dim, model.head_dim_v,
+                           dtype=getattr(torch, model.dtype), fp8_kv=args.kv_cache_dtype != "auto",
+                           page_size=page_size, sliding_window=4096 if window else None,
+                           softcap=30.0 if model.has_softcap else None, sinks=model.has_sinks, seqlen=args.seqlen,
+                           record=not args.dry_run)
+        if res["best"] is None:
+            print(f"tune: no correct candidate for {res['key']}", file=sys.stderr)
+            ok = False
+        else:
+            print(f"tune: {res['key']} -> {res['best']} ({res['ms']:.3f} ms)"
+                  + (f", recorded in {res['table']}" if res["table"] else " (dry run: not recorded)"))
+    return 0 if ok else 1
+
+
 def cmd_bench(args) -> int:
     from pathlib import Path
 
@@ -280,6 +321,24 @@ def cmd_bench(args) -> int:
               "(pip install -e .)", file=sys.stderr)
         return 2
     return subprocess.call([sys.executable, str(script), *args.bench_args])
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-config", help="a Hugging Face config.json (or the folder holding it)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
+    p.add_argument("--heads", type=int, help="query heads per rank (without --model-config)")
+    p.add_argument("--kv-heads", type=int, help="KV heads per rank")
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--head-dim-v", type=int)
+    p.add_argument("--sliding-window", action="store_true", help="the model has sliding-window layers")
+    p.add_argument("--softcap", action="store_true", help="the model uses a logit softcap")
+    p.add_argument("--sinks", action="store_true", help="the model has attention sinks")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), help="activation dtype (default: the config's, or bf16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
+    p.add_argument("--engine", default="sglang", choices=("sglang", "vllm"), help="KV-cache layout / page default")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="the engine's KV page size (default: SGLang 1, vLLM 16); pages of 64+ tokens use the "
+                        "bulk-copy prefill kernel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,26 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_demo)
     w = sub.add_parser("warmup", help="compile every kernel a model needs into the kernel cache, ahead of serving")
-    w.add_argument("--model-config", help="a Hugging Face config.json (or the folder holding it)")
-    w.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads per rank)")
-    w.add_argument("--heads", type=int, help="query heads per rank (without --model-config)")
-    w.add_argument("--kv-heads", type=int, help="KV heads per rank")
-    w.add_argument("--head-dim", type=int)
-    w.add_argument("--head-dim-v", type=int)
-    w.add_argument("--sliding-window", action="store_true", help="the model has sliding-window layers")
-    w.add_argument("--softcap", action="store_true", help="the model uses a logit softcap")
-    w.add_argument("--sinks", action="store_true", help="the model has attention sinks")
-    w.add_argument("--dtype", choices=("bf16", "fp16"), help="activation dtype (default: the config's, or bf16)")
-    w.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
-    w.add_argument("--engine", default="sglang", choices=("sglang", "vllm"), help="KV-cache layout to compile for")
+    _add_model_args(w)
     w.add_argument("--speculative-tokens", type=int, default=0, help="draft tokens verified per step")
-    w.add_argument("--page-size", type=int, default=None,
-                   help="the engine's KV page size (default: SGLang 1, vLLM 16); pages of 128+ tokens use the "
-                        "bulk-copy prefill kernel")
     w.add_argument("--target", help="compile for this target instead of the local GPU (sm_90a, mp_31, ...)")
     w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiler processes (default: cores, <= 8)")
     w.add_argument("--quiet", action="store_true")
     w.set_defaults(func=cmd_warmup)
+    t = sub.add_parser("tune", help="pick the prefill tiling for a model on this GPU and record it in the "
+                                    "tuning table of the kernel cache (run before warmup)")
+    _add_model_args(t)
+    t.add_argument("--seqlen", type=int, default=8192, help="prefill length the candidates are timed on")
+    t.add_argument("--dry-run", action="store_true", help="measure and print, do not record")
+    t.set_defaults(func=cmd_tune)
     b = sub.add_parser("bench", help="benchmark against SDPA/FlexAttention on a GPU (benchmarks/bench_attention.py)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on (--quick, --ops, --out, ...)")
     b.set_defaults(func=cmd_bench)

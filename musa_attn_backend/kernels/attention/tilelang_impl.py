@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from ... import tuning
 from ..._tilelang import compile_cached, tl_dtype
 from ...paged_layout import cache_rows
 from ...platform import get_platform
@@ -64,16 +65,49 @@ def _stages(is_fp8: bool) -> int:
     return 1 if is_fp8 else 2
 
 
+def _prefill_tile(d: int, dv: int) -> int:
+    return 128 if max(d, dv) <= 128 else 64
+
+
+def prefill_shape_class(d: int, dv: int, is_fp8: bool, page_size: int, has_window: bool) -> str:
+    """What a prefill tile choice depends on (besides the device): the key of its tuning-table entry."""
+    pages = "p128" if page_size % 128 == 0 else "p64" if page_size % 64 == 0 else "rows"
+    return tuning.shape_key(d=d, dv=dv, fp8=int(is_fp8), window=int(has_window), pages=pages)
+
+
+def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
+                       has_window: bool = False) -> list[PrefillConfig]:
+    """Every prefill tiling valid for this shape class on this platform (what ``musa-attn tune`` tries)."""
+    tma_ok = get_platform().bulk_copy and not is_fp8 and not has_window
+    out = []
+    for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
+        for tma in ((True, False) if tma_ok and page_size % bn == 0 else (False,)):
+            for stages in ((2,) if tma else (1,) if is_fp8 else (2, 1)):
+                out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=256, tma=tma))
+    return out
+
+
 def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                    has_window: bool = False) -> PrefillConfig:
-    """Prefill tiling. Where the platform has a bulk-copy engine (TMA / TME), a bf16/fp16 cache without a
-    window whose pages hold whole key tiles (64+ tokens) is read one tile per block copy, with the tile
-    width picked to divide the page; other caches gather rows (128-key tiles up to head dim 128).
+    """Prefill tiling: the tuning table's choice for this shape class on this device (``musa-attn tune``) if
+    there is a valid one, else the default. Default: where the platform has a bulk-copy engine (TMA / TME), a
+    bf16/fp16 cache without a window whose pages hold whole key tiles (64+ tokens) is read one tile per block
+    copy, with the tile width picked to divide the page; other caches gather rows (128-key tiles up to head
+    dim 128).
 
-    Measured on the H200 (benchmarks/results/tune-prefill-*.json, hd 128, 32/8 heads, 8k causal): whole-
-    tile copies 361 TFLOP/s with 128-key tiles and 311 with 64-key tiles; row gathers about 210."""
-    wide = max(d, dv) <= 128
-    tile = 128 if wide else 64
+    Measured on the H200 (benchmarks/results/tune-prefill-20261129T173534Z.json, hd 128, 32/8 heads, 8k
+    causal): whole-tile copies 375 TFLOP/s with 128-key tiles and 328 with 64-key tiles; row gathers 290-296
+    with 128-key tiles, 271-274 with 64."""
+    valid = prefill_candidates(d, dv, is_fp8, page_size, has_window)
+    tuned = tuning.lookup("prefill", prefill_shape_class(d, dv, is_fp8, page_size, has_window))
+    if tuned:
+        try:
+            cfg = PrefillConfig(**tuned)
+        except TypeError:
+            cfg = None  # a table from another version of this package: ignore the entry
+        if cfg in valid:
+            return cfg
+    tile = _prefill_tile(d, dv)
     if get_platform().bulk_copy and not is_fp8 and not has_window:
         for bn in (tile, 64):
             if page_size % bn == 0:
@@ -133,8 +167,9 @@ class AttnSpec:
         return self.hq // self.hkv
 
 
-def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None):
-    cfg = prefill_config(spec.d, spec.dv, spec.is_fp8, page_size, spec.has_window)
+def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None,
+                   cfg: Optional[PrefillConfig] = None):
+    cfg = cfg or prefill_config(spec.d, spec.dv, spec.is_fp8, page_size, spec.has_window)
     return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
@@ -154,7 +189,10 @@ def combine_kernel(spec: AttnSpec, target=None):
 
 
 def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale=None, sliding_window=None,
-                             logit_softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False):
+                             logit_softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False,
+                             prefill_cfg: Optional[PrefillConfig] = None):
+    """The TileLang path of :func:`musa_attn_backend.kernels.paged_attention` (``prefill_cfg``: force a prefill
+    tiling, for the tuner)."""
     check_tilelang_supported(q, k_cache, v_cache)
     q = q.contiguous()
     nt, hq, d = q.shape
@@ -181,8 +219,8 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
         return (out, lse) if return_lse else out
 
     dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8, spec.dv) if causal else None
-    if dcfg is None:
-        prefill_kernel(spec, causal, meta.page_size)(*args, int(meta.max_seqlen_q), out, lse)
+    if dcfg is None or prefill_cfg is not None:
+        prefill_kernel(spec, causal, meta.page_size, cfg=prefill_cfg)(*args, int(meta.max_seqlen_q), out, lse)
     else:
         splits = num_splits_for(meta.batch_size, hkv, meta.max_seqlen_k, dcfg.block_N,
                                 get_platform().sm_count or 132)

@@ -1,0 +1,122 @@
+"""The tuning table (``musa-attn tune`` writes it, ``prefill_config`` reads it) and the tuner's search."""
+
+import json
+import multiprocessing
+from dataclasses import asdict
+
+import pytest
+
+from musa_attn_backend import tuning
+from musa_attn_backend.cli import main as cli_main
+from musa_attn_backend.platform import get_platform
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUSA_ATTN_CACHE_DIR", str(tmp_path))
+    tuning._loaded.clear()
+    yield tmp_path
+    tuning._loaded.clear()
+
+
+def test_record_then_lookup_roundtrip(cache):
+    key = tuning.shape_key(d=128, dv=128, pages="p128")
+    assert tuning.lookup("prefill", key) is None
+    path = tuning.record("prefill", key, {"block_N": 64}, 1.25, details={"seqlen": 8192})
+    assert path.parent == cache / "tuning" and "tilelang" in path.name
+    assert tuning.lookup("prefill", key) == {"block_N": 64}
+    assert tuning.lookup("decode", key) is None
+    entry = json.loads(path.read_text())["entries"]["prefill"][key]
+    assert entry["ms"] == 1.25 and entry["seqlen"] == 8192
+    # a second record for the same key replaces the choice
+    tuning.record("prefill", key, {"block_N": 128}, 1.0)
+    assert tuning.lookup("prefill", key) == {"block_N": 128}
+
+
+def test_tables_are_per_device_and_tilelang_version(cache):
+    p = get_platform()
+    assert tuning.table_path(p, "0.1.12") != tuning.table_path(p, "0.1.15")
+
+
+def test_unreadable_table_means_defaults(cache):
+    path = tuning.table_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert tuning.lookup("prefill", "anything") is None
+
+
+def _writer(args):
+    cache_dir, worker = args
+    import os
+
+    os.environ["MUSA_ATTN_CACHE_DIR"] = cache_dir
+    from musa_attn_backend import tuning as t
+
+    for i in range(15):
+        t.record("prefill", f"w{worker}-k{i}", {"i": i}, float(i))
+
+
+def test_concurrent_writers_lose_nothing(cache):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        pool.map(_writer, [(str(cache), w) for w in range(4)])
+    entries = tuning.load(refresh=True)["prefill"]
+    assert len(entries) == 60 and entries["w3-k14"]["config"] == {"i": 14}
+
+
+def test_prefill_config_follows_a_valid_entry_and_ignores_others(cache, monkeypatch):
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")  # a platform with TMA, so both load paths are candidates
+    default = ti.prefill_config(128, 128, page_size=128)
+    assert default.tma and default.block_N == 128
+    key = ti.prefill_shape_class(128, 128, False, 128, False)
+    gathered = ti.PrefillConfig(block_M=128, block_N=64, num_stages=1, threads=256, tma=False)
+    assert gathered in ti.prefill_candidates(128, 128, page_size=128)
+    tuning.record("prefill", key, asdict(gathered), 1.0)
+    assert ti.prefill_config(128, 128, page_size=128) == gathered
+    # an entry that is not valid for this shape class (TMA tiles on 1-token pages), or from another format
+    key1 = ti.prefill_shape_class(128, 128, False, 1, False)
+    tuning.record("prefill", key1, asdict(default), 1.0)
+    assert not ti.prefill_config(128, 128, page_size=1).tma
+    tuning.record("prefill", key, {"block_N": 64, "unknown_knob": 3}, 1.0)
+    assert ti.prefill_config(128, 128, page_size=128) == default
+    # windows and FP8 caches never get TMA candidates
+    assert not any(c.tma for c in ti.prefill_candidates(128, 128, page_size=128, has_window=True))
+    assert all(c.num_stages == 1 and not c.tma for c in ti.prefill_candidates(128, 128, True, 128))
+
+
+def test_search_takes_the_fastest_correct_candidate():
+    times = {"a": 3.0, "b": 1.0, "c": 0.5, "d": 2.0}
+
+    def check(cfg):
+        if cfg["n"] == "c":
+            return "max relative error 0.4"
+        if cfg["n"] == "d":
+            raise RuntimeError("does not compile")
+        return None
+
+    best, ms, rows = tuning.search([{"n": n} for n in times], check, lambda c: times[c["n"]], log=lambda s: None)
+    assert best == {"n": "b"} and ms == 1.0
+    assert "wrong result" in rows[2]["error"] and "does not compile" in rows[3]["error"]
+    assert "ms" not in rows[2]  # a wrong candidate is never timed
+
+
+def test_tune_needs_a_gpu(capsys):
+    if get_platform().has_gpu:
+        pytest.skip("this machine has a GPU")
+    assert cli_main(["tune", "--heads", "32", "--kv-heads", "8", "--head-dim", "128"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_tune_prefill_on_gpu(gpu_device, cache):
+    """Every candidate is correct on the GPU, the fastest is recorded and then chosen by prefill_config."""
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+    from musa_attn_backend.kernels.attention.tune import tune_prefill
+
+    res = tune_prefill(8, 2, 128, page_size=128, seqlen=2048, log=lambda s: None)
+    assert res["best"] is not None and res["table"]
+    assert not [r for r in res["rows"] if "error" in r], res["rows"]
+    tuning._loaded.clear()
+    assert asdict(ti.prefill_config(128, 128, page_size=128)) == res["best"]
