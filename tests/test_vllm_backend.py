@@ -171,6 +171,120 @@ def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, 
     assert calls, "the TileLang path did not run"
 
 
+def _decode_builder(block, hkv, d, dtype, device, monkeypatch, graphs=True):
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from musa_attn_backend.vllm import backend as vb
+
+    if graphs:
+        monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "1")
+    cfg = VllmConfig()
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=dtype)
+    return vb.TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], cfg, torch.device(device)), cfg
+
+
+def test_cuda_graph_support_is_opt_in(monkeypatch):
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from musa_attn_backend.vllm import backend as vb
+
+    cls = vb.TileLangMusaBackend.get_builder_cls()
+    monkeypatch.delenv(vb.CUDA_GRAPHS_ENV, raising=False)
+    assert cls.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "1")
+    assert cls.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_decode_batches_reuse_persistent_buffers_under_full_graphs(monkeypatch):
+    """Under full CUDA graphs every pure-decode batch is built into the same buffers (a captured graph reads
+    each replay's metadata there), with the key bound at the block-table capacity; other batches are not."""
+    builder, _ = _decode_builder(16, 2, 64, torch.float32, "cpu", monkeypatch)
+    metas = []
+    for seed in (1, 2):
+        batch = random_batch(random.Random(seed), batch_size=6, page_size=16, max_seq_len=200, decode=True)
+        md = builder.build(0, _common_metadata(batch))
+        fresh = batch.meta()
+        width = fresh.page_table.shape[1]
+        for name in ("cu_seqlens_q", "seqlens_k", "prefix_lens", "slot_mapping"):
+            assert torch.equal(getattr(md.meta, name), getattr(fresh, name)), name
+        assert torch.equal(md.meta.page_table[:, :width], fresh.page_table)
+        assert md.meta.max_seqlen_k == md.meta.page_table.shape[1] * 16
+        metas.append(md.meta)
+    assert metas[0].seqlens_k.data_ptr() == metas[1].seqlens_k.data_ptr()
+    assert metas[0].page_table.data_ptr() == metas[1].page_table.data_ptr()
+    mixed = random_batch(random.Random(3), batch_size=3, page_size=16, max_seq_len=200, query_lens=[1, 5, 1],
+                         prefix_lens=[10, 0, 30])
+    assert builder.build(0, _common_metadata(mixed)).meta.seqlens_k.data_ptr() != metas[0].seqlens_k.data_ptr()
+    monkeypatch.delenv("MUSA_ATTN_VLLM_CUDA_GRAPHS")  # not opted in: every batch gets its own tensors
+    plain, _ = _decode_builder(16, 2, 64, torch.float32, "cpu", monkeypatch, graphs=False)
+    batch = random_batch(random.Random(1), batch_size=6, page_size=16, max_seq_len=200, decode=True)
+    assert plain.build(0, _common_metadata(batch)).meta.max_seqlen_k == max(batch.seq_lens)
+
+
+@pytest.mark.gpu
+def test_impl_decode_under_cuda_graph_capture_and_replay(gpu_device, monkeypatch):
+    """vLLM's builder + impl decode captured in a CUDA graph, then replayed after building *other* decode
+    batches (new lengths, block tables, queries, one padded request): equal to eager runs of the same batches."""
+    from vllm.config import set_current_vllm_config
+
+    from musa_attn_backend.vllm.backend import TileLangMusaBackend
+
+    hq, hkv, d, block, bs = 32, 8, 128, 16, 8
+    builder, cfg = _decode_builder(block, hkv, d, torch.bfloat16, gpu_device, monkeypatch)
+    with set_current_vllm_config(cfg):
+        impl = TileLangMusaBackend.get_impl_cls()(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=hkv)
+    num_blocks, width = 600, 256
+    kv_cache = torch.randn(num_blocks, block, hkv, 2 * d, device=gpu_device).to(torch.bfloat16).permute(0, 2, 1, 3)
+    layer = type("L", (), {})()
+    query = torch.empty(bs, hq, d, device=gpu_device, dtype=torch.bfloat16)
+    output = torch.empty(bs, hq, d, device=gpu_device, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+
+    def common(seq_lens):
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        table = torch.randint(1, num_blocks, (bs, width), generator=g, dtype=torch.int32).to(gpu_device)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=gpu_device)
+        qsl = torch.arange(bs + 1, dtype=torch.int32, device=gpu_device)
+        last = (sl - 1).clamp_min(0).long()
+        slots = torch.where(sl > 0, table.long().gather(1, (last // block)[:, None])[:, 0] * block + last % block,
+                            torch.full_like(last, -1))
+        return CommonAttentionMetadata(query_start_loc=qsl, query_start_loc_cpu=qsl.cpu(), seq_lens=sl,
+                                       num_reqs=bs, num_actual_tokens=bs, max_query_len=1,
+                                       max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=slots,
+                                       causal=True, seq_lens_cpu_upper_bound=sl.cpu())
+
+    def eager(cm, q):
+        out = torch.empty_like(output)
+        impl.forward(layer, q, None, None, kv_cache, builder.build(0, cm), out)
+        return out
+
+    cm0 = common([3000, 17, 900, 1, 4096, 250, 33, 1200])
+    md = builder.build(0, cm0)
+    query.copy_(torch.randn(bs, hq, d, generator=g).to(torch.bfloat16))
+    impl.forward(layer, query, None, None, kv_cache, md, output)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        impl.forward(layer, query, None, None, kv_cache, md, output)
+    torch.cuda.current_stream().wait_stream(s)
+    for lens in ([5, 4000, 77, 2048, 1, 9, 3100, 0], [4096] * 8):  # 0: a padded request
+        cm = common(lens)
+        q = torch.randn(bs, hq, d, generator=g).to(torch.bfloat16).to(gpu_device)
+        want = eager(cm, q)
+        builder.build(0, cm)  # what vLLM does before each replay
+        query.copy_(q)
+        output.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        live = torch.tensor(lens, device=gpu_device) > 0
+        torch.testing.assert_close(output[live].float(), want[live].float(), atol=2e-2, rtol=2e-2)
+
+
 def test_impl_refuses_unsupported():
     from musa_attn_backend.vllm.backend import TileLangMusaImpl
 

@@ -3,11 +3,18 @@
 No math here. The builder turns vLLM's batch into the shared paged-KV metadata once per batch; the impl writes
 K/V with our KV-write op (``do_kv_cache_update``) and runs :func:`musa_attn_backend.kernels.paged_attention`
 (TileLang on a GPU, the PyTorch reference on a CPU) on vLLM's NHD cache ``[blocks, block_size, H, 2D]`` seen as
-K and V views, in place. CUDA graphs: declared ``NEVER`` until graph capture has been tested on a GPU.
+K and V views, in place.
+
+CUDA graphs: with ``MUSA_ATTN_VLLM_CUDA_GRAPHS=1`` the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE`` and,
+when vLLM runs full CUDA graphs, builds pure-decode batches into persistent fixed-capacity buffers (so a
+captured graph reads each replay's metadata) with the key bound at ``max_model_len`` (the block-table width; so the split
+count fixed at capture holds at replay); padded requests (no keys, slot -1) write nothing and read nothing. Off by
+default (``NEVER``) until it has run under vLLM's own graph runner on a GPU.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -28,6 +35,11 @@ from ..metadata import PagedKVMeta
 
 NAME = "TILELANG_MUSA"
 FP8_KV = ("fp8", "fp8_e4m3")
+CUDA_GRAPHS_ENV = "MUSA_ATTN_VLLM_CUDA_GRAPHS"
+
+
+def _graphs_opted_in() -> bool:
+    return os.environ.get(CUDA_GRAPHS_ENV, "") == "1"
 
 
 @dataclass
@@ -91,19 +103,43 @@ class TileLangMusaBackend(AttentionBackend):
 class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if _graphs_opted_in() else AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+        self.full_graphs = _graphs_opted_in() and mode is not None and mode.has_full_cudagraphs()
+        self._graph_meta: Optional[PagedKVMeta] = None
+
+    def _persistent(self, cm: CommonAttentionMetadata) -> PagedKVMeta:
+        """Fixed-capacity metadata buffers for decode batches under full CUDA graphs (made once): up to
+        ``max_num_seqs`` requests, the runner's block-table width (blocks per request at ``max_model_len``)."""
+        if self._graph_meta is None:
+            max_bs = max(int(self.vllm_config.scheduler_config.max_num_seqs), cm.num_reqs)
+            self._graph_meta = PagedKVMeta.allocate(max_batch=max_bs, max_tokens=max_bs,
+                                                    max_pages=max(1, cm.block_table_tensor.shape[1]),
+                                                    page_size=self.block_size, device=self.device)
+        return self._graph_meta
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TileLangMusaMetadata:
         cm = common_attn_metadata
         n, bs = cm.num_actual_tokens, cm.num_reqs
         slots = cm.slot_mapping[:n]
+        out = None
+        if self.full_graphs and cm.max_query_len == 1 and n == bs:
+            graph_meta = self._persistent(cm)
+            if bs <= graph_meta.batch_size and cm.block_table_tensor.shape[1] <= graph_meta.max_pages:
+                out = graph_meta
         meta = PagedKVMeta.from_vllm(block_table=cm.block_table_tensor[:bs], query_start_loc=cm.query_start_loc[:bs + 1],
                                      seq_lens=cm.seq_lens[:bs], slot_mapping=slots, page_size=self.block_size,
-                                     max_seqlen_q=int(cm.max_query_len), max_seqlen_k=int(cm.max_seq_len))
-        return TileLangMusaMetadata(meta=meta, num_actual_tokens=n, slot_mapping=slots, causal=cm.causal)
+                                     max_seqlen_q=int(cm.max_query_len),
+                                     max_seqlen_k=None if out is not None else int(cm.max_seq_len), out=out)
+        return TileLangMusaMetadata(meta=meta, num_actual_tokens=n, slot_mapping=meta.slot_mapping,
+                                    causal=cm.causal)
 
 
 class TileLangMusaImpl(AttentionImpl):
