@@ -121,6 +121,36 @@ def paged_cache(batch, seqlen, hkv, d, page_size, dtype, contiguous=False, seed=
     return k, v, table
 
 
+def flex_paged_prefill(q, k_cache, v_cache, table, causal, compiled=True):
+    """FlexAttention reading the same paged pool (shuffled pages) through a block mask: a callable for one
+    request whose pages are ``table[0]``. Flex attends over the physical slots; the mask maps each slot back to
+    its logical position (slots of other requests' pages, or past the diagonal, are masked) and the block mask
+    skips pages the request does not own. The pool is laid out ``[1, H, slots, D]`` once, outside the timing."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_cache.shape
+    slots = num_pages * page_size
+    inv = torch.full((num_pages,), -1, dtype=torch.long, device=q.device)
+    inv[table[0].long()] = torch.arange(table.shape[1], device=q.device)
+    slot = torch.arange(slots, device=q.device)
+    logical = torch.where(inv[slot // page_size] >= 0, inv[slot // page_size] * page_size + slot % page_size,
+                          torch.full_like(slot, -1))
+    logical = torch.where(logical < s, logical, torch.full_like(logical, -1))
+
+    def mask_mod(b, h, qi, ki):
+        pos = logical[ki]
+        ok = pos >= 0
+        return (ok & (pos <= qi)) if causal else ok
+
+    block = create_block_mask(mask_mod, 1, 1, s, slots, device=q.device, BLOCK_SIZE=128)
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k_cache.reshape(slots, hkv, d).transpose(0, 1).unsqueeze(0).contiguous()
+    vt = v_cache.reshape(slots, hkv, -1).transpose(0, 1).unsqueeze(0).contiguous()
+    fn = torch.compile(flex_attention) if compiled else flex_attention
+    return lambda: fn(qt, kt, vt, block_mask=block, enable_gqa=True)
+
+
 def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_sizes=(1, 128), peers=True):
     """One row per (causal, length, page size). ``ours_contiguous_ms``: the same kernel and page size with the
     request's pages in order (the paged-vs-contiguous ratio)."""
@@ -140,6 +170,13 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                         device="cuda"), slot_mapping=torch.arange(s, device="cuda"), page_size=ps, max_seqlen_q=s,
                         max_seqlen_k=s)
                     res[name, ps] = bench_ms(lambda: paged_attention(q, k, v, meta, causal=causal, impl="tilelang"))
+                    if peers and not contig:
+                        try:
+                            fn = flex_paged_prefill(q, k, v, table, causal)
+                            fn()
+                            res["flex_paged", ps] = bench_ms(fn)
+                        except Exception as e:
+                            print(f"  flex_paged skipped: {type(e).__name__}: {e}"[:200])
             peer_ms = {}
             if peers:
                 qt = q.view(1, s, hq, d).transpose(1, 2)
@@ -173,7 +210,9 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                     "shape": dict(batch=batch, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
                                   page_size=ps, causal=causal, dtype=str(dtype).replace("torch.", "")),
                     "ours_ms": res["ours", ps], "ours_contiguous_ms": res["ours_contiguous", ps],
-                    "tflops": flops / res["ours", ps] / 1e9, "gbps": None, "peers": peer_ms,
+                    "tflops": flops / res["ours", ps] / 1e9, "gbps": None,
+                    "peers": {**peer_ms, **({"flex_paged": res["flex_paged", ps]} if ("flex_paged", ps) in res
+                                            else {})},
                 })
     return rows
 
