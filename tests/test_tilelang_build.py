@@ -42,3 +42,20 @@ def test_write_kv_kernel_compiles_for_sm90a(heads, dim, dim_v, in_dtype, cache_d
         assert "fp8_e4" in src and "4.48" in src  # quantise and clamp to +-448
     # Negative slots are skipped and the page index comes from slot // page_size.
     assert re.search(r"\(int64_t\)0 <= (slot|page)\b", src), "no guard skipping negative slots"
+
+
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_prefill_tma_tiles_compile_for_sm90a(block_n):
+    """The whole-page prefill path (pages of 64+ tokens) lowers its tile loads to TMA on Hopper."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend._tilelang import compile_cached
+    from musa_attn_backend.kernels.attention.tilelang_kernel import build_prefill
+
+    lay = (2 * 128, 2 * 128, 128)  # 2 KV heads, head dim 128, SGLang pool rows
+    key = ("test_prefill_tma", block_n)
+    kernel = compile_cached(key, lambda: build_prefill.__wrapped__(
+        8, 2, 128, 128, "bfloat16", "bfloat16", True, False, False, False, False, lay, lay,
+        128, block_n, 2, 256, True), target=HOPPER)
+    src = kernel.get_kernel_source()
+    assert "tma_load" in src, "tile loads did not lower to TMA"
+    assert "cp_async" not in src  # no row gathers left in this variant
