@@ -50,11 +50,14 @@ def table_path(platform=None, tilelang_version: Optional[str] = None) -> Path:
         from .platform import get_platform
 
         platform = get_platform()
-    if tilelang_version is None:
-        tilelang_version = _tilelang_version()
+    return cache_dir() / "tuning" / _table_name(platform, tilelang_version or _tilelang_version())
+
+
+@functools.lru_cache(maxsize=16)
+def _table_name(platform, tilelang_version: str) -> str:
+    # cached: prefill_config looks the table up on every launch
     target = platform.tilelang_target() if platform.target_kind else "none"
-    name = f"{_slug(platform.device_name)}--{_slug(repr(target))}--tilelang-{_slug(tilelang_version)}.json"
-    return cache_dir() / "tuning" / name
+    return f"{_slug(platform.device_name)}--{_slug(repr(target))}--tilelang-{_slug(tilelang_version)}.json"
 
 
 def shape_key(**fields: Any) -> str:

@@ -107,12 +107,8 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
             cfg = None  # a table from another version of this package: ignore the entry
         if cfg in valid:
             return cfg
-    tile = _prefill_tile(d, dv)
-    if get_platform().bulk_copy and not is_fp8 and not has_window:
-        for bn in (tile, 64):
-            if page_size % bn == 0:
-                return PrefillConfig(block_M=128, block_N=bn, num_stages=2, threads=256, tma=True)
-    return PrefillConfig(block_M=128, block_N=tile, num_stages=_stages(is_fp8), threads=256)
+    # the default: the widest TMA tiling where the pages allow one, else the widest row gather
+    return next((c for c in valid if c.tma), valid[0])
 
 
 def decode_config(max_q: int, group: int, is_fp8: bool = False, dv: int = 128) -> Optional[DecodeConfig]:

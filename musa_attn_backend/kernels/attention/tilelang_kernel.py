@@ -46,7 +46,7 @@ def _slot(page_table, b, pos, sk, page_size, max_pages):
     return T.if_then_else(pos < sk, page * page_size + T.truncmod(pos, page_size), -1)
 
 
-def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_softcap):
+def _attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8):
     """Tile loads and the online-softmax step shared by the prefill and decode programs."""
     NEG_INF = -T.infinity(ACC)
 
@@ -77,7 +77,7 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_
             T.copy(V8_s, V_s)
 
     @T.macro
-    def softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, guard):
+    def softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2, guard):
         """Online softmax of the masked scores in ``acc_s`` (P to ``acc_p``, ``acc_o`` rescaled). ``guard``:
         a row may have seen only masked keys so far (its running max is -inf)."""
         T.copy(m_i, m_prev)
@@ -148,13 +148,11 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     MP = T.dynamic("max_pages")
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
-    use_tma = tma
-    assert not use_tma or (not is_fp8 and not has_window), "TMA tiles: bf16/fp16 caches without a window"
+    assert not tma or (not is_fp8 and not has_window), "TMA tiles: bf16/fp16 caches without a window"
     # Only with a window can a row see no key of a whole tile (otherwise key 0, in the first tile, is
     # visible to every row), so only then does the softmax guard against an all-masked row.
     guard_empty = has_window
-    resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(
-        BM, BN, D, DV, HS_K, HS_V, q_dtype, kv_dtype, is_fp8, has_softcap)
+    resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8)
 
     def _tile_crosses(n0, qpos0, sk, window):
         """Some (row, key) of the tile of keys from ``n0`` is masked (rows: query positions from ``qpos0``)."""
@@ -221,7 +219,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
-            slot_s = None if use_tma else T.alloc_shared([SLOT_TILES * BN], "int32")
+            slot_s = None if tma else T.alloc_shared([SLOT_TILES * BN], "int32")
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -256,11 +254,11 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            if use_tma:
+            if tma:
                 for k in T.Pipelined(n_iters, num_stages=num_stages):
                     load_tma(KC, VC, K_s, V_s, page_table, b, (n_lo + k) * BN, page_size, kvh)
                     tile_scores(Q_s, K_s, acc_s, (n_lo + k) * BN, prefix + m0, sk, window, logit_scale, softcap)
-                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, guard_empty)
+                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2, guard_empty)
                     T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
             else:
                 for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
@@ -269,7 +267,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                         load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
                         tile_scores(Q_s, K_s, acc_s, (n_lo + c * SLOT_TILES + it) * BN, prefix + m0, sk, window,
                                     logit_scale, softcap)
-                        softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2,
+                        softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2,
                                      guard_empty)
                         T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
@@ -315,8 +313,8 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     policy = T.GemmWarpPolicy.FullCol if small else T.GemmWarpPolicy.FullRow
     O_shape = (S, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (S, NT, Hq) if split else (NT, Hq)
-    resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(
-        BM, BN, D, DV, k_layout[2], v_layout[2], q_dtype, kv_dtype, is_fp8, has_softcap)
+    resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(BM, BN, D, DV, k_layout[2], v_layout[2],
+                                                                          is_fp8)
 
     @T.prim_func
     def decode(
@@ -392,7 +390,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                             softcap * T.tanh(acc_s[r, j] * (logit_scale / softcap)) if has_softcap else acc_s[r, j],
                             NEG_INF)
                     # a split may hold only keys that some rows (earlier tokens, or a window) cannot see
-                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, scale_log2, True)
+                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2, True)
                     if small:
                         # each warp owns a column slice of the scores; P goes through shared memory to feed
                         # the second product, whose warps own column slices of the output
