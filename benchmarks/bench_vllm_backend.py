@@ -206,18 +206,17 @@ def make_vllm_config(hq, hkv, d, dtype, max_len, workdir: Path):
         mdir.mkdir(parents=True, exist_ok=True)
         (mdir / "config.json").write_text(json.dumps(cfg))
         mc = ModelConfig(model=str(mdir), skip_tokenizer_init=True, dtype=dname, max_model_len=max_len)
-        vc = VllmConfig(model_config=mc)
-        cc = vc.compilation_config
-        if not getattr(cc, "cudagraph_capture_sizes", None):
-            # an engine fills these in at start-up (TRITON_ATTN's builder picks its 2D/3D decode threshold from
-            # them when decode graphs are on); use vLLM's default ladder
-            cc.cudagraph_capture_sizes = [1, 2, 4] + list(range(8, 513, 8))
-        return vc, "ModelConfig(local config.json)"
+        vc, how = VllmConfig(model_config=mc), "ModelConfig(local config.json)"
     except Exception as e:  # keep going with what the builders need
-        print(f"ModelConfig failed ({type(e).__name__}: {str(e)[:200]}); using a stand-in model config")
-        vc = VllmConfig()
+        print(f"ModelConfig failed ({type(e).__name__}: {str(e)[:300]}); using a stand-in model config")
+        vc, how = VllmConfig(), f"stand-in ({type(e).__name__})"
         vc.model_config = _ModelConfigStandIn(hq, hkv, d, dtype)
-        return vc, f"stand-in ({type(e).__name__})"
+    cc = vc.compilation_config
+    if not getattr(cc, "cudagraph_capture_sizes", None):
+        # an engine fills these in at start-up (TRITON_ATTN's builder picks its 2D/3D decode threshold from
+        # them when decode graphs are on); use vLLM's default ladder
+        cc.cudagraph_capture_sizes = [1, 2, 4] + list(range(8, 513, 8))
+    return vc, how
 
 
 class FakeLayer(torch.nn.Module):

@@ -6,6 +6,7 @@ prefix K/V through the pool, runs the backend found in SGLang's registry under o
 entry point through ``load_plugins``) and compares with its own PyTorch reference.
 """
 
+import functools
 import unittest
 
 import pytest
@@ -176,19 +177,34 @@ def test_kit_target_verify_gpu(case, gpu_device):
     _verify(case, gpu_device, torch.bfloat16, topk=1, spec_kind="eagle")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", VERIFY_CASES[:2], ids=lambda c: c.name)
-def test_kit_target_verify_cuda_graph(case, gpu_device):
-    """Verify captured into a CUDA graph and replayed on padded batches equals the reference (kit runner)."""
-    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
-        run_dense_spec_verify_cuda_graph_case)
+def _verify_graph(case, device, dtype, monkeypatch):
+    """The kit's speculative CUDA-graph runner: an eager leg on the graph fixture, then capture-time metadata
+    (``init_forward_metadata_out_graph`` into the persistent buffers) and a replay on a batch padded to the
+    capture size, each compared with the reference. The runner rewrites the prefix K/V at the kit's
+    contiguous slots (``prepare_dense_runner_inputs`` ignores the fixture's slot layout), so the fixture is
+    built with that layout too; with the default shuffled pages the eager leg reads a cache the runner has
+    partly overwritten, for any backend."""
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as runner
 
-    if gpu_device != "cuda":
-        pytest.skip("the kit's graph runner drives torch.cuda graphs")
+    monkeypatch.setattr(runner, "build_dense_attention_fixture",
+                        functools.partial(kit.build_dense_attention_fixture, loc_layout="contiguous"))
     with torch.no_grad():
-        run_dense_spec_verify_cuda_graph_case(_TC(), case, topk=1, device=gpu_device, dtype=torch.bfloat16,
-                                              max_context_len=_max_context(case),
-                                              cuda_graph_capture_batch_size=max(4, case.batch_size))
+        runner.run_dense_spec_verify_cuda_graph_case(_TC(), case, topk=1, device=device, dtype=dtype,
+                                                     max_context_len=_max_context(case),
+                                                     cuda_graph_capture_batch_size=max(4, case.batch_size + 1))
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: c.name)
+def test_kit_target_verify_graph_metadata_cpu(case, monkeypatch):
+    """Verify through the persistent graph buffers (capture, then a padded replay) on the CPU reference path."""
+    _verify_graph(case, "cpu", torch.float32, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: c.name)
+def test_kit_target_verify_cuda_graph(case, gpu_device, monkeypatch):
+    """The same on the GPU (TileLang kernels), bf16."""
+    _verify_graph(case, gpu_device, torch.bfloat16, monkeypatch)
 
 
 def test_other_speculative_modes_are_refused_not_misread():

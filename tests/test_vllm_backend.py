@@ -178,24 +178,23 @@ def _decode_builder(block, hkv, d, dtype, device, monkeypatch, graphs=True):
 
     from musa_attn_backend.vllm import backend as vb
 
-    if graphs:
-        monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "1")
+    monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "1" if graphs else "0")
     cfg = VllmConfig()
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=dtype)
     return vb.TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], cfg, torch.device(device)), cfg
 
 
-def test_cuda_graph_support_is_opt_in(monkeypatch):
+def test_cuda_graph_support_declared_with_opt_out(monkeypatch):
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from musa_attn_backend.vllm import backend as vb
 
     cls = vb.TileLangMusaBackend.get_builder_cls()
     monkeypatch.delenv(vb.CUDA_GRAPHS_ENV, raising=False)
-    assert cls.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
-    monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "1")
     assert cls.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "0")
+    assert cls.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
 
 
 def test_decode_batches_reuse_persistent_buffers_under_full_graphs(monkeypatch):
@@ -218,7 +217,7 @@ def test_decode_batches_reuse_persistent_buffers_under_full_graphs(monkeypatch):
     mixed = random_batch(random.Random(3), batch_size=3, page_size=16, max_seq_len=200, query_lens=[1, 5, 1],
                          prefix_lens=[10, 0, 30])
     assert builder.build(0, _common_metadata(mixed)).meta.seqlens_k.data_ptr() != metas[0].seqlens_k.data_ptr()
-    monkeypatch.delenv("MUSA_ATTN_VLLM_CUDA_GRAPHS")  # not opted in: every batch gets its own tensors
+    monkeypatch.setenv("MUSA_ATTN_VLLM_CUDA_GRAPHS", "0")  # opted out: every batch gets its own tensors
     plain, _ = _decode_builder(16, 2, 64, torch.float32, "cpu", monkeypatch, graphs=False)
     batch = random_batch(random.Random(1), batch_size=6, page_size=16, max_seq_len=200, decode=True)
     assert plain.build(0, _common_metadata(batch)).meta.max_seqlen_k == max(batch.seq_lens)

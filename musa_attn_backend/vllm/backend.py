@@ -5,11 +5,12 @@ K/V with our KV-write op (``do_kv_cache_update``) and runs :func:`musa_attn_back
 (TileLang on a GPU, the PyTorch reference on a CPU) on vLLM's NHD cache ``[blocks, block_size, H, 2D]`` seen as
 K and V views, in place.
 
-CUDA graphs: with ``MUSA_ATTN_VLLM_CUDA_GRAPHS=1`` the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE`` and,
-when vLLM runs full CUDA graphs, builds pure-decode batches into persistent fixed-capacity buffers (so a
-captured graph reads each replay's metadata) with the key bound at ``max_model_len`` (the block-table width; so the split
-count fixed at capture holds at replay); padded requests (no keys, slot -1) write nothing and read nothing. Off by
-default (``NEVER``) until it has run under vLLM's own graph runner on a GPU.
+CUDA graphs: the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE`` and, when vLLM runs full CUDA graphs, builds
+pure-decode batches into persistent fixed-capacity buffers (so a captured graph reads each replay's metadata) with
+the key bound at ``max_model_len`` (the block-table width; so the split count fixed at capture holds at replay);
+padded requests (no keys, slot -1) write nothing and read nothing. Other batches (prefill, mixed, speculative)
+run outside the full graphs (vLLM's piecewise graphs split at the attention op). ``MUSA_ATTN_VLLM_CUDA_GRAPHS=0``
+declares ``NEVER`` instead.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ FP8_KV = ("fp8", "fp8_e4m3")
 CUDA_GRAPHS_ENV = "MUSA_ATTN_VLLM_CUDA_GRAPHS"
 
 
-def _graphs_opted_in() -> bool:
-    return os.environ.get(CUDA_GRAPHS_ENV, "") == "1"
+def _graphs_enabled() -> bool:
+    return os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
 
 
 @dataclass
@@ -105,13 +106,13 @@ class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if _graphs_opted_in() else AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if _graphs_enabled() else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
         mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-        self.full_graphs = _graphs_opted_in() and mode is not None and mode.has_full_cudagraphs()
+        self.full_graphs = _graphs_enabled() and mode is not None and mode.has_full_cudagraphs()
         self._graph_meta: Optional[PagedKVMeta] = None
 
     def _persistent(self, cm: CommonAttentionMetadata) -> PagedKVMeta:
