@@ -1,6 +1,7 @@
 """Prefill tile/schedule search on the GPU: every candidate configuration is checked against SDPA and timed.
 
-    python benchmarks/tune_prefill.py [--seqlens 4096,8192] [--pages 1,64,128] [--out DIR]
+    python benchmarks/tune_prefill.py [--seqlens 4096,8192] [--pages 1,64,128] [--kinds gather,tma,pingpong]
+                                      [--out DIR]
 
 Candidates are compiled in parallel worker processes first (into the kernel cache), then each is run on a
 ragged extend batch against PyTorch SDPA in float32 (wrong results are reported, never timed) and timed under
@@ -29,19 +30,28 @@ sys.path.insert(0, str(HERE.parent))
 HQ, HKV, D = 32, 8, 128
 
 
-def candidates(page_sizes):
-    grid = [(False, 128, 2), (False, 64, 2), (True, 128, 2), (True, 64, 2)]
+KINDS = ("gather", "tma", "pingpong")
+
+
+def candidates(page_sizes, kinds=KINDS):
+    grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64)]
     out = []
-    for tma, bn, stages in grid:
-        pages = [p for p in page_sizes if not tma or p % bn == 0]
+    for kind, bn in grid:
+        if kind not in kinds:
+            continue
+        pages = [p for p in page_sizes if kind == "gather" or p % bn == 0]
         if pages:
-            out.append(dict(tma=tma, block_N=bn, num_stages=stages, pages=pages))
+            out.append(dict(tma=kind != "gather", pingpong=kind == "pingpong", block_N=bn, num_stages=2,
+                            pages=pages))
     return out
 
 
 def build(cand, causal):
     from musa_attn_backend.kernels.attention import tilelang_kernel as K
     lay = (HKV * D, HKV * D, D)
+    if cand["pingpong"]:
+        return K.build_prefill_pingpong.__wrapped__(HQ, HKV, D, D, "bfloat16", causal, False, False, lay, lay,
+                                                    cand["block_N"], cand["num_stages"])
     return K.build_prefill.__wrapped__(HQ, HKV, D, D, "bfloat16", "bfloat16", causal, False, False, False, False,
                                        lay, lay, 128, cand["block_N"], cand["num_stages"], 256, cand["tma"])
 
@@ -67,10 +77,11 @@ def main(argv=None):
     ap.add_argument("--pages", default="1,64,128")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--kinds", default=",".join(KINDS), help="subset of " + ",".join(KINDS))
     args = ap.parse_args(argv)
     pages = [int(x) for x in args.pages.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")]
-    cands = candidates(pages)
+    cands = candidates(pages, args.kinds.split(","))
     jobs = [(c, causal) for c in cands for causal in (True, False)]
     failed = {}
     t0 = time.time()

@@ -95,7 +95,7 @@ def collect(require: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
         p = plat.get_platform()
         info["platform"] = {"device": p.kind, "name": p.device_name, "capability": p.capability, "arch": p.arch,
                             "target_kind": p.target_kind, "sm_count": p.sm_count, "fp8": p.fp8,
-                            "bulk_copy": p.bulk_copy, "warpgroup_mma": p.warpgroup_mma, "source": p.source,
+                            "bulk_copy": p.bulk_copy, "warpgroup_mma": p.warpgroup_mma, "warp_specialized": p.warp_specialized, "source": p.source,
                             "notes": list(p.notes)}
         info["tilelang_target"] = p.tilelang_target() if p.target_kind else None
         if p.has_gpu and not p.target_kind:
@@ -173,7 +173,7 @@ def print_report(info: dict, problems: list[str]) -> None:
         ("tilelang", info["tilelang"] or "not installed"),
         ("tilelang target", (json.dumps(target) if isinstance(target, dict) else target) if target
          else "none (no GPU; set MUSA_ATTN_TARGET=sm_90a to compile for Hopper)"),
-        ("target features", ", ".join(n for n in ("fp8", "bulk_copy", "warpgroup_mma") if p.get(n)) or "none"),
+        ("target features", ", ".join(n for n in ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized") if p.get(n)) or "none"),
         ("tile-kernels", info["tile_kernels"] or "not installed"),
         ("nvcc", info["nvcc"] or "not found"),
         ("mcc", info["mcc"] or "not found"),

@@ -52,6 +52,9 @@ class Platform:
     fp8: bool = False  # FP8 (e4m3) tensor-core MMA and conversions
     bulk_copy: bool = False  # TMA (NVIDIA) / TME (MUSA) bulk-copy engine
     warpgroup_mma: bool = False  # WGMMA (NVIDIA sm_90a) / SQMMA (MUSA MP31)
+    # explicit producer/consumer warp groups: asynchronous warp-group MMA waited on by count, register
+    # reallocation between warp groups (setmaxnreg) and named barriers (the ping-pong prefill kernel)
+    warp_specialized: bool = False
     source: str = "detected"  # "detected" or "env"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -87,7 +90,7 @@ class Platform:
             parts.append(f"capability={self.capability[0]}.{self.capability[1]}")
         if self.arch:
             parts.append(f"target={self.target_kind}:{self.arch}")
-        flags = [n for n in ("fp8", "bulk_copy", "warpgroup_mma") if getattr(self, n)]
+        flags = [n for n in ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized") if getattr(self, n)]
         parts.append("features=" + (",".join(flags) if flags else "none"))
         if self.sm_count:
             parts.append(f"sms={self.sm_count}")
@@ -115,6 +118,7 @@ def _cuda_features(arch: str) -> dict:
         "fp8": cc >= 89,
         "bulk_copy": cc >= 90,
         "warpgroup_mma": cc == 90 and m.group(3) == "a",
+        "warp_specialized": cc == 90 and m.group(3) == "a",
     }
 
 
@@ -129,6 +133,8 @@ def _musa_features(arch: str) -> dict:
         "fp8": major >= 3,
         "bulk_copy": major >= 3,
         "warpgroup_mma": major >= 3,
+        # not yet: tilelang-musa's lowering of named barriers and register reallocation is unverified
+        "warp_specialized": False,
     }
 
 
@@ -182,6 +188,7 @@ def _detect_musa() -> Platform:
         fp8=feats["fp8"],
         bulk_copy=feats["bulk_copy"],
         warpgroup_mma=feats["warpgroup_mma"],
+        warp_specialized=feats["warp_specialized"],
         notes=notes,
     )
 
@@ -202,6 +209,7 @@ def _detect_cuda() -> Platform:
         fp8=feats["fp8"],
         bulk_copy=feats["bulk_copy"],
         warpgroup_mma=feats["warpgroup_mma"],
+        warp_specialized=feats["warp_specialized"],
     )
 
 
@@ -235,6 +243,7 @@ def _from_override(value: str, detected: Platform) -> Platform:
         fp8=feats["fp8"],
         bulk_copy=feats["bulk_copy"],
         warpgroup_mma=feats["warpgroup_mma"],
+        warp_specialized=feats["warp_specialized"],
         source="env",
     )
 

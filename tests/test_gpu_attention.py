@@ -135,6 +135,40 @@ def test_long_prefill(gpu_device):
     _compare(b, 16, 4, 128, torch.bfloat16, gpu_device)
 
 
+@pytest.mark.parametrize("variant", ["causal", "non_causal", "softcap", "sinks", "fp16", "hd64", "mqa"])
+@pytest.mark.parametrize("page_size", [64, 256])
+def test_prefill_every_tiling(gpu_device, page_size, variant):
+    """Every prefill tiling this platform offers for the pages (ping-pong, whole-tile TMA and row gathers at
+    each tile width, the ones ``musa-attn tune`` picks from), on one ragged extend batch with odd lengths."""
+    hq, hkv, d, dtype = 16, 4, 128, torch.bfloat16
+    opts, causal = {}, variant != "non_causal"
+    if variant == "softcap":
+        opts["logit_softcap"] = 25.0
+    elif variant == "sinks":
+        opts["sinks"] = torch.randn(hq, device=gpu_device)
+    elif variant == "fp16":
+        dtype = torch.float16
+    elif variant == "hd64":
+        d = 64
+    elif variant == "mqa":
+        hq, hkv = 24, 1
+    b = _batch(page_size + len(variant), gpu_device, batch_size=5, page_size=page_size, max_seq_len=2000,
+               prefix_lens=[0, 500, 129, 3, 64], query_lens=[1, 77, 300, 1030, 191])
+    k_cache, v_cache, _, _ = b.make_kv(hkv, d, dtype)
+    q = torch.randn(b.num_tokens, hq, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(gpu_device)
+    meta = b.meta()
+    ref, ref_lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, impl="reference",
+                                   **opts)
+    cfgs = tilelang_impl.prefill_candidates(d, d, False, page_size, False)
+    assert any(c.tma for c in cfgs) == (tilelang_impl.get_platform().bulk_copy)
+    for cfg in cfgs:
+        out, lse = tilelang_impl.paged_attention_tilelang(q, k_cache, v_cache, meta, causal=causal, return_lse=True,
+                                                          prefill_cfg=cfg, **opts)
+        assert not torch.isnan(out).any(), f"{cfg}: unwritten (NaN-poisoned) output elements"
+        torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype], msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3, msg=lambda m: f"{cfg} (LSE): {m}")
+
+
 def test_tilelang_rejects_unsupported(gpu_device):
     b = _batch(0, gpu_device, batch_size=2, page_size=16, max_seq_len=50)
     kc, vc, _, _ = b.make_kv(2, 72, torch.bfloat16)

@@ -59,3 +59,23 @@ def test_prefill_tma_tiles_compile_for_sm90a(block_n):
     src = kernel.get_kernel_source()
     assert "tma_load" in src, "tile loads did not lower to TMA"
     assert "cp_async" not in src  # no row gathers left in this variant
+
+
+@pytest.mark.parametrize("block_n,causal,softcap", [(128, True, False), (64, False, True)])
+def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
+    """The warp-specialised ping-pong prefill: TMA producer, asynchronous WGMMAs waited on by count (the P V
+    of the previous tile stays in flight during the softmax), turns taken through named barriers."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend._tilelang import compile_cached
+    from musa_attn_backend.kernels.attention.tilelang_kernel import build_prefill_pingpong
+
+    lay = (2 * 128, 2 * 128, 128)
+    key = ("test_prefill_pingpong", block_n, causal, softcap)
+    kernel = compile_cached(key, lambda: build_prefill_pingpong.__wrapped__(
+        8, 2, 128, 128, "bfloat16", causal, softcap, True, lay, lay, block_n, 2), target=HOPPER)
+    src = kernel.get_kernel_source()
+    assert "__launch_bounds__(384" in src
+    assert src.count("tma_load") >= 3 and "cp_async" not in src
+    assert "wait_wgmma<1>" in src, "no MMA left in flight across the softmax"
+    assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
+    assert re.search(r"__sync_thread_partial\(5, 256\)", src) and re.search(r"__named_barrier_arrive\(6, 256\)", src)

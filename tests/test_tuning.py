@@ -86,6 +86,29 @@ def test_prefill_config_follows_a_valid_entry_and_ignores_others(cache, monkeypa
     assert all(c.num_stages == 1 and not c.tma for c in ti.prefill_candidates(128, 128, True, 128))
 
 
+def test_prefill_defaults_per_platform(cache, monkeypatch):
+    """Hopper (sm_90a): the ping-pong kernel wherever pages hold whole key tiles and the head dim is 64/128;
+    MUSA MP31: TMA tiles without it (its warp-specialisation lowering is unverified); row gathers otherwise."""
+    from musa_attn_backend import platform
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 2, 384, True, True)
+    assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
+    assert ti.prefill_config(128, 128, page_size=256).pingpong
+    for kw in (dict(page_size=16), dict(page_size=128, has_window=True), dict(page_size=128, is_fp8=True)):
+        assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, **kw)), kw
+    assert not any(c.pingpong for c in ti.prefill_candidates(256, 256, page_size=128))
+    assert not any(c.pingpong for c in ti.prefill_candidates(96, 96, page_size=128))
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_31")
+    platform.reset()
+    musa = ti.prefill_config(128, 128, page_size=128)
+    assert musa.tma and not musa.pingpong
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80")
+    platform.reset()
+    assert not ti.prefill_config(128, 128, page_size=128).tma
+
+
 def test_search_takes_the_fastest_correct_candidate():
     times = {"a": 3.0, "b": 1.0, "c": 0.5, "d": 2.0}
 

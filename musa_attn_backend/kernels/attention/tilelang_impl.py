@@ -38,6 +38,9 @@ class PrefillConfig:
     num_stages: int
     threads: int
     tma: bool = False  # key tiles copied as whole blocks of one page (bulk copy) instead of row gathers
+    # explicit warp specialisation: a TMA producer warp group and two consumer warp groups that take turns
+    # on the tensor cores, with asynchronous MMAs overlapping the softmax (Hopper-class; implies tma)
+    pingpong: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,15 @@ def prefill_shape_class(d: int, dv: int, is_fp8: bool, page_size: int, has_windo
 
 def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                        has_window: bool = False) -> list[PrefillConfig]:
-    """Every prefill tiling valid for this shape class on this platform (what ``musa-attn tune`` tries)."""
-    tma_ok = get_platform().bulk_copy and not is_fp8 and not has_window
+    """Every prefill tiling valid for this shape class on this platform (what ``musa-attn tune`` tries), the
+    default first."""
+    plat = get_platform()
+    tma_ok = plat.bulk_copy and not is_fp8 and not has_window
+    pingpong_ok = tma_ok and plat.warp_specialized and d in (64, 128) and dv in (64, 128)
     out = []
+    for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
+        if pingpong_ok and page_size % bn == 0:
+            out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=2, threads=384, tma=True, pingpong=True))
     for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
         for tma in ((True, False) if tma_ok and page_size % bn == 0 else (False,)):
             for stages in ((2,) if tma else (1,) if is_fp8 else (2, 1)):
@@ -107,7 +116,8 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
             cfg = None  # a table from another version of this package: ignore the entry
         if cfg in valid:
             return cfg
-    # the default: the widest TMA tiling where the pages allow one, else the widest row gather
+    # the default: the ping-pong kernel where the platform and pages allow it, else the widest TMA tiling,
+    # else the widest row gather
     return next((c for c in valid if c.tma), valid[0])
 
 
@@ -166,6 +176,10 @@ class AttnSpec:
 def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None,
                    cfg: Optional[PrefillConfig] = None):
     cfg = cfg or prefill_config(spec.d, spec.dv, spec.is_fp8, page_size, spec.has_window)
+    if cfg.pingpong:
+        return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill_pingpong(
+            spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
+            spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages), target=target)
     return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,

@@ -284,6 +284,225 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     return prefill
 
 
+# Named barriers of the ping-pong prefill (ids 0 = __syncthreads; TileLang's own partial syncs are not used by
+# its consumer code, which only touches registers, and shared memory through TMA and WGMMA)
+_PP_BAR = (5, 6)
+
+
+@functools.lru_cache(maxsize=None)
+def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, causal: bool, has_softcap: bool,
+                           has_sinks: bool, k_layout: tuple, v_layout: tuple, block_N: int = 128,
+                           num_stages: int = 2):
+    """Prefill/extend for Hopper-class GPUs (TMA + warp-group MMA + named barriers): explicit warp
+    specialisation in the manner of FlashAttention-3.
+
+    384 threads: warp group 2 is the producer (one warp issues TMA copies of Q and of each key/value tile, a
+    whole tile of one page per copy, into ``num_stages`` buffers guarded by full/empty mbarriers); warp groups 0
+    and 1 each own 64 query rows of the 128-row tile. Per key tile a consumer issues ``S = Q K^T`` and the
+    previous tile's ``O += P V`` as asynchronous WGMMAs, waits only for ``S``, runs the online softmax while
+    ``P V`` is still in flight, then waits for it. The two consumer warp groups take turns issuing their
+    MMAs (named barriers), so one group's softmax overlaps the other's MMAs.
+
+    Same arguments and results as :func:`build_prefill`; bf16/fp16 cache, no window, ``page_size % block_N ==
+    0`` (the launcher checks). Rows of the last page past the sequence must hold finite values (masked).
+    """
+    G = Hq // Hkv
+    BM, HM, BN, S = 128, 64, block_N, num_stages
+    NT = T.dynamic("num_tokens")
+    B = T.dynamic("batch")
+    B1 = T.dynamic("batch_plus_1")
+    MP = T.dynamic("max_pages")
+    NEG_INF = -T.infinity(ACC)
+    HS_K, HS_V = k_layout[2], v_layout[2]
+    *_, finish_rows = _attention_macros(HM, BN, D, DV, HS_K, HS_V, False)
+
+    def page_row(page_table, b, pos, page_size):
+        return page_table[b, pos // page_size] * page_size + pos % page_size
+
+    def crosses(n0, qpos0, sk):
+        """Some (row, key) of the 64 x BN tile of keys from ``n0`` (rows: query positions from ``qpos0``) is
+        masked."""
+        c = n0 + BN > sk
+        if causal:
+            c = T.Or(c, n0 + BN - 1 > qpos0)
+        return c
+
+    @T.macro
+    def init_scores(acc_s, n0, qpos0, sk, cross):
+        if not has_softcap:  # the mask is the initial value of the product
+            if cross:
+                for i, j in T.Parallel(HM, BN):
+                    acc_s[i, j] = T.if_then_else(_visible(n0 + j, qpos0 + i, sk, 0, causal, False), 0, NEG_INF)
+
+    @T.macro
+    def issue_scores(Q_g, K_st, acc_s, cross):
+        if has_softcap:
+            T.wgmma_gemm(Q_g, K_st, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        else:
+            T.wgmma_gemm(Q_g, K_st, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                         clear_accum=T.Not(cross))
+
+    @T.macro
+    def online_softmax(acc_s, m_i, m_prev, alpha, row_sum, l_i, n0, qpos0, sk, cross, logit_scale, softcap,
+                       scale_log2):
+        """P (in acc_s), the new running max / denominator, and alpha (the factor for O)."""
+        if has_softcap:
+            for i, j in T.Parallel(HM, BN):
+                acc_s[i, j] = T.if_then_else(
+                    T.Or(T.Not(cross), _visible(n0 + j, qpos0 + i, sk, 0, causal, False)),
+                    softcap * T.tanh(acc_s[i, j] * (logit_scale / softcap)), NEG_INF)
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for i in T.Parallel(HM):
+            alpha[i] = T.exp2((m_prev[i] - m_i[i]) * scale_log2)
+        for i, j in T.Parallel(HM, BN):
+            acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_i[i] * scale_log2)
+        T.reduce_sum(acc_s, row_sum, dim=1)
+        for i in T.Parallel(HM):
+            l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+
+    @T.macro
+    def consumer(g, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
+                 prefix, sk, n_iters, logit_scale, softcap):
+        # The loop body is straight-line in the WGMMAs (tile 0 peeled off): ptxas then sees which groups are in
+        # flight and does not insert waits of its own.
+        with T.ws(g):
+            T.set_max_nreg(240, 1)
+            acc_s = T.alloc_fragment([HM, BN], ACC)
+            acc_p = T.alloc_fragment([HM, BN], q_dtype)
+            acc_o = T.alloc_fragment([HM, DV], ACC)
+            m_i = T.alloc_fragment([HM], ACC)
+            m_prev = T.alloc_fragment([HM], ACC)
+            m_tile = T.alloc_fragment([HM], ACC)
+            alpha = T.alloc_fragment([HM], ACC)
+            row_sum = T.alloc_fragment([HM], ACC)
+            l_i = T.alloc_fragment([HM], ACC)
+            T.fill(acc_o, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, NEG_INF)
+            scale_log2 = LOG2E if has_softcap else logit_scale * LOG2E
+            qpos0 = prefix + m0 + g * HM  # query position of this group's first row
+            my_bar, other_bar = _PP_BAR[g], _PP_BAR[1 - g]
+            T.mbarrier_wait_parity(q_full, 0)
+            if g == 1:
+                T.named_barrier_arrive(_PP_BAR[0], 2 * 128)  # group 0 issues first
+            if n_iters > 0:
+                cross0 = crosses(0, qpos0, sk)
+                init_scores(acc_s, 0, qpos0, sk, cross0)
+                T.sync_threads(my_bar, 2 * 128)
+                T.mbarrier_wait_parity(k_full[0], 0)
+                issue_scores(Q_s[g, :, :], K_s[0, :, :], acc_s, cross0)
+                T.named_barrier_arrive(other_bar, 2 * 128)
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(k_empty[0])
+                online_softmax(acc_s, m_i, m_prev, alpha, row_sum, l_i, 0, qpos0, sk, cross0, logit_scale,
+                               softcap, scale_log2)
+                T.copy(acc_s, acc_p)
+                for k in T.serial(1, n_iters):
+                    n0 = k * BN
+                    st = k % S
+                    sp = (k - 1) % S
+                    cross = crosses(n0, qpos0, sk)
+                    init_scores(acc_s, n0, qpos0, sk, cross)
+                    T.sync_threads(my_bar, 2 * 128)
+                    T.mbarrier_wait_parity(k_full[st], (k // S) & 1)
+                    issue_scores(Q_s[g, :, :], K_s[st, :, :], acc_s, cross)
+                    for i, d in T.Parallel(HM, DV):  # O to the running max P was computed with
+                        acc_o[i, d] *= alpha[i]
+                    T.mbarrier_wait_parity(v_full[sp], ((k - 1) // S) & 1)
+                    T.wgmma_gemm(acc_p, V_s[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    T.named_barrier_arrive(other_bar, 2 * 128)
+                    T.wait_wgmma(1)  # S is ready, P V of the previous tile may still run
+                    T.mbarrier_arrive(k_empty[st])
+                    online_softmax(acc_s, m_i, m_prev, alpha, row_sum, l_i, n0, qpos0, sk, cross, logit_scale,
+                                   softcap, scale_log2)
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(v_empty[sp])
+                    T.copy(acc_s, acc_p)
+                sl = (n_iters - 1) % S
+                for i, d in T.Parallel(HM, DV):
+                    acc_o[i, d] *= alpha[i]
+                T.mbarrier_wait_parity(v_full[sl], ((n_iters - 1) // S) & 1)
+                T.wgmma_gemm(acc_p, V_s[sl, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(v_empty[sl])
+            if g == 0:
+                T.sync_threads(_PP_BAR[0], 2 * 128)  # group 1's last turn signal
+            finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda i: h, has_sinks)
+            for i, d in T.Parallel(HM, DV):
+                if m0 + g * HM + i < qlen:
+                    O[q0 + m0 + g * HM + i, h, d] = T.Cast(
+                        q_dtype, T.if_then_else(l_i[i] == 0.0, 0.0, acc_o[i, d] / l_i[i]))
+            for i in T.Parallel(HM):
+                if m0 + g * HM + i < qlen:
+                    LSE[q0 + m0 + g * HM + i, h] = alpha[i] / LOG2E
+
+    @T.prim_func
+    def prefill(
+        Q: T.Tensor((NT, Hq, D), q_dtype),
+        KC: _rows_tensor(k_layout[0], k_layout[1], q_dtype, "k"),
+        VC: _rows_tensor(v_layout[0], v_layout[1], q_dtype, "v"),
+        cu_seqlens_q: T.Tensor((B1,), "int32"),
+        seqlens_k: T.Tensor((B,), "int32"),
+        page_table: T.Tensor((B, MP), "int32"),
+        sinks: T.Tensor((Hq,), "float32"),
+        k_scale: T.Tensor((Hkv,), "float32"),
+        v_scale: T.Tensor((Hkv,), "float32"),
+        sm_scale: T.float32,
+        softcap: T.float32,
+        window: T.int32,
+        page_size: T.int32,
+        max_seqlen_q: T.int32,
+        O: T.Tensor((NT, Hq, DV), q_dtype),
+        LSE: T.Tensor((NT, Hq), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(max_seqlen_q, BM), Hq, B, threads=384) as (bx, by, bz):
+            Q_s = T.alloc_shared([2, HM, D], q_dtype)
+            K_s = T.alloc_shared([S, BN, D], q_dtype)
+            V_s = T.alloc_shared([S, BN, DV], q_dtype)
+            q_full = T.alloc_barrier(32)
+            k_full = T.alloc_barrier([32] * S)
+            v_full = T.alloc_barrier([32] * S)
+            k_empty = T.alloc_barrier([256] * S)
+            v_empty = T.alloc_barrier([256] * S)
+            tx = T.get_thread_binding()
+
+            b = bz
+            h = by
+            kvh = h // G
+            q0 = cu_seqlens_q[b]
+            qlen = cu_seqlens_q[b + 1] - q0
+            sk = seqlens_k[b]
+            prefix = sk - qlen
+            m0 = (T.ceildiv(max_seqlen_q, BM) - 1 - bx) * BM if causal else bx * BM
+            kv_hi = T.min(sk, prefix + m0 + BM) if causal else sk
+            n_iters = T.if_then_else(m0 < qlen, T.ceildiv(kv_hi, BN), 0)
+
+            if tx >= 256:
+                T.set_max_nreg(24, 0)
+            if tx >= 256 and tx < 288:
+                if n_iters > 0:
+                    T.tma_copy(Q[q0 + m0:q0 + m0 + HM, h, :], Q_s[0, :, :], barrier=q_full)
+                    T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
+                T.mbarrier_arrive(q_full)
+                for k in T.serial(n_iters):
+                    st = k % S
+                    r0 = page_row(page_table, b, k * BN, page_size)
+                    T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
+                    T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
+                    T.mbarrier_arrive(k_full[st])
+                    T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
+                    T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :], barrier=v_full[st])
+                    T.mbarrier_arrive(v_full[st])
+            logit_scale = sm_scale
+            consumer(0, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
+                     prefix, sk, n_iters, logit_scale, softcap)
+            consumer(1, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
+                     prefix, sk, n_iters, logit_scale, softcap)
+
+    return prefill
+
+
 @functools.lru_cache(maxsize=None)
 def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str, max_q: int,
                  has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool, split: bool,
