@@ -30,19 +30,20 @@ sys.path.insert(0, str(HERE.parent))
 HQ, HKV, D = 32, 8, 128
 
 
-KINDS = ("gather", "tma", "pingpong")
+KINDS = ("gather", "tma", "pingpong", "pingpong_fm")  # _fm: compiled with TileLang's fast-math flag
 
 
 def candidates(page_sizes, kinds=KINDS):
-    grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64)]
+    grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
+            ("pingpong_fm", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:
             continue
         pages = [p for p in page_sizes if kind == "gather" or p % bn == 0]
         if pages:
-            out.append(dict(tma=kind != "gather", pingpong=kind == "pingpong", block_N=bn, num_stages=2,
-                            pages=pages))
+            out.append(dict(tma=kind != "gather", pingpong=kind.startswith("pingpong"), block_N=bn, num_stages=2,
+                            fast_math=kind.endswith("_fm"), pages=pages))
     return out
 
 
@@ -60,12 +61,19 @@ def key(cand, causal):
     return ("tune_prefill", tuple(sorted((k, v) for k, v in cand.items() if k != "pages")), causal)
 
 
+def pass_configs(cand):
+    if not cand.get("fast_math"):
+        return None
+    from musa_attn_backend._tilelang import tl
+    return {tl.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
 def _compile(args):
     cand, causal = args
     from musa_attn_backend._tilelang import compile_cached
     t = time.time()
     try:
-        compile_cached(key(cand, causal), lambda: build(cand, causal))
+        compile_cached(key(cand, causal), lambda: build(cand, causal), pass_configs=pass_configs(cand))
         return cand, causal, time.time() - t, None
     except Exception as e:  # report and go on
         return cand, causal, time.time() - t, f"{type(e).__name__}: {str(e)[-600:]}"
@@ -119,7 +127,7 @@ def main(argv=None):
             if key(cand, causal) in failed:
                 rows.append(dict(config=cand, causal=causal, error=failed[key(cand, causal)]))
                 continue
-            kern = compile_cached(key(cand, causal), lambda: build(cand, causal))
+            kern = compile_cached(key(cand, causal), lambda: build(cand, causal), pass_configs=pass_configs(cand))
             for ps in cand["pages"]:
                 # correctness: ragged extend batch with prefixes, shuffled pages
                 torch.manual_seed(0)
