@@ -84,7 +84,7 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     default first."""
     plat = get_platform()
     tma_ok = plat.bulk_copy and not is_fp8 and not has_window
-    pingpong_ok = tma_ok and plat.warp_specialized and d in (64, 128) and dv in (64, 128)
+    pingpong_ok = tma_ok and plat.warp_specialized and d == dv and d in (64, 128)
     out = []
     for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
         if pingpong_ok and page_size % bn == 0:
@@ -99,14 +99,14 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
 def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                    has_window: bool = False) -> PrefillConfig:
     """Prefill tiling: the tuning table's choice for this shape class on this device (``musa-attn tune``) if
-    there is a valid one, else the default. Default: where the platform has a bulk-copy engine (TMA / TME), a
-    bf16/fp16 cache without a window whose pages hold whole key tiles (64+ tokens) is read one tile per block
-    copy, with the tile width picked to divide the page; other caches gather rows (128-key tiles up to head
-    dim 128).
+    there is a valid one, else the default (the first whole-tile candidate of :func:`prefill_candidates`, else
+    the first): the ping-pong kernel on Hopper-class GPUs for a bf16/fp16 cache without a window, head dim 64/128, pages holding whole key tiles (64+
+    tokens); else, with a bulk-copy engine (TMA / TME) and the same cache conditions, one block copy per tile;
+    else row gathers (128-key tiles up to head dim 128).
 
-    Measured on the H200 (benchmarks/results/tune-prefill-20261129T173534Z.json, hd 128, 32/8 heads, 8k
-    causal): whole-tile copies 375 TFLOP/s with 128-key tiles and 328 with 64-key tiles; row gathers 290-296
-    with 128-key tiles, 271-274 with 64."""
+    Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z and
+    -192423Z): ping-pong with fast math 438 / 554 / 557, without 331 / 472 / 514, with 64-key tiles 309 / 391 /
+    424; TMA tiles with TileLang's warp specialisation 267 / 380 / 458; row gathers (page 1) 241 / 293 / 329."""
     valid = prefill_candidates(d, dv, is_fp8, page_size, has_window)
     tuned = tuning.lookup("prefill", prefill_shape_class(d, dv, is_fp8, page_size, has_window))
     if tuned:
