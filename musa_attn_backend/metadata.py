@@ -10,6 +10,9 @@ One :class:`PagedKVMeta` describes a batch the way the kernels want it, whatever
 * ``page_table`` int32 ``[B, max_pages]``: page ``j`` of request ``b``; entries past the request's last page are 0.
 * ``slot_mapping`` int64 ``[num_tokens]``: cache slot (``page * page_size + offset``) for each new token, < 0 = skip.
 * ``page_size``, ``max_seqlen_q``, ``max_seqlen_k`` (host ints; ``max_seqlen_k`` may be an upper bound).
+* ``num_decodes`` (host int, default 0 = not known): the first ``num_decodes`` requests have one query token
+  each. An engine that orders decodes first (vLLM) may say so; the GPU path then runs them with the decode
+  kernel and only the rest with the prefill kernel.
 
 Both constructors produce identical tensors for the same logical batch (a property test checks it).
 
@@ -53,6 +56,7 @@ class PagedKVMeta:
     page_size: int
     max_seqlen_q: int
     max_seqlen_k: int
+    num_decodes: int = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -75,6 +79,18 @@ class PagedKVMeta:
     def is_decode(self) -> bool:
         """Every request has exactly one query token."""
         return self.max_seqlen_q == 1
+
+    def requests(self, start: int, stop: int, *, max_seqlen_q: Optional[int] = None) -> "PagedKVMeta":
+        """Requests ``start:stop`` as a batch of their own (fresh, aligned tensors; query rows keep their indices
+        into the packed ``q``, so ``cu_seqlens_q`` is not rebased and ``slot_mapping`` stays whole)."""
+        _require(0 <= start < stop <= self.batch_size, f"requests({start}, {stop}) of a batch of {self.batch_size}")
+        return PagedKVMeta(cu_seqlens_q=self.cu_seqlens_q[start:stop + 1].clone(),
+                           seqlens_k=self.seqlens_k[start:stop].clone(),
+                           prefix_lens=self.prefix_lens[start:stop].clone(),
+                           page_table=self.page_table[start:stop].clone(), slot_mapping=self.slot_mapping,
+                           page_size=self.page_size,
+                           max_seqlen_q=self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q,
+                           max_seqlen_k=self.max_seqlen_k)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -15,6 +15,7 @@ declares ``NEVER`` instead.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -32,11 +33,18 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ..kernels import paged_attention, write_kv
+from ..kernels.attention import split_mixed_batches
 from ..metadata import PagedKVMeta
 
 NAME = "TILELANG_MUSA"
 FP8_KV = ("fp8", "fp8_e4m3")
 CUDA_GRAPHS_ENV = "MUSA_ATTN_VLLM_CUDA_GRAPHS"
+
+
+def _leading_decodes(query_start_loc_cpu: torch.Tensor) -> int:
+    """How many requests at the front of the batch have one query token (host tensor: no device sync)."""
+    longer = ((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]) != 1).nonzero()
+    return int(longer[0, 0]) if longer.numel() else int(query_start_loc_cpu.numel() - 1)
 
 
 def _graphs_enabled() -> bool:
@@ -114,6 +122,9 @@ class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]
         mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
         self.full_graphs = _graphs_enabled() and mode is not None and mode.has_full_cudagraphs()
         self._graph_meta: Optional[PagedKVMeta] = None
+        self.split_mixed = split_mixed_batches()
+        if self.split_mixed:
+            self.reorder_batch_threshold = 1  # vLLM puts single-token (decode) requests first
 
     def _persistent(self, cm: CommonAttentionMetadata) -> PagedKVMeta:
         """Fixed-capacity metadata buffers for decode batches under full CUDA graphs (made once): up to
@@ -139,6 +150,8 @@ class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]
                                      seq_lens=cm.seq_lens[:bs], slot_mapping=slots, page_size=self.block_size,
                                      max_seqlen_q=int(cm.max_query_len),
                                      max_seqlen_k=None if out is not None else int(cm.max_seq_len), out=out)
+        if self.split_mixed and out is None and cm.max_query_len > 1:
+            meta = dataclasses.replace(meta, num_decodes=_leading_decodes(cm.query_start_loc_cpu[:bs + 1]))
         return TileLangMusaMetadata(meta=meta, num_actual_tokens=n, slot_mapping=meta.slot_mapping,
                                     causal=cm.causal)
 

@@ -6,6 +6,7 @@ GPU or the PyTorch reference (:mod:`.reference`) where asked or where no GPU hol
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Union
 
 import torch
@@ -13,6 +14,15 @@ import torch
 from ...metadata import PagedKVMeta
 from .._common import FP8_E4M3, check, check_same_device, check_scale, resolve_impl
 from .reference import paged_attention_reference
+
+SPLIT_MIXED_ENV = "MUSA_ATTN_SPLIT_MIXED"
+
+
+def split_mixed_batches() -> bool:
+    """Whether a mixed batch whose metadata counts its leading decodes (``PagedKVMeta.num_decodes``) runs them
+    with the decode kernel and the rest with the prefill kernel on the GPU. Opt-in (``MUSA_ATTN_SPLIT_MIXED=1``)
+    until it has run on a GPU; without it the whole batch takes the prefill kernel."""
+    return os.environ.get(SPLIT_MIXED_ENV, "") == "1"
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]
 

@@ -11,9 +11,11 @@ import torch
 
 from ... import tuning
 from ..._tilelang import compile_cached, tl, tl_dtype
+from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
 from ...platform import get_platform
 from .._common import check, constant_vector, per_kv_head
+from . import split_mixed_batches
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -216,32 +218,44 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     v_rows, v_layout = cache_rows(v_cache, "v_cache", op=op)
     spec = AttnSpec(hq, hkv, d, dv, tl_dtype(q.dtype), tl_dtype(k_cache.dtype), sliding_window is not None,
                     logit_softcap is not None, sinks is not None, k_layout, v_layout)
-    args = (
-        q, k_rows, v_rows, meta.cu_seqlens_q, meta.seqlens_k, meta.page_table,
+    scalars = (
         sinks.float().contiguous() if spec.has_sinks else constant_vector("zeros", hq, dev),
         per_kv_head(k_scale if spec.is_fp8 else None, hkv, dev),
         per_kv_head(v_scale if spec.is_fp8 else None, hkv, dev),
         float(sm_scale) if sm_scale is not None else d ** -0.5,
         float(logit_softcap) if spec.has_softcap else 0.0,
         int(sliding_window) if spec.has_window else 0,
-        meta.page_size,
     )
     out = _alloc((nt, hq, dv), q.dtype, dev)
     lse = _alloc((nt, hq), torch.float32, dev)
     if nt == 0:
         return (out, lse) if return_lse else out
 
-    dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8, spec.dv) if causal else None
-    if dcfg is None or prefill_cfg is not None:
-        prefill_kernel(spec, causal, meta.page_size, cfg=prefill_cfg)(*args, int(meta.max_seqlen_q), out, lse)
-    else:
-        splits = num_splits_for(meta.batch_size, hkv, meta.max_seqlen_k, dcfg.block_N,
-                                get_platform().sm_count or 132)
+    def args(m: PagedKVMeta, qq: torch.Tensor):
+        return (qq, k_rows, v_rows, m.cu_seqlens_q, m.seqlens_k, m.page_table, *scalars, m.page_size)
+
+    def run_decode(m: PagedKVMeta, dcfg: DecodeConfig, qq, oo, ll):
+        splits = num_splits_for(m.batch_size, hkv, m.max_seqlen_k, dcfg.block_N, get_platform().sm_count or 132)
         if splits == 1:
-            decode_kernel(spec, dcfg, split=False)(*args, 1, out, lse)
+            decode_kernel(spec, dcfg, split=False)(*args(m, qq), 1, oo, ll)
         else:
-            o_part = _alloc((splits, nt, hq, dv), torch.float32, dev)
-            l_part = _alloc((splits, nt, hq), torch.float32, dev)
-            decode_kernel(spec, dcfg, split=True)(*args, splits, o_part, l_part)
-            combine_kernel(spec)(o_part, l_part, args[6], out, lse)
+            o_part = _alloc((splits, qq.shape[0], hq, dv), torch.float32, dev)
+            l_part = _alloc((splits, qq.shape[0], hq), torch.float32, dev)
+            decode_kernel(spec, dcfg, split=True)(*args(m, qq), splits, o_part, l_part)
+            combine_kernel(spec)(o_part, l_part, scalars[0], oo, ll)
+
+    dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8, spec.dv) if causal else None
+    nd = meta.num_decodes if causal and prefill_cfg is None and split_mixed_batches() else 0
+    one = decode_config(1, spec.group, spec.is_fp8, spec.dv) if 0 < nd < meta.batch_size else None
+    if dcfg is not None and prefill_cfg is None:
+        run_decode(meta, dcfg, q, out, lse)
+    elif one is not None:
+        # decodes first (rows 0..nd-1 of q): the decode kernel for them, the prefill kernel for the rest; both
+        # index q / out by absolute row, so they write disjoint rows of the same output
+        run_decode(meta.requests(0, nd, max_seqlen_q=1), one, q[:nd], out[:nd], lse[:nd])
+        rest = meta.requests(nd, meta.batch_size)
+        prefill_kernel(spec, causal, meta.page_size)(*args(rest, q), int(rest.max_seqlen_q), out, lse)
+    else:
+        prefill_kernel(spec, causal, meta.page_size, cfg=prefill_cfg)(*args(meta, q), int(meta.max_seqlen_q),
+                                                                         out, lse)
     return (out, lse) if return_lse else out

@@ -1,0 +1,97 @@
+"""A mixed batch whose metadata counts its leading decodes runs them in a decode launch and the rest in a prefill
+launch (``MUSA_ATTN_SPLIT_MIXED=1``). On a CPU the compiled kernels are replaced by stand-ins that keep their
+contract (packed ``q`` / ``O`` / ``LSE`` indexed by ``cu_seqlens_q``; every argument shaped consistently with the
+batch it is given; nothing written outside its requests' rows) and compute with the reference op, so these tests
+check what the launcher hands each kernel; the GPU test (``test_vllm_backend.py``, ``split_mixed``) runs the
+real kernels."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels import paged_attention
+from musa_attn_backend.kernels.attention import tilelang_impl
+from musa_attn_backend.metadata import PagedKVMeta
+from musa_attn_backend.testing import random_batch
+
+
+def _stand_in(kind, k_cache, v_cache, launches, causal):
+    def kernel(q, k_rows, v_rows, cu, sk, pt, sinks, k_scale, v_scale, sm_scale, softcap, window, page_size, extra,
+               o, lse):
+        b = sk.numel()
+        assert cu.numel() == b + 1 and pt.shape[0] == b, "metadata arrays disagree on the batch size"
+        assert o.shape[0] == q.shape[0] == lse.shape[0], "q / O / LSE rows disagree"
+        assert all(t.is_contiguous() for t in (q, cu, sk, pt, o, lse))
+        assert int(cu[-1]) <= q.shape[0]
+        launches.append((kind, b, q.shape[0], extra))
+        for i in range(b):
+            lo, hi = int(cu[i]), int(cu[i + 1])
+            one = PagedKVMeta(cu_seqlens_q=torch.tensor([0, hi - lo], dtype=torch.int32), seqlens_k=sk[i:i + 1],
+                              prefix_lens=sk[i:i + 1] - (hi - lo), page_table=pt[i:i + 1],
+                              slot_mapping=torch.full((hi - lo,), -1, dtype=torch.int64), page_size=page_size,
+                              max_seqlen_q=hi - lo, max_seqlen_k=int(sk[i]))
+            out, l = paged_attention(q[lo:hi].float(), k_cache.float(), v_cache.float(), one, causal=causal,
+                                     sm_scale=sm_scale, return_lse=True, impl="reference")
+            o[lo:hi] = out.to(o.dtype)
+            lse[lo:hi] = l
+    return kernel
+
+
+@pytest.fixture()
+def stand_ins(monkeypatch):
+    launches = []
+    state = {}
+    monkeypatch.setattr(tilelang_impl, "POISON", True)
+    monkeypatch.setattr(tilelang_impl, "num_splits_for", lambda *a, **k: 1)
+    monkeypatch.setattr(tilelang_impl, "prefill_kernel", lambda spec, causal, page_size, cfg=None, target=None:
+                        _stand_in("prefill", state["k"], state["v"], launches, causal))
+    monkeypatch.setattr(tilelang_impl, "decode_kernel", lambda spec, dcfg, split, target=None:
+                        _stand_in(f"decode{dcfg.max_q}", state["k"], state["v"], launches, True))
+    return launches, state
+
+
+def _run(state, num_decodes, query_lens, prefix_lens, causal=True):
+    batch = random_batch(random.Random(len(query_lens)), batch_size=len(query_lens), page_size=16,
+                         max_seq_len=400, query_lens=query_lens, prefix_lens=prefix_lens)
+    k, v, _, _ = batch.make_kv(2, 64, torch.bfloat16)
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)  # the stand-ins read whole pages in float
+    state["k"], state["v"] = k, v
+    meta = dataclasses.replace(batch.meta(), num_decodes=num_decodes)
+    q = torch.randn(batch.num_tokens, 8, 64).to(torch.bfloat16)
+    out, lse = tilelang_impl.paged_attention_tilelang(q, k, v, meta, causal=causal, return_lse=True)
+    ref, ref_lse = paged_attention(q, k, v, meta, causal=causal, return_lse=True, impl="reference")
+    assert not torch.isnan(out).any(), "rows no launch wrote"
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_mixed_batch_splits_into_decode_and_prefill_launches(stand_ins, monkeypatch):
+    launches, state = stand_ins
+    monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", "1")
+    _run(state, 4, [1, 1, 1, 1, 37, 120, 5], [30, 200, 0, 64, 0, 100, 7])
+    # 4 decode requests over the first 4 rows of q; 3 prefill requests over the whole q
+    assert launches == [("decode1", 4, 4, 1), ("prefill", 3, 166, 120)]
+
+
+@pytest.mark.parametrize("flag,num_decodes,causal", [("0", 4, True), ("1", 0, True), ("1", 4, False)])
+def test_one_prefill_launch_otherwise(stand_ins, monkeypatch, flag, num_decodes, causal):
+    """Not opted in, no count of leading decodes, or not causal: the whole batch in one prefill launch."""
+    launches, state = stand_ins
+    monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
+    _run(state, num_decodes, [1, 1, 1, 1, 37, 120, 5], [30, 200, 0, 64, 0, 100, 7], causal=causal)
+    assert [kind for kind, *_ in launches] == ["prefill"]
+
+
+def test_requests_view_keeps_absolute_rows():
+    batch = random_batch(random.Random(0), batch_size=5, page_size=16, max_seq_len=200,
+                         query_lens=[1, 1, 9, 30, 2], prefix_lens=[10, 50, 0, 7, 100])
+    meta = batch.meta()
+    tail = meta.requests(2, 5)
+    assert tail.cu_seqlens_q.tolist() == meta.cu_seqlens_q[2:].tolist()
+    assert torch.equal(tail.page_table, meta.page_table[2:]) and tail.page_table.is_contiguous()
+    assert tail.max_seqlen_q == meta.max_seqlen_q and tail.max_seqlen_k == meta.max_seqlen_k
+    assert meta.requests(0, 2, max_seqlen_q=1).max_seqlen_q == 1
+    with pytest.raises(ValueError, match="requests"):
+        meta.requests(3, 3)
