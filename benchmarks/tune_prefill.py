@@ -30,20 +30,23 @@ sys.path.insert(0, str(HERE.parent))
 HQ, HKV, D = 32, 8, 128
 
 
-KINDS = ("gather", "tma", "pingpong", "pingpong_fm")  # _fm: compiled with TileLang's fast-math flag
+# pingpong: TMA tiles, no fast math; pingpong_fm: the same with TileLang's fast-math flag (the launcher's build);
+# pingpong_gather: the gathering producer (any page size), built by the launcher's rules too
+KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather")
 
 
 def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
-            ("pingpong_fm", 128)]
+            ("pingpong_fm", 128), ("pingpong_gather", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:
             continue
-        pages = [p for p in page_sizes if kind == "gather" or p % bn == 0]
+        gathers = kind in ("gather", "pingpong_gather")
+        pages = [p for p in page_sizes if gathers or p % bn == 0]
         if pages:
-            out.append(dict(tma=kind != "gather", pingpong=kind.startswith("pingpong"), block_N=bn, num_stages=2,
-                            fast_math=kind.endswith("_fm"), pages=pages))
+            out.append(dict(tma=not gathers, pingpong=kind.startswith("pingpong"), block_N=bn, num_stages=2,
+                            fast_math=kind in ("pingpong_fm", "pingpong_gather"), pages=pages))
     return out
 
 
@@ -52,7 +55,7 @@ def build(cand, causal):
     lay = (HKV * D, HKV * D, D)
     if cand["pingpong"]:
         return K.build_prefill_pingpong.__wrapped__(HQ, HKV, D, D, "bfloat16", causal, False, False, lay, lay,
-                                                    cand["block_N"], cand["num_stages"])
+                                                    cand["block_N"], cand["num_stages"], gather=not cand["tma"])
     return K.build_prefill.__wrapped__(HQ, HKV, D, D, "bfloat16", "bfloat16", causal, False, False, False, False,
                                        lay, lay, 128, cand["block_N"], cand["num_stages"], 256, cand["tma"])
 
@@ -62,10 +65,13 @@ def key(cand, causal):
 
 
 def pass_configs(cand):
-    if not cand.get("fast_math"):
-        return None
     from musa_attn_backend._tilelang import tl
-    return {tl.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+    pc = {}
+    if cand.get("fast_math"):
+        pc[tl.PassConfigKey.TL_ENABLE_FAST_MATH] = True
+    if cand["pingpong"] and not cand["tma"]:
+        pc[tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True  # as the launcher builds it
+    return pc or None
 
 
 def _compile(args):

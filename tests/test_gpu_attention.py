@@ -136,10 +136,12 @@ def test_long_prefill(gpu_device):
 
 
 @pytest.mark.parametrize("variant", ["causal", "non_causal", "softcap", "sinks", "fp16", "hd64", "mqa"])
-@pytest.mark.parametrize("page_size", [64, 256])
-def test_prefill_every_tiling(gpu_device, page_size, variant):
-    """Every prefill tiling this platform offers for the pages (ping-pong, whole-tile TMA and row gathers at
-    each tile width, the ones ``musa-attn tune`` picks from), on one ragged extend batch with odd lengths."""
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_prefill_every_tiling(gpu_device, page_size, variant, monkeypatch):
+    """Every prefill tiling this platform offers for the pages (ping-pong with TMA tiles or with a gathering
+    producer, whole-tile TMA and row gathers at each tile width, the ones ``musa-attn tune`` picks from), on one
+    ragged extend batch with odd lengths."""
+    monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "1")  # opt-in candidate: tested here
     hq, hkv, d, dtype = 16, 4, 128, torch.bfloat16
     opts, causal = {}, variant != "non_causal"
     if variant == "softcap":
@@ -160,7 +162,7 @@ def test_prefill_every_tiling(gpu_device, page_size, variant):
     ref, ref_lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, impl="reference",
                                    **opts)
     cfgs = tilelang_impl.prefill_candidates(d, d, False, page_size, False)
-    assert any(c.tma for c in cfgs) == (tilelang_impl.get_platform().bulk_copy)
+    assert any(c.tma for c in cfgs) == (tilelang_impl.get_platform().bulk_copy and page_size % 64 == 0)
     for cfg in cfgs:
         out, lse = tilelang_impl.paged_attention_tilelang(q, k_cache, v_cache, meta, causal=causal, return_lse=True,
                                                           prefill_cfg=cfg, **opts)

@@ -79,3 +79,23 @@ def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
     assert "wait_wgmma<1>" in src, "no MMA left in flight across the softmax"
     assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
     assert re.search(r"__sync_thread_partial\(5, 256\)", src) and re.search(r"__named_barrier_arrive\(6, 256\)", src)
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_prefill_pingpong_gather_compiles_for_sm90a(d, causal):
+    """The ping-pong prefill with a gathering producer (any page size; opt-in until it has run on a GPU), built
+    through the launcher with its compile options: explicit cp.async row copies (zero-fill predicated) that
+    arrive on the full barriers, a proxy fence before the consumers' WGMMAs read them, and no syncs besides the
+    producer's one per tile and the consumers' turn-taking."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    lay = (2 * d, 2 * d, d)
+    spec = ti.AttnSpec(8, 2, d, d, "bfloat16", "bfloat16", False, False, True, lay, lay)
+    cfg = ti.PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=False, pingpong=True)
+    src = ti.prefill_kernel(spec, causal, 16, target=HOPPER, cfg=cfg).get_kernel_source()
+    assert "cp_async_gs_conditional<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
+    assert "tma_load(Q_desc" in src and "tma_load(KC_desc" not in src
+    assert "fence_proxy_async" in src and "wait_wgmma<1>" in src
+    assert "warpgroup_reg_alloc<232>" in src and "warpgroup_reg_dealloc<40>" in src
+    assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src)) == {("5", "256"), ("6", "256"), ("7", "128")}

@@ -100,6 +100,12 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
         assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, **kw)), kw
     assert not any(c.pingpong for c in ti.prefill_candidates(256, 256, page_size=128))
     assert not any(c.pingpong for c in ti.prefill_candidates(96, 96, page_size=128))
+    # opt-in: the ping-pong kernel with a gathering producer, for pages of any size
+    assert not ti.prefill_config(128, 128, page_size=1).pingpong
+    monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "1")
+    assert ti.prefill_config(128, 128, page_size=1) == ti.PrefillConfig(128, 128, 2, 384, False, True)
+    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 2, 384, True, True)
+    assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16, has_window=True))
     monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_31")
     platform.reset()
     musa = ti.prefill_config(128, 128, page_size=128)

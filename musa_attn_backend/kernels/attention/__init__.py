@@ -24,6 +24,16 @@ def split_mixed_batches() -> bool:
     until it has run on a GPU; without it the whole batch takes the prefill kernel."""
     return os.environ.get(SPLIT_MIXED_ENV, "") == "1"
 
+
+PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
+
+
+def pingpong_gather_enabled() -> bool:
+    """Whether the ping-pong prefill kernel with a gathering (``cp.async``) producer, for pages of any size, is a
+    prefill candidate, ahead of the row-gather kernel. Opt-in (``MUSA_ATTN_PINGPONG_GATHER=1``) until it has run
+    on a GPU."""
+    return os.environ.get(PINGPONG_GATHER_ENV, "") == "1"
+
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]
 
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

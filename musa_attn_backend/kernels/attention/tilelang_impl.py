@@ -15,7 +15,7 @@ from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
 from ...platform import get_platform
 from .._common import check, constant_vector, per_kv_head
-from . import split_mixed_batches
+from . import pingpong_gather_enabled, split_mixed_batches
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -40,8 +40,9 @@ class PrefillConfig:
     num_stages: int
     threads: int
     tma: bool = False  # key tiles copied as whole blocks of one page (bulk copy) instead of row gathers
-    # explicit warp specialisation: a TMA producer warp group and two consumer warp groups that take turns
-    # on the tensor cores, with asynchronous MMAs overlapping the softmax (Hopper-class; implies tma)
+    # explicit warp specialisation: a producer warp group and two consumer warp groups that take turns on the
+    # tensor cores, with asynchronous MMAs overlapping the softmax (Hopper-class); the producer copies whole
+    # tiles with TMA (tma=True) or gathers rows with cp.async (tma=False)
     pingpong: bool = False
 
 
@@ -91,6 +92,8 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
         if pingpong_ok and page_size % bn == 0:
             out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=2, threads=384, tma=True, pingpong=True))
+    if pingpong_ok and pingpong_gather_enabled():
+        out.append(PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=False, pingpong=True))
     for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
         for tma in ((True, False) if tma_ok and page_size % bn == 0 else (False,)):
             for stages in ((2,) if tma else (1,) if is_fp8 else (2, 1)):
@@ -181,10 +184,15 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
     if cfg.pingpong:
         # fast math (exp2 as one ex2.approx.ftz, no denormal fix-ups): the softmax is what the tensor cores
         # wait on here; measured 0.85-0.98x -> cuDNN instead of 0.64-0.90x, same error (tune-prefill-20261129T192423Z)
+        pc = {tl.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+        if not cfg.tma:
+            # the gathering producer syncs its warp group itself (one named barrier per tile); TileLang's
+            # automatic syncs would put one before every row copy
+            pc[tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
         return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill_pingpong(
             spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
-            spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages), target=target,
-            pass_configs={tl.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+            spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma), target=target,
+            pass_configs=pc)
     return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,

@@ -287,12 +287,13 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
 # Named barriers of the ping-pong prefill (ids 0 = __syncthreads; TileLang's own partial syncs are not used by
 # its consumer code, which only touches registers, and shared memory through TMA and WGMMA)
 _PP_BAR = (5, 6)
+_PRODUCER_BAR = 7  # the gathering producer warp group's own sync (its tile's page-table rows resolved)
 
 
 @functools.lru_cache(maxsize=None)
 def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, causal: bool, has_softcap: bool,
                            has_sinks: bool, k_layout: tuple, v_layout: tuple, block_N: int = 128,
-                           num_stages: int = 2):
+                           num_stages: int = 2, gather: bool = False):
     """Prefill/extend for Hopper-class GPUs (TMA + warp-group MMA + named barriers): explicit warp
     specialisation in the manner of FlashAttention-3.
 
@@ -303,8 +304,12 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     ``P V`` is still in flight, then waits for it. The two consumer warp groups take turns issuing their
     MMAs (named barriers), so one group's softmax overlaps the other's MMAs.
 
-    Same arguments and results as :func:`build_prefill`; bf16/fp16 cache, no window, ``page_size % block_N ==
-    0`` (the launcher checks). Rows of the last page past the sequence must hold finite values (masked).
+    Key tiles: with ``gather=False`` one TMA copy per tile of one page (``page_size % block_N == 0``, the
+    launcher checks; rows of the last page past the sequence must hold finite values, they are masked); with
+    ``gather=True`` (any page size) the whole producer warp group resolves the tile's rows through the page
+    table and issues ``cp.async`` row copies, which arrive on the full barriers as they land (rows past the
+    sequence copy its last key, masked). Same arguments and results as :func:`build_prefill`; bf16/fp16 cache,
+    no window.
     """
     G = Hq // Hkv
     BM, HM, BN, S = 128, 64, block_N, num_stages
@@ -315,6 +320,11 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
     *_, finish_rows = _attention_macros(HM, BN, D, DV, HS_K, HS_V, False)
+    assert not gather or (BN <= 128 and D % 8 == 0 and DV % 8 == 0 and 128 % (D // 8) == 0
+                          and 128 % (DV // 8) == 0), "gather producer: one page-table row per thread"
+    # registers: 2 x 128 consumer + 128 producer threads in the 64K register file; gathers need addresses
+    CONSUMER_REGS, PRODUCER_REGS = (232, 40) if gather else (240, 24)
+    FULL = 128 if gather else 32  # arrivals completing a full barrier: the threads that copy
 
     def page_row(page_table, b, pos, page_size):
         return page_table[b, pos // page_size] * page_size + pos % page_size
@@ -326,6 +336,22 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
         if causal:
             c = T.Or(c, n0 + BN - 1 > qpos0)
         return c
+
+    @T.macro
+    def gather_rows(C, X_s, slot_s, st, p, col0, W):
+        """Producer thread ``p`` (of 128) issues its 16-byte ``cp.async`` chunks of the tile's rows (explicit
+        copies: TileLang's own lowering of a bounds-checked gather loop outside a pipeline is synchronous)."""
+        CH = W // 8  # chunks per row
+        RP = 128 // CH  # rows per pass of the warp group
+        for i in T.serial(BN // RP):
+            T.ptx_cp_async(T.access_ptr(X_s[st, i * RP + p // CH, (p % CH) * 8], "w", 8),
+                           T.access_ptr(C[slot_s[st, i * RP + p // CH], col0 + (p % CH) * 8], "r", 8), 8)
+
+    @T.macro
+    def wait_full(bars, i, parity):
+        T.mbarrier_wait_parity(bars[i], parity)
+        if gather:
+            T.fence_proxy_async()  # rows written by cp.async (generic proxy), read by WGMMA (async proxy)
 
     @T.macro
     def init_scores(acc_s, n0, qpos0, sk, cross):
@@ -367,7 +393,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
         # The loop body is straight-line in the WGMMAs (tile 0 peeled off): ptxas then sees which groups are in
         # flight and does not insert waits of its own.
         with T.ws(g):
-            T.set_max_nreg(240, 1)
+            T.set_max_nreg(CONSUMER_REGS, 1)
             acc_s = T.alloc_fragment([HM, BN], ACC)
             acc_p = T.alloc_fragment([HM, BN], q_dtype)
             acc_o = T.alloc_fragment([HM, DV], ACC)
@@ -390,7 +416,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                 cross0 = crosses(0, qpos0, sk)
                 init_scores(acc_s, 0, qpos0, sk, cross0)
                 T.sync_threads(my_bar, 2 * 128)
-                T.mbarrier_wait_parity(k_full[0], 0)
+                wait_full(k_full, 0, 0)
                 issue_scores(Q_s[g, :, :], K_s[0, :, :], acc_s, cross0)
                 T.named_barrier_arrive(other_bar, 2 * 128)
                 T.wait_wgmma(0)
@@ -405,11 +431,11 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                     cross = crosses(n0, qpos0, sk)
                     init_scores(acc_s, n0, qpos0, sk, cross)
                     T.sync_threads(my_bar, 2 * 128)
-                    T.mbarrier_wait_parity(k_full[st], (k // S) & 1)
+                    wait_full(k_full, st, (k // S) & 1)
                     issue_scores(Q_s[g, :, :], K_s[st, :, :], acc_s, cross)
                     for i, d in T.Parallel(HM, DV):  # O to the running max P was computed with
                         acc_o[i, d] *= alpha[i]
-                    T.mbarrier_wait_parity(v_full[sp], ((k - 1) // S) & 1)
+                    wait_full(v_full, sp, ((k - 1) // S) & 1)
                     T.wgmma_gemm(acc_p, V_s[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                     T.named_barrier_arrive(other_bar, 2 * 128)
                     T.wait_wgmma(1)  # S is ready, P V of the previous tile may still run
@@ -422,7 +448,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                 sl = (n_iters - 1) % S
                 for i, d in T.Parallel(HM, DV):
                     acc_o[i, d] *= alpha[i]
-                T.mbarrier_wait_parity(v_full[sl], ((n_iters - 1) // S) & 1)
+                wait_full(v_full, sl, ((n_iters - 1) // S) & 1)
                 T.wgmma_gemm(acc_p, V_s[sl, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                 T.wait_wgmma(0)
                 T.mbarrier_arrive(v_empty[sl])
@@ -460,9 +486,10 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
             Q_s = T.alloc_shared([2, HM, D], q_dtype)
             K_s = T.alloc_shared([S, BN, D], q_dtype)
             V_s = T.alloc_shared([S, BN, DV], q_dtype)
+            slot_s = T.alloc_shared([S, BN], "int32") if gather else None
             q_full = T.alloc_barrier(32)
-            k_full = T.alloc_barrier([32] * S)
-            v_full = T.alloc_barrier([32] * S)
+            k_full = T.alloc_barrier([FULL] * S)
+            v_full = T.alloc_barrier([FULL] * S)
             k_empty = T.alloc_barrier([256] * S)
             v_empty = T.alloc_barrier([256] * S)
             tx = T.get_thread_binding()
@@ -479,21 +506,38 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
             n_iters = T.if_then_else(m0 < qlen, T.ceildiv(kv_hi, BN), 0)
 
             if tx >= 256:
-                T.set_max_nreg(24, 0)
+                T.set_max_nreg(PRODUCER_REGS, 0)
             if tx >= 256 and tx < 288:
                 if n_iters > 0:
                     T.tma_copy(Q[q0 + m0:q0 + m0 + HM, h, :], Q_s[0, :, :], barrier=q_full)
                     T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
                 T.mbarrier_arrive(q_full)
-                for k in T.serial(n_iters):
-                    st = k % S
-                    r0 = page_row(page_table, b, k * BN, page_size)
-                    T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
-                    T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
-                    T.mbarrier_arrive(k_full[st])
-                    T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
-                    T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :], barrier=v_full[st])
-                    T.mbarrier_arrive(v_full[st])
+                if not gather:
+                    for k in T.serial(n_iters):
+                        st = k % S
+                        r0 = page_row(page_table, b, k * BN, page_size)
+                        T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
+                        T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
+                        T.mbarrier_arrive(k_full[st])
+                        T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
+                        T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :],
+                                   barrier=v_full[st])
+                        T.mbarrier_arrive(v_full[st])
+            if gather:
+                if tx >= 256:
+                    p = tx - 256
+                    for k in T.serial(n_iters):
+                        st = k % S
+                        T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
+                        if p < BN:
+                            # one row per thread; rows past the sequence read its last key (finite, masked)
+                            slot_s[st, p] = _slot(page_table, b, T.min(k * BN + p, sk - 1), sk, page_size, MP)
+                        T.sync_threads(_PRODUCER_BAR, 128)
+                        gather_rows(KC, K_s, slot_s, st, p, kvh * HS_K, D)
+                        T.cp_async_barrier_noinc(k_full[st])
+                        T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
+                        gather_rows(VC, V_s, slot_s, st, p, kvh * HS_V, DV)
+                        T.cp_async_barrier_noinc(v_full[st])
             logit_scale = sm_scale
             consumer(0, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
                      prefix, sk, n_iters, logit_scale, softcap)
