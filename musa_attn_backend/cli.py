@@ -94,8 +94,8 @@ def collect(require: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
     try:
         p = plat.get_platform()
         info["platform"] = {"device": p.kind, "name": p.device_name, "capability": p.capability, "arch": p.arch,
-                            "target_kind": p.target_kind, "sm_count": p.sm_count, "fp8": p.fp8,
-                            "bulk_copy": p.bulk_copy, "warpgroup_mma": p.warpgroup_mma, "warp_specialized": p.warp_specialized, "source": p.source,
+                            "target_kind": p.target_kind, "sm_count": p.sm_count,
+                            **{n: getattr(p, n) for n in plat.FEATURES}, "source": p.source,
                             "notes": list(p.notes)}
         info["tilelang_target"] = p.tilelang_target() if p.target_kind else None
         if p.has_gpu and not p.target_kind:
@@ -155,6 +155,8 @@ def _yes(v) -> str:
 
 
 def print_report(info: dict, problems: list[str]) -> None:
+    from .platform import FEATURES
+
     p = info.get("platform") or {}
     rows = [
         ("musa_attn_backend", info["musa_attn_backend"]),
@@ -173,7 +175,7 @@ def print_report(info: dict, problems: list[str]) -> None:
         ("tilelang", info["tilelang"] or "not installed"),
         ("tilelang target", (json.dumps(target) if isinstance(target, dict) else target) if target
          else "none (no GPU; set MUSA_ATTN_TARGET=sm_90a to compile for Hopper)"),
-        ("target features", ", ".join(n for n in ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized") if p.get(n)) or "none"),
+        ("target features", ", ".join(n for n in FEATURES if p.get(n)) or "none"),
         ("tile-kernels", info["tile_kernels"] or "not installed"),
         ("nvcc", info["nvcc"] or "not found"),
         ("mcc", info["mcc"] or "not found"),

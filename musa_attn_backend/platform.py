@@ -28,6 +28,8 @@ import torch
 TARGET_ENV = "MUSA_ATTN_TARGET"
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
+# the capability flags a Platform carries (kernels branch on these, never on the device name)
+FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized")
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -90,7 +92,7 @@ class Platform:
             parts.append(f"capability={self.capability[0]}.{self.capability[1]}")
         if self.arch:
             parts.append(f"target={self.target_kind}:{self.arch}")
-        flags = [n for n in ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized") if getattr(self, n)]
+        flags = [n for n in FEATURES if getattr(self, n)]
         parts.append("features=" + (",".join(flags) if flags else "none"))
         if self.sm_count:
             parts.append(f"sms={self.sm_count}")
@@ -136,6 +138,11 @@ def _musa_features(arch: str) -> dict:
         # not yet: tilelang-musa's lowering of named barriers and register reallocation is unverified
         "warp_specialized": False,
     }
+
+
+def _flags(feats: dict) -> dict:
+    """The capability flags of a ``_cuda_features`` / ``_musa_features`` result, as Platform fields."""
+    return {n: feats[n] for n in FEATURES}
 
 
 def musa_runtime_available() -> bool:
@@ -185,10 +192,7 @@ def _detect_musa() -> Platform:
         device_name=str(getattr(props, "name", "MUSA device")),
         capability=capability,
         sm_count=int(getattr(props, "multi_processor_count", 0)),
-        fp8=feats["fp8"],
-        bulk_copy=feats["bulk_copy"],
-        warpgroup_mma=feats["warpgroup_mma"],
-        warp_specialized=feats["warp_specialized"],
+        **_flags(feats),
         notes=notes,
     )
 
@@ -206,10 +210,7 @@ def _detect_cuda() -> Platform:
         device_name=props.name,
         capability=capability,
         sm_count=int(props.multi_processor_count),
-        fp8=feats["fp8"],
-        bulk_copy=feats["bulk_copy"],
-        warpgroup_mma=feats["warpgroup_mma"],
-        warp_specialized=feats["warp_specialized"],
+        **_flags(feats),
     )
 
 
@@ -240,10 +241,7 @@ def _from_override(value: str, detected: Platform) -> Platform:
         device_name=detected.device_name,
         capability=feats["capability"],
         sm_count=detected.sm_count if same_device else _default_sm_count(kind, arch),
-        fp8=feats["fp8"],
-        bulk_copy=feats["bulk_copy"],
-        warpgroup_mma=feats["warpgroup_mma"],
-        warp_specialized=feats["warp_specialized"],
+        **_flags(feats),
         source="env",
     )
 

@@ -16,23 +16,25 @@ from .._common import FP8_E4M3, check, check_same_device, check_scale, resolve_i
 from .reference import paged_attention_reference
 
 SPLIT_MIXED_ENV = "MUSA_ATTN_SPLIT_MIXED"
+PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
+
+
+def _opted_in(env: str) -> bool:
+    return os.environ.get(env, "") == "1"
 
 
 def split_mixed_batches() -> bool:
     """Whether a mixed batch whose metadata counts its leading decodes (``PagedKVMeta.num_decodes``) runs them
     with the decode kernel and the rest with the prefill kernel on the GPU. Opt-in (``MUSA_ATTN_SPLIT_MIXED=1``)
     until it has run on a GPU; without it the whole batch takes the prefill kernel."""
-    return os.environ.get(SPLIT_MIXED_ENV, "") == "1"
-
-
-PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
+    return _opted_in(SPLIT_MIXED_ENV)
 
 
 def pingpong_gather_enabled() -> bool:
     """Whether the ping-pong prefill kernel with a gathering (``cp.async``) producer, for pages of any size, is a
     prefill candidate, ahead of the row-gather kernel. Opt-in (``MUSA_ATTN_PINGPONG_GATHER=1``) until it has run
     on a GPU."""
-    return os.environ.get(PINGPONG_GATHER_ENV, "") == "1"
+    return _opted_in(PINGPONG_GATHER_ENV)
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]
 

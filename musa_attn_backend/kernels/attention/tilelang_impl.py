@@ -88,13 +88,14 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     plat = get_platform()
     tma_ok = plat.bulk_copy and not is_fp8 and not has_window
     pingpong_ok = tma_ok and plat.warp_specialized and d == dv and d in (64, 128)
+    widths = sorted({_prefill_tile(d, dv), 64}, reverse=True)
     out = []
-    for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
+    for bn in widths:
         if pingpong_ok and page_size % bn == 0:
             out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=2, threads=384, tma=True, pingpong=True))
     if pingpong_ok and pingpong_gather_enabled():
         out.append(PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=False, pingpong=True))
-    for bn in sorted({_prefill_tile(d, dv), 64}, reverse=True):
+    for bn in widths:
         for tma in ((True, False) if tma_ok and page_size % bn == 0 else (False,)):
             for stages in ((2,) if tma else (1,) if is_fp8 else (2, 1)):
                 out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=256, tma=tma))
@@ -105,9 +106,9 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                    has_window: bool = False) -> PrefillConfig:
     """Prefill tiling: the tuning table's choice for this shape class on this device (``musa-attn tune``) if
     there is a valid one, else the default (the first whole-tile candidate of :func:`prefill_candidates`, else
-    the first): the ping-pong kernel on Hopper-class GPUs for a bf16/fp16 cache without a window, head dim 64/128, pages holding whole key tiles (64+
-    tokens); else, with a bulk-copy engine (TMA / TME) and the same cache conditions, one block copy per tile;
-    else row gathers (128-key tiles up to head dim 128).
+    the first): the ping-pong kernel on Hopper-class GPUs for a bf16/fp16 cache without a window, head dim
+    64/128, pages holding whole key tiles (64+ tokens); else, with a bulk-copy engine (TMA / TME) and the same
+    cache conditions, one block copy per tile; else row gathers (128-key tiles up to head dim 128).
 
     Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z and
     -192423Z): ping-pong with fast math 438 / 554 / 557, without 331 / 472 / 514, with 64-key tiles 309 / 391 /
