@@ -124,3 +124,30 @@ def test_unsupported_cache_layouts_are_refused_before_launch(rec):
     with pytest.raises(ValueError, match="multiple of 16"):
         attn_impl.paged_attention_tilelang(q[..., :40], kc[..., :40], vc[..., :40], meta)
     assert rec.calls == []  # nothing was compiled or launched
+
+
+def test_forced_prefill_tiling_must_be_valid(rec, monkeypatch):
+    """``prefill_cfg`` (the tuner's override) is checked against the tilings valid for the batch: whole-tile
+    copies on 16-token pages would read the wrong rows."""
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    q, kc, vc, meta, _ = _case(False, 2, 50)
+    tma = attn_impl.PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=256, tma=True)
+    with pytest.raises(ValueError, match="prefill_cfg .* is not valid .* page size 16"):
+        attn_impl.paged_attention_tilelang(q, kc, vc, meta, prefill_cfg=tma)
+    assert rec.calls == []
+    attn_impl.paged_attention_tilelang(q, kc, vc, meta, prefill_cfg=attn_impl.prefill_candidates(64, 64, False, 16)[0])
+    assert rec.calls == ["prefill"]
+
+
+@pytest.mark.parametrize("max_len,expect", [(100, ["decode", "prefill"]), (4000, ["decode", "combine", "prefill"])])
+def test_mixed_split_launches_match_signatures(rec, monkeypatch, max_len, expect):
+    """The two launches of a split mixed batch (MUSA_ATTN_SPLIT_MIXED) against the real kernel signatures."""
+    import dataclasses
+
+    monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", "1")
+    b = random_batch(random.Random(1), batch_size=5, page_size=16, max_seq_len=max_len,
+                     query_lens=[1, 1, 1, 30, 12])
+    kc, vc, _, _ = b.make_kv(2, 64, torch.bfloat16)
+    q = torch.randn(b.num_tokens, 8, 64).bfloat16()
+    attn_impl.paged_attention_tilelang(q, kc, vc, dataclasses.replace(b.meta(), num_decodes=3))
+    assert rec.calls == expect

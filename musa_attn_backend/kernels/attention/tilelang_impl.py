@@ -227,6 +227,10 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     v_rows, v_layout = cache_rows(v_cache, "v_cache", op=op)
     spec = AttnSpec(hq, hkv, d, dv, tl_dtype(q.dtype), tl_dtype(k_cache.dtype), sliding_window is not None,
                     logit_softcap is not None, sinks is not None, k_layout, v_layout)
+    if prefill_cfg is not None:
+        valid = prefill_candidates(d, dv, spec.is_fp8, meta.page_size, spec.has_window)
+        check(prefill_cfg in valid, f"{op}: prefill_cfg {prefill_cfg} is not valid for head dims {d}/{dv}, page size "
+                                    f"{meta.page_size}, this cache and platform; valid: {valid}")
     scalars = (
         sinks.float().contiguous() if spec.has_sinks else constant_vector("zeros", hq, dev),
         per_kv_head(k_scale if spec.is_fp8 else None, hkv, dev),
