@@ -19,22 +19,25 @@ SPLIT_MIXED_ENV = "MUSA_ATTN_SPLIT_MIXED"
 PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
 
 
-def _opted_in(env: str) -> bool:
-    return os.environ.get(env, "") == "1"
+def _enabled(env: str) -> bool:
+    return os.environ.get(env, "1") != "0"
 
 
 def split_mixed_batches() -> bool:
     """Whether a mixed batch whose metadata counts its leading decodes (``PagedKVMeta.num_decodes``) runs them
-    with the decode kernel and the rest with the prefill kernel on the GPU. Opt-in (``MUSA_ATTN_SPLIT_MIXED=1``)
-    until it has run on a GPU; without it the whole batch takes the prefill kernel."""
-    return _opted_in(SPLIT_MIXED_ENV)
+    with the decode kernel and the rest with the prefill kernel on the GPU (default; ``MUSA_ATTN_SPLIT_MIXED=0``
+    turns it off, and the whole batch takes the prefill kernel). Measured on the H200 through vLLM's builder and
+    impl: a batch of 16 decodes at 4k + 2 x 512 new tokens went from 0.87x to 2.38x ``TRITON_ATTN``
+    (vllm-backend-20261129T193053Z -> -205215Z)."""
+    return _enabled(SPLIT_MIXED_ENV)
 
 
 def pingpong_gather_enabled() -> bool:
     """Whether the ping-pong prefill kernel with a gathering (``cp.async``) producer, for pages of any size, is a
-    prefill candidate, ahead of the row-gather kernel. Opt-in (``MUSA_ATTN_PINGPONG_GATHER=1``) until it has run
-    on a GPU."""
-    return _opted_in(PINGPONG_GATHER_ENV)
+    prefill candidate, ahead of the row-gather kernel (default; ``MUSA_ATTN_PINGPONG_GATHER=0`` removes it).
+    Measured on the H200 at page 1, causal 4k / 8k / 16k: 334 / 401 / 429 TFLOP/s against 241 / 293 / 329 for
+    the row-gather kernel (tune-prefill-20261129T205442Z)."""
+    return _enabled(PINGPONG_GATHER_ENV)
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]
 

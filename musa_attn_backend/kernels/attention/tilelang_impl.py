@@ -53,6 +53,7 @@ class DecodeConfig:
     block_N: int
     num_stages: int
     threads: int
+    slot_tiles: int = K.SLOT_TILES  # tiles whose cache rows are resolved at once (the pipeline restarts after)
 
 
 def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -204,7 +205,7 @@ def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
     return compile_cached(("decode", spec, split, dcfg), lambda: K.build_decode(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, dcfg.max_q, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, split, spec.k_layout, spec.v_layout,
-        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads), target=target)
+        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads, dcfg.slot_tiles), target=target)
 
 
 def combine_kernel(spec: AttnSpec, target=None):

@@ -46,15 +46,15 @@ def _slot(page_table, b, pos, sk, page_size, max_pages):
     return T.if_then_else(pos < sk, page * page_size + T.truncmod(pos, page_size), -1)
 
 
-def _attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8):
+def _attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, slot_tiles=SLOT_TILES):
     """Tile loads and the online-softmax step shared by the prefill and decode programs."""
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
     def resolve_slots(slot_s, pos0, page_table, b, sk, page_size, max_pages):
-        """Cache rows of ``SLOT_TILES`` tiles from key ``pos0`` on: one page-table read per row, all rows in
+        """Cache rows of ``slot_tiles`` tiles from key ``pos0`` on: one page-table read per row, all rows in
         parallel, before the pipelined loop that copies them (which then reads addresses from shared)."""
-        for r in T.Parallel(SLOT_TILES * BN):
+        for r in T.Parallel(slot_tiles * BN):
             slot_s[r] = _slot(page_table, b, pos0 + r, sk, page_size, max_pages)
 
     @T.macro
@@ -551,13 +551,15 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
 def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str, max_q: int,
                  has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool, split: bool,
                  k_layout: tuple, v_layout: tuple,
-                 block_M: int = 64, block_N: int = 64, num_stages: int = 2, threads: int = 128):
+                 block_M: int = 64, block_N: int = 64, num_stages: int = 2, threads: int = 128,
+                 slot_tiles: int = SLOT_TILES):
     """Split-KV decode (and short causal queries, up to ``max_q`` tokens per request, e.g. speculative verify).
 
     One block per (KV split, KV head, request); its rows are the ``max_q x G`` (token, query head) pairs that
     share the KV head, so each K/V tile is read once for the whole group. With ``split`` the block writes a
     partial (output normalised by its own sum, LSE in log2 units) for :func:`build_combine`; without it, the
-    final output.
+    final output. ``slot_tiles``: tiles whose cache rows are resolved together; the copy pipeline restarts
+    after each such run.
     """
     G = Hq // Hkv
     rows = max_q * G
@@ -577,7 +579,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     O_shape = (S, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (S, NT, Hq) if split else (NT, Hq)
     resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(BM, BN, D, DV, k_layout[2], v_layout[2],
-                                                                          is_fp8)
+                                                                          is_fp8, slot_tiles)
 
     @T.prim_func
     def decode(
@@ -605,7 +607,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
-            slot_s = T.alloc_shared([SLOT_TILES * BN], "int32")
+            slot_s = T.alloc_shared([slot_tiles * BN], "int32")
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -640,10 +642,10 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
-                resolve_slots(slot_s, (n_lo + it_lo + c * SLOT_TILES) * BN, page_table, b, sk, page_size, MP)
-                for it in T.Pipelined(T.min(SLOT_TILES, n_iters - c * SLOT_TILES), num_stages=num_stages):
-                    n0 = (n_lo + it_lo + c * SLOT_TILES + it) * BN
+            for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
+                resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, sk, page_size, MP)
+                for it in T.Pipelined(T.min(slot_tiles, n_iters - c * slot_tiles), num_stages=num_stages):
+                    n0 = (n_lo + it_lo + c * slot_tiles + it) * BN
                     load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
                     T.clear(acc_s)
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=policy)
