@@ -51,6 +51,7 @@ class Platform:
     device_name: str = "cpu"
     capability: Optional[tuple[int, int]] = None
     sm_count: int = 0
+    smem_per_sm: int = 0  # shared memory bytes per SM (0: unknown); sizes the split-KV decode grid
     fp8: bool = False  # FP8 (e4m3) tensor-core MMA and conversions
     bulk_copy: bool = False  # TMA (NVIDIA) / TME (MUSA) bulk-copy engine
     warpgroup_mma: bool = False  # WGMMA (NVIDIA sm_90a) / SQMMA (MUSA MP31)
@@ -192,6 +193,7 @@ def _detect_musa() -> Platform:
         device_name=str(getattr(props, "name", "MUSA device")),
         capability=capability,
         sm_count=int(getattr(props, "multi_processor_count", 0)),
+        smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 0)) or _default_smem_per_sm("musa", arch),
         **_flags(feats),
         notes=notes,
     )
@@ -210,6 +212,7 @@ def _detect_cuda() -> Platform:
         device_name=props.name,
         capability=capability,
         sm_count=int(props.multi_processor_count),
+        smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 0)) or _default_smem_per_sm("cuda", arch),
         **_flags(feats),
     )
 
@@ -218,7 +221,8 @@ def _from_override(value: str, detected: Platform) -> Platform:
     raw = value.strip().lower()
     if raw == "cpu":
         return Platform(kind=detected.kind, target_kind=None, arch=None, device_name=detected.device_name,
-                        capability=detected.capability, sm_count=detected.sm_count, source="env")
+                        capability=detected.capability, sm_count=detected.sm_count,
+                        smem_per_sm=detected.smem_per_sm, source="env")
     kind, _, arch = raw.partition(":")
     if kind.startswith("sm_"):
         kind, arch = "cuda", kind
@@ -241,6 +245,7 @@ def _from_override(value: str, detected: Platform) -> Platform:
         device_name=detected.device_name,
         capability=feats["capability"],
         sm_count=detected.sm_count if same_device else _default_sm_count(kind, arch),
+        smem_per_sm=detected.smem_per_sm if same_device else _default_smem_per_sm(kind, arch),
         **_flags(feats),
         source="env",
     )
@@ -251,6 +256,13 @@ def _default_sm_count(kind: str, arch: str) -> int:
     if kind == "cuda":
         return {"sm_90a": 132, "sm_90": 132, "sm_80": 108, "sm_89": 128}.get(arch, 108)
     return {"mp_31": 56, "mp_22": 48}.get(arch, 48)
+
+
+def _default_smem_per_sm(kind: str, arch: str) -> int:
+    """Shared memory per SM assumed when the device does not report it or is not present (sizes split-KV)."""
+    if kind == "cuda":
+        return {"sm_90a": 228, "sm_90": 228, "sm_80": 164, "sm_89": 100, "sm_86": 100}.get(arch, 100) * 1024
+    return 128 * 1024  # MUSA: not measured here; a conservative guess
 
 
 def detect() -> Platform:

@@ -98,10 +98,27 @@ def test_write_kv_launch_matches_signature(rec):
 
 def test_split_count_heuristic():
     f = attn_impl.num_splits_for
-    assert f(batch=256, num_kv_heads=8, max_seqlen_k=32768, block_N=64, sm_count=132) == 1
-    assert f(batch=1, num_kv_heads=8, max_seqlen_k=32768, block_N=64, sm_count=132) == 33
-    assert f(batch=1, num_kv_heads=8, max_seqlen_k=256, block_N=64, sm_count=132) == 1  # >= 4 tiles a split
-    assert 1 <= f(batch=3, num_kv_heads=1, max_seqlen_k=10**6, block_N=64, sm_count=132) <= attn_impl.MAX_SPLITS
+    h200 = dict(block_N=64, sm_count=132, ctas_per_sm=3)  # 396 resident blocks (the tune-decode run)
+    # choices measured best on the H200 (tune-decode-20261129T210041Z)
+    assert f(batch=64, num_kv_heads=8, max_seqlen_k=4096, **h200) == 3  # 512 blocks = 1.29 waves -> 3.88
+    assert f(batch=32, num_kv_heads=8, max_seqlen_k=16384, **h200) == 3
+    assert f(batch=8, num_kv_heads=8, max_seqlen_k=32768, **h200) == 6
+    assert f(batch=256, num_kv_heads=8, max_seqlen_k=32768, **h200) == 2
+    assert f(batch=1, num_kv_heads=8, max_seqlen_k=4096, **h200) == 32
+    assert f(batch=48, num_kv_heads=8, max_seqlen_k=32768, **h200) == 1  # 384 blocks: one full wave already
+    assert f(batch=1, num_kv_heads=8, max_seqlen_k=128, **h200) == 1  # 2 tiles: each split keeps >= 2
+    for b in (1, 3, 17, 100):
+        for sk in (1, 64, 1000, 10**6):
+            s = f(batch=b, num_kv_heads=2, max_seqlen_k=sk, block_N=64, sm_count=132)
+            assert s == 1 or (s in attn_impl.SPLIT_COUNTS and s <= attn_impl.MAX_SPLITS and s <= -(-sk // 64) // 2)
+
+
+def test_decode_blocks_per_sm_estimate():
+    est = attn_impl.decode_ctas_per_sm
+    cfg = attn_impl.decode_config(1, 4)  # 16-row tile, 64-key tiles, 2 stages: ~72 KiB of shared memory
+    assert est(cfg, 128, 128, False, 228 * 1024) == 3
+    assert est(cfg, 128, 128, False, 100 * 1024) == 1
+    assert est(attn_impl.decode_config(8, 16), 128, 128, False, 228 * 1024) == 1  # 128 rows, 256 threads
 
 
 def test_decode_tiling_choice():

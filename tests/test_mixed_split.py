@@ -1,5 +1,5 @@
 """A mixed batch whose metadata counts its leading decodes runs them in a decode launch and the rest in a prefill
-launch (``MUSA_ATTN_SPLIT_MIXED=1``). On a CPU the compiled kernels are replaced by stand-ins that keep their
+launch (the default; ``MUSA_ATTN_SPLIT_MIXED=0`` turns it off). On a CPU the compiled kernels are replaced by stand-ins that keep their
 contract (packed ``q`` / ``O`` / ``LSE`` indexed by ``cu_seqlens_q``; every argument shaped consistently with the
 batch it is given; nothing written outside its requests' rows) and compute with the reference op, so these tests
 check what the launcher hands each kernel; the GPU test (``test_vllm_backend.py``, ``split_mixed``) runs the
@@ -69,7 +69,7 @@ def _run(state, num_decodes, query_lens, prefix_lens, causal=True):
 
 def test_mixed_batch_splits_into_decode_and_prefill_launches(stand_ins, monkeypatch):
     launches, state = stand_ins
-    monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", "1")
+    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)  # the default
     _run(state, 4, [1, 1, 1, 1, 37, 120, 5], [30, 200, 0, 64, 0, 100, 7])
     # 4 decode requests over the first 4 rows of q; 3 prefill requests over the whole q
     assert launches == [("decode1", 4, 4, 1), ("prefill", 3, 166, 120)]
@@ -77,7 +77,8 @@ def test_mixed_batch_splits_into_decode_and_prefill_launches(stand_ins, monkeypa
 
 @pytest.mark.parametrize("flag,num_decodes,causal", [("0", 4, True), ("1", 0, True), ("1", 4, False)])
 def test_one_prefill_launch_otherwise(stand_ins, monkeypatch, flag, num_decodes, causal):
-    """Not opted in, no count of leading decodes, or not causal: the whole batch in one prefill launch."""
+    """Turned off (``MUSA_ATTN_SPLIT_MIXED=0``), no count of leading decodes, or not causal: the whole batch in
+    one prefill launch."""
     launches, state = stand_ins
     monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
     _run(state, num_decodes, [1, 1, 1, 1, 37, 120, 5], [30, 200, 0, 64, 0, 100, 7], causal=causal)

@@ -96,16 +96,20 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
     assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 2, 384, True, True)
     assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
     assert ti.prefill_config(128, 128, page_size=256).pingpong
-    for kw in (dict(page_size=16), dict(page_size=128, has_window=True), dict(page_size=128, is_fp8=True)):
+    for kw in (dict(page_size=128, has_window=True), dict(page_size=128, is_fp8=True)):
         assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, **kw)), kw
     assert not any(c.pingpong for c in ti.prefill_candidates(256, 256, page_size=128))
     assert not any(c.pingpong for c in ti.prefill_candidates(96, 96, page_size=128))
-    # opt-in: the ping-pong kernel with a gathering producer, for pages of any size
-    assert not ti.prefill_config(128, 128, page_size=1).pingpong
-    monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "1")
-    assert ti.prefill_config(128, 128, page_size=1) == ti.PrefillConfig(128, 128, 2, 384, False, True)
+    # pages that hold no whole key tile: the ping-pong kernel with a gathering producer (default)
+    for ps in (1, 16, 32):
+        assert ti.prefill_config(128, 128, page_size=ps) == ti.PrefillConfig(128, 128, 2, 384, False, True)
     assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 2, 384, True, True)
     assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16, has_window=True))
+    # MUSA_ATTN_PINGPONG_GATHER=0 takes it out: the row-gather kernel again
+    monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "0")
+    assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16))
+    assert ti.prefill_config(128, 128, page_size=1) == ti.PrefillConfig(128, 128, 2, 256, False)
+    monkeypatch.delenv("MUSA_ATTN_PINGPONG_GATHER")
     monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_31")
     platform.reset()
     musa = ti.prefill_config(128, 128, page_size=128)

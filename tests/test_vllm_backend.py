@@ -160,7 +160,8 @@ def test_builder_and_impl_match_sdpa_on_mixed_batch(hq, hkv, block, opts):
 def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, split, monkeypatch):
     """vLLM's real builder/impl classes on the GPU: the TileLang kernels (KV write, decode, prefill incl. the
     whole-page copy path at block 128) on a mixed batch with long prefixes, bf16, vs float32 math; the mixed
-    batch in one prefill launch, or (``MUSA_ATTN_SPLIT_MIXED=1``) its leading decodes in a decode launch."""
+    batch in one prefill launch (``MUSA_ATTN_SPLIT_MIXED=0``), or (the default) its leading decodes in a decode
+    launch."""
     from musa_attn_backend.kernels.attention import tilelang_impl
 
     monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", "1" if split else "0")
@@ -175,8 +176,8 @@ def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, 
 
 
 def test_builder_counts_leading_decodes_when_splitting(monkeypatch):
-    """With ``MUSA_ATTN_SPLIT_MIXED=1`` the builder asks vLLM to put decodes first and records how many lead the
-    batch (from the host copy of query_start_loc); without it, neither."""
+    """By default (and with ``MUSA_ATTN_SPLIT_MIXED=1``) the builder asks vLLM to put decodes first and records
+    how many lead the batch (from the host copy of query_start_loc); with ``MUSA_ATTN_SPLIT_MIXED=0``, neither."""
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -184,14 +185,17 @@ def test_builder_counts_leading_decodes_when_splitting(monkeypatch):
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     cases = [((1, 1, 1, 37, 20), 3), ((5, 1, 1), 0), ((1, 1, 3, 1), 2), ((2, 2), 0)]
-    for flag in ("1", "0"):
-        monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
+    for flag in (None, "1", "0"):
+        if flag is None:
+            monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
+        else:
+            monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
         builder = TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], VllmConfig(), torch.device("cpu"))
-        assert builder.reorder_batch_threshold == (1 if flag == "1" else None)
+        assert builder.reorder_batch_threshold == (None if flag == "0" else 1)
         for qlens, leading in cases:
             batch = random_batch(random.Random(len(qlens)), batch_size=len(qlens), page_size=16, max_seq_len=90,
                                  query_lens=list(qlens))
-            assert builder.build(0, _common_metadata(batch)).meta.num_decodes == (leading if flag == "1" else 0)
+            assert builder.build(0, _common_metadata(batch)).meta.num_decodes == (0 if flag == "0" else leading)
 
 
 def _decode_builder(block, hkv, d, dtype, device, monkeypatch, graphs=True):

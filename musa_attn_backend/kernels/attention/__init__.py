@@ -35,7 +35,7 @@ def split_mixed_batches() -> bool:
 def pingpong_gather_enabled() -> bool:
     """Whether the ping-pong prefill kernel with a gathering (``cp.async``) producer, for pages of any size, is a
     prefill candidate, ahead of the row-gather kernel (default; ``MUSA_ATTN_PINGPONG_GATHER=0`` removes it).
-    Measured on the H200 at page 1, causal 4k / 8k / 16k: 334 / 401 / 429 TFLOP/s against 241 / 293 / 329 for
+    Measured on the H200 at page 1, causal 4k / 8k / 16k: 334 / 401 / 429 TFLOP/s against 238 / 291 / 330 for
     the row-gather kernel (tune-prefill-20261129T205442Z)."""
     return _enabled(PINGPONG_GATHER_ENV)
 

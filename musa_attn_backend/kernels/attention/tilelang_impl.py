@@ -107,13 +107,15 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                    has_window: bool = False) -> PrefillConfig:
     """Prefill tiling: the tuning table's choice for this shape class on this device (``musa-attn tune``) if
     there is a valid one, else the default (the first whole-tile candidate of :func:`prefill_candidates`, else
-    the first): the ping-pong kernel on Hopper-class GPUs for a bf16/fp16 cache without a window, head dim
-    64/128, pages holding whole key tiles (64+ tokens); else, with a bulk-copy engine (TMA / TME) and the same
-    cache conditions, one block copy per tile; else row gathers (128-key tiles up to head dim 128).
+    the first). On Hopper-class GPUs, for a bf16/fp16 cache without a window and head dim 64/128, that is the
+    ping-pong kernel: with TMA tiles where pages hold whole key tiles (64+ tokens), else with a gathering
+    producer. Else, with a bulk-copy engine (TMA / TME) and the same cache conditions, one block copy per tile;
+    else row gathers (128-key tiles up to head dim 128).
 
-    Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z and
-    -192423Z): ping-pong with fast math 438 / 554 / 557, without 331 / 472 / 514, with 64-key tiles 309 / 391 /
-    424; TMA tiles with TileLang's warp specialisation 267 / 380 / 458; row gathers (page 1) 241 / 293 / 329."""
+    Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z,
+    -192423Z and -205442Z): ping-pong with TMA tiles and fast math 438 / 554 / 557, without fast math 331 / 472 /
+    514, with 64-key tiles 309 / 391 / 424; ping-pong with a gathering producer (page 1 and 16) 329-334 / 397-401
+    / 429-431; TMA tiles with TileLang's warp specialisation 267 / 380 / 458; row gathers 238 / 291 / 330."""
     valid = prefill_candidates(d, dv, is_fp8, page_size, has_window)
     tuned = tuning.lookup("prefill", prefill_shape_class(d, dv, is_fp8, page_size, has_window))
     if tuned:
@@ -145,14 +147,44 @@ def decode_config(max_q: int, group: int, is_fp8: bool = False, dv: int = 128) -
     return None
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_seqlen_k: int, block_N: int, sm_count: int) -> int:
-    """Split the keys so that about two waves of blocks fill the chip, keeping >= 4 tiles per split."""
+def decode_ctas_per_sm(dcfg: DecodeConfig, d: int, dv: int, is_fp8: bool, smem_per_sm: int) -> int:
+    """How many decode blocks of this tiling one SM holds at once (shared memory, registers, threads): an
+    estimate from the tile buffers, for sizing the split-KV grid."""
+    kv = dcfg.block_N * (d + dv)
+    smem = dcfg.num_stages * kv * (1 if is_fp8 else 2) + (kv * 2 if is_fp8 else 0)  # (fp8: + converted tiles)
+    smem += dcfg.block_M * d * 2 + (dcfg.block_M * dcfg.block_N * 2 if dcfg.block_M < 64 else 0)
+    smem += dcfg.slot_tiles * dcfg.block_N * 4 + 1024  # resolved rows, per-block reserve
+    regs = min(255, (dcfg.block_M * dv + dcfg.block_M * dcfg.block_N * 3 // 2) // dcfg.threads + 40)
+    by_smem = (smem_per_sm or 228 * 1024) // smem
+    return max(1, min(by_smem, 65536 // (regs * dcfg.threads), 2048 // dcfg.threads, 32))
+
+
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the split counts measured (tune_decode.py)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_seqlen_k: int, block_N: int, sm_count: int,
+                   ctas_per_sm: int = 1) -> int:
+    """Split count for split-KV decode, from a wave model: ``n = batch x kv heads x splits`` blocks run in
+    ``ceil(n / slots)`` waves of ``slots = sm_count x ctas_per_sm`` resident blocks (a part-filled last wave
+    costs a whole one); a wave takes (tiles per block) x (its resident blocks / 80% of the slots, at least 1:
+    the share of the memory bandwidth each gets) + 1 tile of fixed cost. The fewest splits within 6% of the
+    least modelled time win; each split keeps >= 2 tiles.
+
+    Fitted on the H200 (tune-decode-20261129T210041Z: 32/8 heads, hd 128, 3 blocks per SM, batch 1-256 x 4k-32k
+    keys): it picks the best measured split count on 16 of the 18 shapes and is within 7% on the other two. The
+    rule before it (no split once the blocks outnumber the SMs) ran batch 64 as 512 blocks = 1.29 waves, at
+    0.67-0.71x cuDNN; 3 splits (3.88 waves) run at 0.88-0.95x."""
     blocks = max(1, batch * num_kv_heads)
-    if blocks >= sm_count:
-        return 1
-    want = math.ceil(2 * sm_count / blocks)
+    slots = max(1, sm_count * ctas_per_sm)
     tiles = max(1, math.ceil(max_seqlen_k / block_N))
-    return max(1, min(want, tiles // 4, MAX_SPLITS))
+    cost = {}
+    for s in SPLIT_COUNTS:
+        if s > 1 and (s > tiles // 2 or s > MAX_SPLITS):
+            break
+        n = blocks * s
+        cost[s] = math.ceil(n / slots) * (math.ceil(tiles / s) * max(1.0, min(n, slots) / (0.8 * slots)) + 1)
+    least = min(cost.values())
+    return min(s for s, t in cost.items() if t <= 1.06 * least)
 
 
 @dataclass(frozen=True)
@@ -249,7 +281,9 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
         return (qq, k_rows, v_rows, m.cu_seqlens_q, m.seqlens_k, m.page_table, *scalars, m.page_size)
 
     def run_decode(m: PagedKVMeta, dcfg: DecodeConfig, qq, oo, ll):
-        splits = num_splits_for(m.batch_size, hkv, m.max_seqlen_k, dcfg.block_N, get_platform().sm_count or 132)
+        plat = get_platform()
+        splits = num_splits_for(m.batch_size, hkv, m.max_seqlen_k, dcfg.block_N, plat.sm_count or 132,
+                                decode_ctas_per_sm(dcfg, d, dv, spec.is_fp8, plat.smem_per_sm))
         if splits == 1:
             decode_kernel(spec, dcfg, split=False)(*args(m, qq), 1, oo, ll)
         else:
