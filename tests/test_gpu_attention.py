@@ -141,7 +141,7 @@ def test_prefill_every_tiling(gpu_device, page_size, variant, monkeypatch):
     """Every prefill tiling this platform offers for the pages (ping-pong with TMA tiles or with a gathering
     producer, whole-tile TMA and row gathers at each tile width, the ones ``musa-attn tune`` picks from), on one
     ragged extend batch with odd lengths."""
-    monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "1")  # opt-in candidate: tested here
+    monkeypatch.delenv("MUSA_ATTN_PINGPONG_GATHER", raising=False)  # the default: gathering ping-pong offered
     hq, hkv, d, dtype = 16, 4, 128, torch.bfloat16
     opts, causal = {}, variant != "non_causal"
     if variant == "softcap":

@@ -83,10 +83,10 @@ def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_prefill_pingpong_gather_compiles_for_sm90a(d, causal):
-    """The ping-pong prefill with a gathering producer (any page size; opt-in until it has run on a GPU), built
-    through the launcher with its compile options: explicit cp.async row copies (zero-fill predicated) that
-    arrive on the full barriers, a proxy fence before the consumers' WGMMAs read them, and no syncs besides the
-    producer's one per tile and the consumers' turn-taking."""
+    """The ping-pong prefill with a gathering producer (any page size; the default where pages hold no whole key
+    tile), built through the launcher with its compile options: explicit cp.async row copies (zero-fill
+    predicated) that arrive on the full barriers, a proxy fence before the consumers' WGMMAs read them, and no
+    syncs besides the producer's one per tile and the consumers' turn-taking."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
