@@ -1,8 +1,8 @@
 """A mixed batch whose metadata counts its leading decodes runs them in a decode launch and the rest in a prefill
-launch (the default; ``MUSA_ATTN_SPLIT_MIXED=0`` turns it off). On a CPU the compiled kernels are replaced by stand-
-ins that keep their contract (packed ``q`` / ``O`` / ``LSE`` indexed by ``cu_seqlens_q``; every argument shaped
-consistently with the batch it is given; nothing written outside its requests' rows) and compute with the reference
-op, so these tests check what the launcher hands each kernel; the GPU test (``test_vllm_backend.py``,
+launch (the default; ``MUSA_ATTN_SPLIT_MIXED=0`` turns it off). On a CPU the compiled kernels are replaced by
+stand-ins that keep their contract (packed ``q`` / ``O`` / ``LSE`` indexed by ``cu_seqlens_q``; every argument
+shaped consistently with the batch it is given; nothing written outside its requests' rows) and compute with the
+reference op, so these tests check what the launcher hands each kernel; the GPU test (``test_vllm_backend.py``,
 ``split_mixed``) runs the real kernels."""
 
 import dataclasses
