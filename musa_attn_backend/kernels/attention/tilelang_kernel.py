@@ -526,26 +526,18 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
             if gather:
                 if tx >= 256:
                     p = tx - 256
-                    # one page-table row per thread; rows past the sequence read its last key (finite, masked).
-                    # The next tile's rows are read while this tile waits for its stage and is copied, so the
-                    # page-table latency is off the copy path.
-                    nxt = T.alloc_local([1], "int32")
-                    if p < BN and n_iters > 0:
-                        slot_s[0, p] = _slot(page_table, b, T.min(p, sk - 1), sk, page_size, MP)
                     for k in T.serial(n_iters):
                         st = k % S
-                        # tile k's rows are in slot_s[st]; every thread has issued tile k-1's copies
-                        T.sync_threads(_PRODUCER_BAR, 128)
-                        if p < BN:
-                            nxt[0] = _slot(page_table, b, T.min((k + 1) * BN + p, sk - 1), sk, page_size, MP)
                         T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
+                        if p < BN:
+                            # one row per thread; rows past the sequence read its last key (finite, masked)
+                            slot_s[st, p] = _slot(page_table, b, T.min(k * BN + p, sk - 1), sk, page_size, MP)
+                        T.sync_threads(_PRODUCER_BAR, 128)
                         gather_rows(KC, K_s, slot_s, st, p, kvh * HS_K, D)
                         T.cp_async_barrier_noinc(k_full[st])
                         T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
                         gather_rows(VC, V_s, slot_s, st, p, kvh * HS_V, DV)
                         T.cp_async_barrier_noinc(v_full[st])
-                        if p < BN:
-                            slot_s[(k + 1) % S, p] = nxt[0]
             logit_scale = sm_scale
             consumer(0, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
                      prefix, sk, n_iters, logit_scale, softcap)
