@@ -31,22 +31,24 @@ HQ, HKV, D = 32, 8, 128
 
 
 # pingpong: TMA tiles, no fast math; pingpong_fm: the same with TileLang's fast-math flag (the launcher's build);
-# pingpong_gather: the gathering producer (any page size), built by the launcher's rules too
-KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather")
+# pingpong_gather: the gathering producer (any page size), built by the launcher's rules too; the *3 kinds: the
+# same with 3 stages (Q + 3 x (K + V) tiles + rows: 231 KB of the 227 KiB a block may have, so it may not launch)
+KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3")
 
 
 def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
-            ("pingpong_fm", 128), ("pingpong_gather", 128)]
+            ("pingpong_fm", 128), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:
             continue
-        gathers = kind in ("gather", "pingpong_gather")
+        gathers = kind in ("gather", "pingpong_gather", "pingpong_gather3")
         pages = [p for p in page_sizes if gathers or p % bn == 0]
         if pages:
-            out.append(dict(tma=not gathers, pingpong=kind.startswith("pingpong"), block_N=bn, num_stages=2,
-                            fast_math=kind in ("pingpong_fm", "pingpong_gather"), pages=pages))
+            out.append(dict(tma=not gathers, pingpong=kind.startswith("pingpong"), block_N=bn,
+                            num_stages=3 if kind.endswith("3") else 2,
+                            fast_math=kind.startswith(("pingpong_fm", "pingpong_gather")), pages=pages))
     return out
 
 
