@@ -311,6 +311,16 @@ def plot(rows, path):
     return True
 
 
+def write_run(out, tag: str, doc: dict) -> Path:
+    """Write one run's JSON as ``<out>/<tag>-<UTC stamp>.json``; returns the path."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path = Path(out) / f"{tag}-{stamp}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print("wrote", path)
+    return path
+
+
 def git_commit() -> str:
     """The commit the run measures: the ``.commit`` file the caller leaves in the tree (the lent GPU machine
     gets a copy whose git metadata can be stale), else MUSA_ATTN_COMMIT, else HEAD of the checkout."""

@@ -38,7 +38,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path

@@ -82,7 +82,7 @@ def main(argv=None):
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from bench_attention import bench_ms, paged_cache, git_commit
+    from bench_attention import bench_ms, paged_cache, git_commit, write_run
     from musa_attn_backend._tilelang import tilelang_version
     from musa_attn_backend.kernels import paged_attention
     from musa_attn_backend.kernels.attention import tilelang_impl as I
@@ -160,10 +160,7 @@ def main(argv=None):
                torch=torch.__version__, heads_q=HQ, heads_kv=HKV, head_dim=D,
                check_errors={f"{t}/{s}": e for (t, s), e in errs.items()}, compile_failed={str(k): v for k, v in
                                                                                           failed.items()}, rows=rows)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"tune-decode-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(res, indent=1))
-    print("wrote", path)
+    write_run(args.out, "tune-decode", res)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import argparse
 import datetime as _dt
 import itertools
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -111,9 +110,8 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from bench_attention import bench_ms, paged_cache, git_commit
+    from bench_attention import bench_ms, paged_cache, git_commit, write_run
     from musa_attn_backend._tilelang import compile_cached, tilelang_version
-    from musa_attn_backend.metadata import PagedKVMeta
 
     def meta_for(qlens, klens, table, ps):
         cu = torch.tensor([0] + list(itertools.accumulate(qlens)), dtype=torch.int32, device="cuda")
@@ -140,7 +138,6 @@ def main(argv=None):
                 # correctness: ragged extend batch with prefixes, shuffled pages
                 torch.manual_seed(0)
                 qlens, klens = [1, 130, 257, 700], [5, 300, 257, 1500]
-                g = torch.Generator().manual_seed(1)
                 k, v, table = paged_cache(len(qlens), max(klens), HKV, D, ps, torch.bfloat16)
                 q = torch.randn(sum(qlens), HQ, D, device="cuda", dtype=torch.bfloat16)
                 cu, sk, table = meta_for(qlens, klens, table, ps)
@@ -189,10 +186,7 @@ def main(argv=None):
     res = dict(device=torch.cuda.get_device_name(), commit=git_commit(),
                date=_dt.datetime.now(_dt.timezone.utc).isoformat(), tilelang=tilelang_version(),
                torch=torch.__version__, heads_q=HQ, heads_kv=HKV, head_dim=D, rows=rows, peers=peers)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"tune-prefill-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(res, indent=1))
-    print("wrote", path)
+    write_run(args.out, "tune-prefill", res)
 
 
 if __name__ == "__main__":
