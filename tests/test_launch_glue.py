@@ -119,6 +119,8 @@ def test_decode_blocks_per_sm_estimate():
     assert est(cfg, 128, 128, False, 228 * 1024) == 3
     assert est(cfg, 128, 128, False, 100 * 1024) == 1
     assert est(attn_impl.decode_config(8, 16), 128, 128, False, 228 * 1024) == 1  # 128 rows, 256 threads
+    # FP8: one stage of fp8 tiles + the converted bf16 tiles, ~60 KB as TileLang lays it out: 3, not 4
+    assert est(attn_impl.decode_config(1, 4, True), 128, 128, True, 228 * 1024) == 3
 
 
 def test_decode_tiling_choice():
