@@ -31,23 +31,32 @@ HQ, HKV, D = 32, 8, 128
 
 # pingpong: TMA tiles, no fast math; pingpong_fm: the same with TileLang's fast-math flag (the launcher's build);
 # pingpong_gather: the gathering producer (any page size), built by the launcher's rules too; the *3 kinds: the
-# same with 3 stages (Q + 3 x (K + V) tiles + rows: 231 KB of the 227 KiB a block may have, so it may not launch)
-KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3")
+# same with 3 stages (Q + 3 x (K + V) tiles + rows: 231 KB of the 227 KiB a block may have, so it may not launch);
+# pingpong_gather_ns: the gathering producer without TileLang's bounds checks (TL_DISABLE_SAFE_MEMORY_ACCESS: its
+# rows are clamped into the sequence and its stores guarded by hand, so the checks are redundant), fewer producer
+# instructions per row copy
+KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3",
+         "pingpong_gather_ns")
+GATHERING = ("gather", "pingpong_gather", "pingpong_gather3", "pingpong_gather_ns")
 
 
 def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
-            ("pingpong_fm", 128), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128)]
+            ("pingpong_fm", 128), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128),
+            ("pingpong_gather_ns", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:
             continue
-        gathers = kind in ("gather", "pingpong_gather", "pingpong_gather3")
+        gathers = kind in GATHERING
         pages = [p for p in page_sizes if gathers or p % bn == 0]
         if pages:
-            out.append(dict(tma=not gathers, pingpong=kind.startswith("pingpong"), block_N=bn,
-                            num_stages=3 if kind.endswith("3") else 2,
-                            fast_math=kind.startswith(("pingpong_fm", "pingpong_gather")), pages=pages))
+            c = dict(tma=not gathers, pingpong=kind.startswith("pingpong"), block_N=bn,
+                     num_stages=3 if kind.endswith("3") else 2,
+                     fast_math=kind.startswith(("pingpong_fm", "pingpong_gather")), pages=pages)
+            if kind.endswith("_ns"):
+                c["nosafe"] = True
+            out.append(c)
     return out
 
 
@@ -72,6 +81,8 @@ def pass_configs(cand):
         pc[tl.PassConfigKey.TL_ENABLE_FAST_MATH] = True
     if cand["pingpong"] and not cand["tma"]:
         pc[tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True  # as the launcher builds it
+    if cand.get("nosafe"):
+        pc[tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
     return pc or None
 
 
