@@ -34,16 +34,18 @@ HQ, HKV, D = 32, 8, 128
 # same with 3 stages (Q + 3 x (K + V) tiles + rows: 231 KB of the 227 KiB a block may have, so it may not launch);
 # pingpong_gather_ns: the gathering producer without TileLang's bounds checks (TL_DISABLE_SAFE_MEMORY_ACCESS: its
 # rows are clamped into the sequence and its stores guarded by hand, so the checks are redundant), fewer producer
-# instructions per row copy
+# instructions per row copy; pingpong_fm_persist: TMA tiles, fast math, a persistent schedule (one block per SM
+# walks the query tiles, longest first; the producer loads the next tile's Q and K/V while the consumers finish)
 KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3",
-         "pingpong_gather_ns")
+         "pingpong_gather_ns", "pingpong_fm_persist")
+SMS = 132  # H200 / H100 SXM: the persistent kind's block count
 GATHERING = ("gather", "pingpong_gather", "pingpong_gather3", "pingpong_gather_ns")
 
 
 def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
             ("pingpong_fm", 128), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128),
-            ("pingpong_gather_ns", 128)]
+            ("pingpong_gather_ns", 128), ("pingpong_fm_persist", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:
@@ -56,6 +58,8 @@ def candidates(page_sizes, kinds=KINDS):
                      fast_math=kind.startswith(("pingpong_fm", "pingpong_gather")), pages=pages)
             if kind.endswith("_ns"):
                 c["nosafe"] = True
+            if kind.endswith("_persist"):
+                c["persist"] = SMS
             out.append(c)
     return out
 
@@ -65,7 +69,8 @@ def build(cand, causal):
     lay = (HKV * D, HKV * D, D)
     if cand["pingpong"]:
         return K.build_prefill_pingpong.__wrapped__(HQ, HKV, D, D, "bfloat16", causal, False, False, lay, lay,
-                                                    cand["block_N"], cand["num_stages"], gather=not cand["tma"])
+                                                    cand["block_N"], cand["num_stages"], gather=not cand["tma"],
+                                                    persistent_ctas=cand.get("persist", 0))
     return K.build_prefill.__wrapped__(HQ, HKV, D, D, "bfloat16", "bfloat16", causal, False, False, False, False,
                                        lay, lay, 128, cand["block_N"], cand["num_stages"], 256, cand["tma"])
 

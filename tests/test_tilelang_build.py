@@ -81,6 +81,29 @@ def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
     assert re.search(r"__sync_thread_partial\(5, 256\)", src) and re.search(r"__named_barrier_arrive\(6, 256\)", src)
 
 
+def test_prefill_pingpong_persistent_compiles_for_sm90a():
+    """The ping-pong prefill on a persistent schedule (a ``tune_prefill.py`` kind, not yet a default): one block
+    per SM walks the work items; both roles track their tiles' stage and phase across items, the producer waits
+    for the consumers' last Q K^T before it loads the next Q, and the consumers' turn-taking runs on across
+    items (one hand-off before the first item, one final sync)."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend._tilelang import compile_cached
+    from musa_attn_backend.kernels.attention.tilelang_kernel import build_prefill_pingpong
+
+    lay = (2 * 128, 2 * 128, 128)
+    kernel = compile_cached(("test_prefill_pingpong_persistent",), lambda: build_prefill_pingpong.__wrapped__(
+        8, 2, 128, 128, "bfloat16", True, False, False, lay, lay, 128, 2, persistent_ctas=132), target=HOPPER)
+    src = kernel.get_kernel_source()
+    assert "__launch_bounds__(384" in src and "wait_wgmma<1>" in src
+    assert src.count("/ 132)") >= 3, "producer and both consumer groups walk the work items"
+    assert "q_empty[0].wait(((qi & 1) ^ 1))" in src and src.count("q_empty[0].arrive()") == 2
+    assert "kc = (kc + n_iters)" in src
+    # group 1 hands group 0 the first turn once, before its item loop (then tile 0's and the loop's turns)
+    first_arrive = src.index("__named_barrier_arrive(5, 256)")
+    loops = [m.start() for m in re.finditer(r"for \(int w", src)]
+    assert src.count("__named_barrier_arrive(5, 256)") == 3 and loops[1] < first_arrive < loops[2]
+
+
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_prefill_pingpong_gather_compiles_for_sm90a(d, causal):
     """The ping-pong prefill with a gathering producer (any page size; the default where pages hold no whole key

@@ -293,7 +293,7 @@ _PRODUCER_BAR = 7  # the gathering producer warp group's own sync (its tile's pa
 @functools.lru_cache(maxsize=None)
 def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, causal: bool, has_softcap: bool,
                            has_sinks: bool, k_layout: tuple, v_layout: tuple, block_N: int = 128,
-                           num_stages: int = 2, gather: bool = False):
+                           num_stages: int = 2, gather: bool = False, persistent_ctas: int = 0):
     """Prefill/extend for Hopper-class GPUs (TMA + warp-group MMA + named barriers): explicit warp
     specialisation in the manner of FlashAttention-3.
 
@@ -319,6 +319,8 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     MP = T.dynamic("max_pages")
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
+    PERSIST = persistent_ctas > 0
+    assert not (PERSIST and gather), "persistent schedule: TMA tiles only"
     *_, finish_rows = _attention_macros(HM, BN, D, DV, HS_K, HS_V, False)
     assert not gather or (BN <= 128 and D % 8 == 0 and DV % 8 == 0 and 128 % (D // 8) == 0
                           and 128 % (DV // 8) == 0), "gather producer: one page-table row per thread"
@@ -387,9 +389,114 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
         for i in T.Parallel(HM):
             l_i[i] = l_i[i] * alpha[i] + row_sum[i]
 
+    def tile(kc, k):
+        """Index of tile ``k`` of this work item among all the tiles this block has streamed (stage and phase
+        of its buffers): ``kc`` tiles came before (0 without a persistent schedule)."""
+        return k if isinstance(kc, int) and kc == 0 else kc + k
+
+    @T.macro
+    def consumer_item(g, acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, Q_s, K_s, V_s, q_full,
+                      q_empty, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0, prefix, sk, n_iters,
+                      logit_scale, softcap, kc, qi):
+        """One 128-row query tile of one head (this group's 64 rows): ``kc`` tiles and ``qi`` query tiles came
+        before it in this block."""
+        T.fill(acc_o, 0)
+        T.fill(l_i, 0)
+        T.fill(m_i, NEG_INF)
+        scale_log2 = LOG2E if has_softcap else logit_scale * LOG2E
+        qpos0 = prefix + m0 + g * HM  # query position of this group's first row
+        my_bar, other_bar = _PP_BAR[g], _PP_BAR[1 - g]
+        T.mbarrier_wait_parity(q_full, 0 if q_empty is None else qi & 1)
+        if g == 1 and q_empty is None:
+            T.named_barrier_arrive(_PP_BAR[0], 2 * 128)  # group 0 issues first
+        if n_iters > 0:
+            cross0 = crosses(0, qpos0, sk)
+            init_scores(acc_s, 0, qpos0, sk, cross0)
+            T.sync_threads(my_bar, 2 * 128)
+            wait_full(k_full, tile(kc, 0) % S, (tile(kc, 0) // S) & 1)
+            issue_scores(Q_s[g, :, :], K_s[0, :, :], acc_s, cross0)
+            T.named_barrier_arrive(other_bar, 2 * 128)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(k_empty[tile(kc, 0) % S])
+            online_softmax(acc_s, m_i, m_prev, alpha, row_sum, l_i, 0, qpos0, sk, cross0, logit_scale,
+                           softcap, scale_log2)
+            T.copy(acc_s, acc_p)
+            for k in T.serial(1, n_iters):
+                n0 = k * BN
+                st = tile(kc, k) % S
+                sp = tile(kc, k - 1) % S
+                cross = crosses(n0, qpos0, sk)
+                init_scores(acc_s, n0, qpos0, sk, cross)
+                T.sync_threads(my_bar, 2 * 128)
+                wait_full(k_full, st, (tile(kc, k) // S) & 1)
+                issue_scores(Q_s[g, :, :], K_s[st, :, :], acc_s, cross)
+                for i, d in T.Parallel(HM, DV):  # O to the running max P was computed with
+                    acc_o[i, d] *= alpha[i]
+                wait_full(v_full, sp, (tile(kc, k - 1) // S) & 1)
+                T.wgmma_gemm(acc_p, V_s[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.named_barrier_arrive(other_bar, 2 * 128)
+                T.wait_wgmma(1)  # S is ready, P V of the previous tile may still run
+                T.mbarrier_arrive(k_empty[st])
+                online_softmax(acc_s, m_i, m_prev, alpha, row_sum, l_i, n0, qpos0, sk, cross, logit_scale,
+                               softcap, scale_log2)
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(v_empty[sp])
+                T.copy(acc_s, acc_p)
+            if q_empty is not None:
+                T.mbarrier_arrive(q_empty)  # the last Q K^T is done: the producer may load the next Q
+            sl = tile(kc, n_iters - 1) % S
+            for i, d in T.Parallel(HM, DV):
+                acc_o[i, d] *= alpha[i]
+            wait_full(v_full, sl, (tile(kc, n_iters - 1) // S) & 1)
+            T.wgmma_gemm(acc_p, V_s[sl, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(v_empty[sl])
+        if g == 0 and q_empty is None:
+            T.sync_threads(_PP_BAR[0], 2 * 128)  # group 1's last turn signal
+        finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda i: h, has_sinks)
+        for i, d in T.Parallel(HM, DV):
+            if m0 + g * HM + i < qlen:
+                O[q0 + m0 + g * HM + i, h, d] = T.Cast(
+                    q_dtype, T.if_then_else(l_i[i] == 0.0, 0.0, acc_o[i, d] / l_i[i]))
+        for i in T.Parallel(HM):
+            if m0 + g * HM + i < qlen:
+                LSE[q0 + m0 + g * HM + i, h] = alpha[i] / LOG2E
+
+
+    @T.macro
+    def tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size, n_iters,
+                     kc):
+        """Producer warp: one TMA copy per key / value tile (a whole tile of one page) into the stage buffers."""
+        for k in T.serial(n_iters):
+            st = tile(kc, k) % S
+            r0 = page_row(page_table, b, k * BN, page_size)
+            T.mbarrier_wait_parity(k_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
+            T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
+            T.mbarrier_arrive(k_full[st])
+            T.mbarrier_wait_parity(v_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
+            T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :], barrier=v_full[st])
+            T.mbarrier_arrive(v_full[st])
+
+    def work_item(item, cu_seqlens_q, seqlens_k, max_seqlen_q):
+        """Persistent schedule: work item ``item`` -> its request, head and query tile (query tiles outermost,
+        longest first when causal, then requests, then heads, so the heads of a KV group run side by side)."""
+        nq = T.ceildiv(max_seqlen_q, BM)
+        qt = item // (Hq * B)
+        b = (item // Hq) % B
+        h = item % Hq
+        q0 = cu_seqlens_q[b]
+        qlen = cu_seqlens_q[b + 1] - q0
+        sk = seqlens_k[b]
+        m0 = (nq - 1 - qt) * BM if causal else qt * BM
+        kv_hi = T.min(sk, sk - qlen + m0 + BM) if causal else sk
+        return b, h, q0, qlen, sk, sk - qlen, m0, T.if_then_else(m0 < qlen, T.ceildiv(kv_hi, BN), 0)
+
+    def num_work_items(max_seqlen_q):
+        return T.ceildiv(max_seqlen_q, BM) * Hq * B
+
     @T.macro
     def consumer(g, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
-                 prefix, sk, n_iters, logit_scale, softcap):
+                 prefix, sk, n_iters, logit_scale, softcap, q_empty, cu_seqlens_q, seqlens_k, max_seqlen_q, cta):
         # The loop body is straight-line in the WGMMAs (tile 0 peeled off): ptxas then sees which groups are in
         # flight and does not insert waits of its own.
         with T.ws(g):
@@ -403,65 +510,30 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
             alpha = T.alloc_fragment([HM], ACC)
             row_sum = T.alloc_fragment([HM], ACC)
             l_i = T.alloc_fragment([HM], ACC)
-            T.fill(acc_o, 0)
-            T.fill(l_i, 0)
-            T.fill(m_i, NEG_INF)
-            scale_log2 = LOG2E if has_softcap else logit_scale * LOG2E
-            qpos0 = prefix + m0 + g * HM  # query position of this group's first row
-            my_bar, other_bar = _PP_BAR[g], _PP_BAR[1 - g]
-            T.mbarrier_wait_parity(q_full, 0)
-            if g == 1:
-                T.named_barrier_arrive(_PP_BAR[0], 2 * 128)  # group 0 issues first
-            if n_iters > 0:
-                cross0 = crosses(0, qpos0, sk)
-                init_scores(acc_s, 0, qpos0, sk, cross0)
-                T.sync_threads(my_bar, 2 * 128)
-                wait_full(k_full, 0, 0)
-                issue_scores(Q_s[g, :, :], K_s[0, :, :], acc_s, cross0)
-                T.named_barrier_arrive(other_bar, 2 * 128)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(k_empty[0])
-                online_softmax(acc_s, m_i, m_prev, alpha, row_sum, l_i, 0, qpos0, sk, cross0, logit_scale,
-                               softcap, scale_log2)
-                T.copy(acc_s, acc_p)
-                for k in T.serial(1, n_iters):
-                    n0 = k * BN
-                    st = k % S
-                    sp = (k - 1) % S
-                    cross = crosses(n0, qpos0, sk)
-                    init_scores(acc_s, n0, qpos0, sk, cross)
-                    T.sync_threads(my_bar, 2 * 128)
-                    wait_full(k_full, st, (k // S) & 1)
-                    issue_scores(Q_s[g, :, :], K_s[st, :, :], acc_s, cross)
-                    for i, d in T.Parallel(HM, DV):  # O to the running max P was computed with
-                        acc_o[i, d] *= alpha[i]
-                    wait_full(v_full, sp, ((k - 1) // S) & 1)
-                    T.wgmma_gemm(acc_p, V_s[sp, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.named_barrier_arrive(other_bar, 2 * 128)
-                    T.wait_wgmma(1)  # S is ready, P V of the previous tile may still run
-                    T.mbarrier_arrive(k_empty[st])
-                    online_softmax(acc_s, m_i, m_prev, alpha, row_sum, l_i, n0, qpos0, sk, cross, logit_scale,
-                                   softcap, scale_log2)
-                    T.wait_wgmma(0)
-                    T.mbarrier_arrive(v_empty[sp])
-                    T.copy(acc_s, acc_p)
-                sl = (n_iters - 1) % S
-                for i, d in T.Parallel(HM, DV):
-                    acc_o[i, d] *= alpha[i]
-                wait_full(v_full, sl, ((n_iters - 1) // S) & 1)
-                T.wgmma_gemm(acc_p, V_s[sl, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(v_empty[sl])
-            if g == 0:
-                T.sync_threads(_PP_BAR[0], 2 * 128)  # group 1's last turn signal
-            finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda i: h, has_sinks)
-            for i, d in T.Parallel(HM, DV):
-                if m0 + g * HM + i < qlen:
-                    O[q0 + m0 + g * HM + i, h, d] = T.Cast(
-                        q_dtype, T.if_then_else(l_i[i] == 0.0, 0.0, acc_o[i, d] / l_i[i]))
-            for i in T.Parallel(HM):
-                if m0 + g * HM + i < qlen:
-                    LSE[q0 + m0 + g * HM + i, h] = alpha[i] / LOG2E
+            if cta is not None:  # persistent schedule
+                kc = T.alloc_var("int32")
+                qi = T.alloc_var("int32")
+                kc = 0
+                qi = 0
+                # the two groups' turns run on across work items (both walk the same items): group 0 first,
+                # once; group 1's last turn signal is taken after the last item
+                if g == 1:
+                    T.named_barrier_arrive(_PP_BAR[0], 2 * 128)
+                for w in T.serial(T.ceildiv(T.max(num_work_items(max_seqlen_q) - cta, 0), persistent_ctas)):
+                    b, h, q0, qlen, sk, prefix, m0, n_iters = work_item(w * persistent_ctas + cta, cu_seqlens_q,
+                                                                        seqlens_k, max_seqlen_q)
+                    if n_iters > 0:
+                        consumer_item(g, acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, Q_s, K_s,
+                                      V_s, q_full, q_empty, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0,
+                                      qlen, m0, prefix, sk, n_iters, logit_scale, softcap, kc, qi)
+                        kc = kc + n_iters
+                        qi = qi + 1
+                if g == 0:
+                    T.sync_threads(_PP_BAR[0], 2 * 128)
+            else:
+                consumer_item(g, acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i, Q_s, K_s, V_s,
+                              q_full, None, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0, prefix,
+                              sk, n_iters, logit_scale, softcap, 0, 0)
 
     @T.prim_func
     def prefill(
@@ -482,67 +554,101 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
         O: T.Tensor((NT, Hq, DV), q_dtype),
         LSE: T.Tensor((NT, Hq), "float32"),
     ):
-        with T.Kernel(T.ceildiv(max_seqlen_q, BM), Hq, B, threads=384) as (bx, by, bz):
-            Q_s = T.alloc_shared([2, HM, D], q_dtype)
-            K_s = T.alloc_shared([S, BN, D], q_dtype)
-            V_s = T.alloc_shared([S, BN, DV], q_dtype)
-            slot_s = T.alloc_shared([S, BN], "int32") if gather else None
-            q_full = T.alloc_barrier(32)
-            k_full = T.alloc_barrier([FULL] * S)
-            v_full = T.alloc_barrier([FULL] * S)
-            k_empty = T.alloc_barrier([256] * S)
-            v_empty = T.alloc_barrier([256] * S)
-            tx = T.get_thread_binding()
-
-            b = bz
-            h = by
-            kvh = h // G
-            q0 = cu_seqlens_q[b]
-            qlen = cu_seqlens_q[b + 1] - q0
-            sk = seqlens_k[b]
-            prefix = sk - qlen
-            m0 = (T.ceildiv(max_seqlen_q, BM) - 1 - bx) * BM if causal else bx * BM
-            kv_hi = T.min(sk, prefix + m0 + BM) if causal else sk
-            n_iters = T.if_then_else(m0 < qlen, T.ceildiv(kv_hi, BN), 0)
-
-            if tx >= 256:
-                T.set_max_nreg(PRODUCER_REGS, 0)
-            if tx >= 256 and tx < 288:
-                if n_iters > 0:
-                    T.tma_copy(Q[q0 + m0:q0 + m0 + HM, h, :], Q_s[0, :, :], barrier=q_full)
-                    T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
-                T.mbarrier_arrive(q_full)
-                if not gather:
-                    for k in T.serial(n_iters):
-                        st = k % S
-                        r0 = page_row(page_table, b, k * BN, page_size)
-                        T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
-                        T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
-                        T.mbarrier_arrive(k_full[st])
-                        T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
-                        T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :],
-                                   barrier=v_full[st])
-                        T.mbarrier_arrive(v_full[st])
-            if gather:
+        if PERSIST:
+            # one block per SM walks the work items cta, cta + ctas, ...; the producer runs ahead into the next
+            # item (its Q once both consumer groups have issued their last Q K^T) while the consumers finish one
+            with T.Kernel(persistent_ctas, threads=384) as cta:
+                Q_s = T.alloc_shared([2, HM, D], q_dtype)
+                K_s = T.alloc_shared([S, BN, D], q_dtype)
+                V_s = T.alloc_shared([S, BN, DV], q_dtype)
+                q_full = T.alloc_barrier(32)
+                q_empty = T.alloc_barrier(256)
+                k_full = T.alloc_barrier([FULL] * S)
+                v_full = T.alloc_barrier([FULL] * S)
+                k_empty = T.alloc_barrier([256] * S)
+                v_empty = T.alloc_barrier([256] * S)
+                tx = T.get_thread_binding()
                 if tx >= 256:
-                    p = tx - 256
-                    for k in T.serial(n_iters):
-                        st = k % S
-                        T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
-                        if p < BN:
-                            # one row per thread; rows past the sequence read its last key (finite, masked)
-                            slot_s[st, p] = _slot(page_table, b, T.min(k * BN + p, sk - 1), sk, page_size, MP)
-                        T.sync_threads(_PRODUCER_BAR, 128)
-                        gather_rows(KC, K_s, slot_s, st, p, kvh * HS_K, D)
-                        T.cp_async_barrier_noinc(k_full[st])
-                        T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
-                        gather_rows(VC, V_s, slot_s, st, p, kvh * HS_V, DV)
-                        T.cp_async_barrier_noinc(v_full[st])
-            logit_scale = sm_scale
-            consumer(0, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
-                     prefix, sk, n_iters, logit_scale, softcap)
-            consumer(1, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
-                     prefix, sk, n_iters, logit_scale, softcap)
+                    T.set_max_nreg(PRODUCER_REGS, 0)
+                if tx >= 256 and tx < 288:
+                    kc = T.alloc_var("int32")
+                    qi = T.alloc_var("int32")
+                    kc = 0
+                    qi = 0
+                    for w in T.serial(T.ceildiv(T.max(num_work_items(max_seqlen_q) - cta, 0), persistent_ctas)):
+                        b, h, q0, qlen, sk, prefix, m0, n_iters = work_item(w * persistent_ctas + cta, cu_seqlens_q,
+                                                                            seqlens_k, max_seqlen_q)
+                        kvh = h // G
+                        if n_iters > 0:
+                            T.mbarrier_wait_parity(q_empty, (qi & 1) ^ 1)
+                            T.tma_copy(Q[q0 + m0:q0 + m0 + HM, h, :], Q_s[0, :, :], barrier=q_full)
+                            T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
+                            T.mbarrier_arrive(q_full)
+                            tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh,
+                                         page_size, n_iters, kc)
+                            kc = kc + n_iters
+                            qi = qi + 1
+                logit_scale = sm_scale
+                consumer(0, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, None, None, None,
+                         None, None, None, None, logit_scale, softcap, q_empty, cu_seqlens_q, seqlens_k, max_seqlen_q,
+                         cta)
+                consumer(1, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, None, None, None,
+                         None, None, None, None, logit_scale, softcap, q_empty, cu_seqlens_q, seqlens_k, max_seqlen_q,
+                         cta)
+        else:
+            with T.Kernel(T.ceildiv(max_seqlen_q, BM), Hq, B, threads=384) as (bx, by, bz):
+                Q_s = T.alloc_shared([2, HM, D], q_dtype)
+                K_s = T.alloc_shared([S, BN, D], q_dtype)
+                V_s = T.alloc_shared([S, BN, DV], q_dtype)
+                slot_s = T.alloc_shared([S, BN], "int32") if gather else None
+                q_full = T.alloc_barrier(32)
+                k_full = T.alloc_barrier([FULL] * S)
+                v_full = T.alloc_barrier([FULL] * S)
+                k_empty = T.alloc_barrier([256] * S)
+                v_empty = T.alloc_barrier([256] * S)
+                tx = T.get_thread_binding()
+
+                b = bz
+                h = by
+                kvh = h // G
+                q0 = cu_seqlens_q[b]
+                qlen = cu_seqlens_q[b + 1] - q0
+                sk = seqlens_k[b]
+                prefix = sk - qlen
+                m0 = (T.ceildiv(max_seqlen_q, BM) - 1 - bx) * BM if causal else bx * BM
+                kv_hi = T.min(sk, prefix + m0 + BM) if causal else sk
+                n_iters = T.if_then_else(m0 < qlen, T.ceildiv(kv_hi, BN), 0)
+
+                if tx >= 256:
+                    T.set_max_nreg(PRODUCER_REGS, 0)
+                if tx >= 256 and tx < 288:
+                    if n_iters > 0:
+                        T.tma_copy(Q[q0 + m0:q0 + m0 + HM, h, :], Q_s[0, :, :], barrier=q_full)
+                        T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
+                    T.mbarrier_arrive(q_full)
+                    if not gather:
+                        tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size,
+                                     n_iters, 0)
+                if gather:
+                    if tx >= 256:
+                        p = tx - 256
+                        for k in T.serial(n_iters):
+                            st = k % S
+                            T.mbarrier_wait_parity(k_empty[st], ((k // S) & 1) ^ 1)
+                            if p < BN:
+                                # one row per thread; rows past the sequence read its last key (finite, masked)
+                                slot_s[st, p] = _slot(page_table, b, T.min(k * BN + p, sk - 1), sk, page_size, MP)
+                            T.sync_threads(_PRODUCER_BAR, 128)
+                            gather_rows(KC, K_s, slot_s, st, p, kvh * HS_K, D)
+                            T.cp_async_barrier_noinc(k_full[st])
+                            T.mbarrier_wait_parity(v_empty[st], ((k // S) & 1) ^ 1)
+                            gather_rows(VC, V_s, slot_s, st, p, kvh * HS_V, DV)
+                            T.cp_async_barrier_noinc(v_full[st])
+                logit_scale = sm_scale
+                consumer(0, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
+                         prefix, sk, n_iters, logit_scale, softcap, None, None, None, None, None)
+                consumer(1, Q_s, K_s, V_s, q_full, k_full, k_empty, v_full, v_empty, O, LSE, sinks, h, q0, qlen, m0,
+                         prefix, sk, n_iters, logit_scale, softcap, None, None, None, None, None)
 
     return prefill
 
