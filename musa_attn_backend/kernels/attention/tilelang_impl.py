@@ -53,7 +53,9 @@ class DecodeConfig:
     block_N: int
     num_stages: int
     threads: int
-    slot_tiles: int = K.SLOT_TILES  # tiles whose cache rows are resolved at once (the pipeline restarts after)
+    # tiles whose cache rows are resolved at once (the pipeline restarts after each run); 0: the copies resolve
+    # them inline, one pipeline over all the split's tiles (a tune_decode.py candidate, not yet run on a GPU)
+    slot_tiles: int = K.SLOT_TILES
 
 
 def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

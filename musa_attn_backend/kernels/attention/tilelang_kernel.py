@@ -58,20 +58,21 @@ def _attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, slot_tiles=SLOT_TILES):
             slot_s[r] = _slot(page_table, b, pos0 + r, sk, page_size, max_pages)
 
     @T.macro
-    def load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, t, kvh):
-        """Gather the K and V rows of tile ``t`` of the resolved chunk. K and V share one copy loop when
-        D == DV (TileLang 0.1.15 mis-counts the cp.async groups of a pipeline stage that commits two)."""
+    def load_kv(KC, VC, K_s, V_s, K8_s, V8_s, row, kvh):
+        """Gather the K and V rows of a tile: ``row(j)`` is the cache row of its key ``j`` (-1: zero-filled). K
+        and V share one copy loop when D == DV (TileLang 0.1.15 mis-counts the cp.async groups of a pipeline
+        stage that commits two)."""
         K_dst = K8_s if is_fp8 else K_s
         V_dst = V8_s if is_fp8 else V_s
         if D == DV:
             for j, d in T.Parallel(BN, D):
-                K_dst[j, d] = KC[slot_s[t * BN + j], kvh * HS_K + d]
-                V_dst[j, d] = VC[slot_s[t * BN + j], kvh * HS_V + d]
+                K_dst[j, d] = KC[row(j), kvh * HS_K + d]
+                V_dst[j, d] = VC[row(j), kvh * HS_V + d]
         else:
             for j, d in T.Parallel(BN, D):
-                K_dst[j, d] = KC[slot_s[t * BN + j], kvh * HS_K + d]
+                K_dst[j, d] = KC[row(j), kvh * HS_K + d]
             for j, d in T.Parallel(BN, DV):
-                V_dst[j, d] = VC[slot_s[t * BN + j], kvh * HS_V + d]
+                V_dst[j, d] = VC[row(j), kvh * HS_V + d]
         if is_fp8:
             T.copy(K8_s, K_s)
             T.copy(V8_s, V_s)
@@ -264,7 +265,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                 for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
                     resolve_slots(slot_s, (n_lo + c * SLOT_TILES) * BN, page_table, b, sk, page_size, MP)
                     for it in T.Pipelined(T.min(SLOT_TILES, n_iters - c * SLOT_TILES), num_stages=num_stages):
-                        load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
+                        load_kv(KC, VC, K_s, V_s, K8_s, V8_s, lambda j: slot_s[it * BN + j], kvh)
                         tile_scores(Q_s, K_s, acc_s, (n_lo + c * SLOT_TILES + it) * BN, prefix + m0, sk, window,
                                     logit_scale, softcap)
                         softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2,
@@ -665,7 +666,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     share the KV head, so each K/V tile is read once for the whole group. With ``split`` the block writes a
     partial (output normalised by its own sum, LSE in log2 units) for :func:`build_combine`; without it, the
     final output. ``slot_tiles``: tiles whose cache rows are resolved together; the copy pipeline restarts
-    after each such run.
+    after each such run. 0: the copies resolve each row themselves, in one pipeline over all the tiles.
     """
     G = Hq // Hkv
     rows = max_q * G
@@ -686,6 +687,27 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     L_shape = (S, NT, Hq) if split else (NT, Hq)
     resolve_slots, load_kv, softmax_step, finish_rows = _attention_macros(BM, BN, D, DV, k_layout[2], v_layout[2],
                                                                           is_fp8, slot_tiles)
+
+    @T.macro
+    def tile_step(Q_s, K_s, V_s, P_s, acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, n0, prefix, sk, window,
+                  logit_scale, softcap, scale_log2):
+        """Scores, mask, online softmax and ``P V`` of the key tile from ``n0`` (its K/V rows are in K_s/V_s)."""
+        T.clear(acc_s)
+        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=policy)
+        for r, j in T.Parallel(BM, BN):
+            acc_s[r, j] = T.if_then_else(
+                _visible(n0 + j, prefix + r // G, sk, window, True, has_window),
+                softcap * T.tanh(acc_s[r, j] * (logit_scale / softcap)) if has_softcap else acc_s[r, j],
+                NEG_INF)
+        # a split may hold only keys that some rows (earlier tokens, or a window) cannot see
+        softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2, True)
+        if small:
+            # each warp owns a column slice of the scores; P goes through shared memory to feed the second
+            # product, whose warps own column slices of the output
+            T.copy(acc_p, P_s)
+            T.gemm(P_s, V_s, acc_o, policy=policy)
+        else:
+            T.gemm(acc_p, V_s, acc_o, policy=policy)
 
     @T.prim_func
     def decode(
@@ -713,7 +735,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
-            slot_s = T.alloc_shared([slot_tiles * BN], "int32")
+            slot_s = T.alloc_shared([slot_tiles * BN], "int32") if slot_tiles > 0 else None
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -748,27 +770,23 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
-                resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, sk, page_size, MP)
-                for it in T.Pipelined(T.min(slot_tiles, n_iters - c * slot_tiles), num_stages=num_stages):
-                    n0 = (n_lo + it_lo + c * slot_tiles + it) * BN
-                    load_kv(KC, VC, K_s, V_s, K8_s, V8_s, slot_s, it, kvh)
-                    T.clear(acc_s)
-                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=policy)
-                    for r, j in T.Parallel(BM, BN):
-                        acc_s[r, j] = T.if_then_else(
-                            _visible(n0 + j, prefix + r // G, sk, window, True, has_window),
-                            softcap * T.tanh(acc_s[r, j] * (logit_scale / softcap)) if has_softcap else acc_s[r, j],
-                            NEG_INF)
-                    # a split may hold only keys that some rows (earlier tokens, or a window) cannot see
-                    softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2, True)
-                    if small:
-                        # each warp owns a column slice of the scores; P goes through shared memory to feed
-                        # the second product, whose warps own column slices of the output
-                        T.copy(acc_p, P_s)
-                        T.gemm(P_s, V_s, acc_o, policy=policy)
-                    else:
-                        T.gemm(acc_p, V_s, acc_o, policy=policy)
+            if slot_tiles > 0:
+                for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
+                    resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, sk, page_size, MP)
+                    for it in T.Pipelined(T.min(slot_tiles, n_iters - c * slot_tiles), num_stages=num_stages):
+                        n0 = (n_lo + it_lo + c * slot_tiles + it) * BN
+                        load_kv(KC, VC, K_s, V_s, K8_s, V8_s, lambda j: slot_s[it * BN + j], kvh)
+                        tile_step(Q_s, K_s, V_s, P_s, acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, n0,
+                                  prefix, sk, window, logit_scale, softcap, scale_log2)
+            else:
+                # rows resolved inline by the copies (one page-table read per row, cached): one pipeline over
+                # all the split's tiles, no restarts
+                for it in T.Pipelined(n_iters, num_stages=num_stages):
+                    n0 = (n_lo + it_lo + it) * BN
+                    load_kv(KC, VC, K_s, V_s, K8_s, V8_s, lambda j: _slot(page_table, b, n0 + j, sk, page_size, MP),
+                            kvh)
+                    tile_step(Q_s, K_s, V_s, P_s, acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, n0,
+                              prefix, sk, window, logit_scale, softcap, scale_log2)
 
             finish_rows(m_i, l_i, m_tile, row_sum, alpha, scale_log2, sinks, lambda r: kvh * G + r % G,
                         has_sinks and not split)
