@@ -92,6 +92,19 @@ class PagedKVMeta:
                            max_seqlen_q=self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q,
                            max_seqlen_k=self.max_seqlen_k)
 
+    def decode_split(self) -> tuple["PagedKVMeta", "PagedKVMeta"]:
+        """The leading ``num_decodes`` requests (one query token each) and the rest, as batches of their own
+        (:meth:`requests`). Built on the first call and reused by every later one (every layer of the step): a
+        metadata object whose ``num_decodes`` is set is read-only, the engines build one per batch."""
+        _require(0 < self.num_decodes < self.batch_size,
+                 f"decode_split: num_decodes {self.num_decodes} must be in (0, batch size {self.batch_size})")
+        views = self.__dict__.get("_decode_split")
+        if views is None:
+            views = (self.requests(0, self.num_decodes, max_seqlen_q=1),
+                     self.requests(self.num_decodes, self.batch_size))
+            self.__dict__["_decode_split"] = views  # not a field: dataclasses.replace() starts without it
+        return views
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)}

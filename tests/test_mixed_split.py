@@ -96,3 +96,26 @@ def test_requests_view_keeps_absolute_rows():
     assert meta.requests(0, 2, max_seqlen_q=1).max_seqlen_q == 1
     with pytest.raises(ValueError, match="requests"):
         meta.requests(3, 3)
+
+
+def test_split_metadata_built_once_per_batch(stand_ins, monkeypatch):
+    """Every layer of a step runs on the same metadata: the two sub-batches are built on the first layer call and
+    reused, not rebuilt (device copies) on each; a new batch (``dataclasses.replace``) builds its own."""
+    launches, state = stand_ins
+    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
+    built = []
+    real = PagedKVMeta.requests
+    monkeypatch.setattr(PagedKVMeta, "requests", lambda self, *a, **k: built.append(a) or real(self, *a, **k))
+    batch = random_batch(random.Random(3), batch_size=4, page_size=16, max_seq_len=300, query_lens=[1, 1, 20, 7],
+                         prefix_lens=[40, 9, 0, 100])
+    k, v, _, _ = batch.make_kv(2, 64, torch.bfloat16)
+    state["k"], state["v"] = torch.nan_to_num(k), torch.nan_to_num(v)
+    meta = dataclasses.replace(batch.meta(), num_decodes=2)
+    q = torch.randn(batch.num_tokens, 8, 64).to(torch.bfloat16)
+    for _ in range(3):  # three layers
+        tilelang_impl.paged_attention_tilelang(q, state["k"], state["v"], meta)
+    assert built == [(0, 2), (2, 4)] and len(launches) == 6
+    assert meta.decode_split() is meta.decode_split()
+    assert dataclasses.replace(meta, num_decodes=1).decode_split()[0].batch_size == 1
+    with pytest.raises(ValueError, match="decode_split"):
+        batch.meta().decode_split()  # no leading decodes counted

@@ -303,9 +303,10 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
         run_decode(meta, dcfg, q, out, lse)
     elif one is not None:
         # decodes first (rows 0..nd-1 of q): the decode kernel for them, the prefill kernel for the rest; both
-        # index q / out by absolute row, so they write disjoint rows of the same output
-        run_decode(meta.requests(0, nd, max_seqlen_q=1), one, q[:nd], out[:nd], lse[:nd])
-        rest = meta.requests(nd, meta.batch_size)
+        # index q / out by absolute row, so they write disjoint rows of the same output. The two sub-batches'
+        # metadata is built once per batch, not once per layer.
+        decodes, rest = meta.decode_split()
+        run_decode(decodes, one, q[:nd], out[:nd], lse[:nd])
         prefill_kernel(spec, causal, meta.page_size)(*args(rest, q), int(rest.max_seqlen_q), out, lse)
     else:
         prefill_kernel(spec, causal, meta.page_size, cfg=prefill_cfg)(*args(meta, q), int(meta.max_seqlen_q),
