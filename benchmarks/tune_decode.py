@@ -27,15 +27,17 @@ sys.path.insert(0, str(HERE.parent))
 HQ, HKV, D = 32, 8, 128
 # (block_N, num_stages, slot_tiles); 16-row tiles, 4 warps (1 token x 4 heads per KV head). 3+ stages do not
 # compile on TileLang 0.1.15 (dynamic pipeline wait counts; tune-decode-20261129T210041Z)
-# slot_tiles 0: rows resolved inline by the copies, one pipeline over the split's tiles (no restarts)
-TILINGS = [(64, 2, 8), (64, 2, 4), (64, 2, 0), (32, 2, 16), (128, 2, 8)]
+# slot_tiles 0: rows resolved inline by the copies, one pipeline over the split's tiles (no restarts); measured
+# 3.5x slower (tune-decode-20261129T223507Z). A 4th field 1: full runs (fixed pipeline trip count, so 3+ stages)
+TILINGS = [(64, 2, 8), (64, 3, 8, 1), (64, 4, 8, 1), (64, 2, 8, 1), (32, 2, 16), (64, 2, 4)]
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def dcfg(t):
     from musa_attn_backend.kernels.attention.tilelang_impl import DecodeConfig
-    bn, st, slot = t
-    return DecodeConfig(max_q=1, block_M=16, block_N=bn, num_stages=st, threads=128, slot_tiles=slot)
+    bn, st, slot, *full = t
+    return DecodeConfig(max_q=1, block_M=16, block_N=bn, num_stages=st, threads=128, slot_tiles=slot,
+                        full_runs=bool(full and full[0]))
 
 
 def spec():
@@ -63,7 +65,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--ctxs", default="4096,16384,32768")
     ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--tilings", default=None, help="e.g. 64:2:8,64:2:32 (block_N:stages:slot_tiles)")
+    ap.add_argument("--tilings", default=None, help="e.g. 64:2:8,64:3:8:1 (block_N:stages:slot_tiles[:full_runs])")
     ap.add_argument("--max-splits", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
@@ -130,7 +132,9 @@ def main(argv=None):
             q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
             meta = meta_for(table, [ctx] * b, ps)
             kv_bytes = b * ctx * HKV * D * 4
-            default_splits = real_splits(b, HKV, ctx, real_cfg(1, HQ // HKV).block_N, 132)
+            dflt = real_cfg(1, HQ // HKV)
+            default_splits = real_splits(b, HKV, ctx, dflt.block_N, 132,
+                                         I.decode_ctas_per_sm(dflt, D, D, False, 228 * 1024))
             for t in tilings:
                 if t in failed or t in bad:
                     continue
@@ -141,6 +145,7 @@ def main(argv=None):
                     forced.update(splits=s, cfg=dcfg(t))
                     ms = bench_ms(lambda: paged_attention(q, k, v, meta, impl="tilelang"))
                     row = dict(batch=b, ctx=ctx, page_size=ps, block_N=t[0], num_stages=t[1], slot_tiles=t[2],
+                               full_runs=bool(t[3:] and t[3]), pdl=os.environ.get("MUSA_ATTN_PDL", "0") == "1",
                                splits=s, ours_ms=ms, tbps=kv_bytes / ms / 1e9, default_splits=default_splits)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -36,16 +36,20 @@ HQ, HKV, D = 32, 8, 128
 # rows are clamped into the sequence and its stores guarded by hand, so the checks are redundant), fewer producer
 # instructions per row copy; pingpong_fm_persist: TMA tiles, fast math, a persistent schedule (one block per SM
 # walks the query tiles, longest first; the producer loads the next tile's Q and K/V while the consumers finish)
+# *_ns on a TMA kind: the same without TileLang's bounds checks (the producer's page-table reads are in bounds,
+# TMA clips rows past the tensor in hardware, the output stores are guarded by hand)
 KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3",
-         "pingpong_gather_ns", "pingpong_fm_persist")
+         "pingpong_gather_ns", "pingpong_fm_persist", "pingpong_fm_ns", "pingpong_fm3_ns", "pingpong_gather3_ns",
+         "pingpong_fm3_persist")
 SMS = 132  # H200 / H100 SXM: the persistent kind's block count
-GATHERING = ("gather", "pingpong_gather", "pingpong_gather3", "pingpong_gather_ns")
+GATHERING = ("gather", "pingpong_gather", "pingpong_gather3", "pingpong_gather_ns", "pingpong_gather3_ns")
 
 
 def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
             ("pingpong_fm", 128), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128),
-            ("pingpong_gather_ns", 128), ("pingpong_fm_persist", 128)]
+            ("pingpong_gather_ns", 128), ("pingpong_fm_persist", 128), ("pingpong_fm_ns", 128),
+            ("pingpong_fm3_ns", 128), ("pingpong_gather3_ns", 128), ("pingpong_fm3_persist", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:
@@ -54,7 +58,7 @@ def candidates(page_sizes, kinds=KINDS):
         pages = [p for p in page_sizes if gathers or p % bn == 0]
         if pages:
             c = dict(tma=not gathers, pingpong=kind.startswith("pingpong"), block_N=bn,
-                     num_stages=3 if kind.endswith("3") else 2,
+                     num_stages=3 if "3" in kind else 2,
                      fast_math=kind.startswith(("pingpong_fm", "pingpong_gather")), pages=pages)
             if kind.endswith("_ns"):
                 c["nosafe"] = True

@@ -29,7 +29,7 @@ TARGET_ENV = "MUSA_ATTN_TARGET"
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
 # the capability flags a Platform carries (kernels branch on these, never on the device name)
-FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized")
+FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch")
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -58,6 +58,9 @@ class Platform:
     # explicit producer/consumer warp groups: asynchronous warp-group MMA waited on by count, register
     # reallocation between warp groups (setmaxnreg) and named barriers (the ping-pong prefill kernel)
     warp_specialized: bool = False
+    # programmatic dependent launch (a kernel launched while the one before it finishes, waiting on it in
+    # the kernel): CUDA sm_90+
+    dependent_launch: bool = False
     source: str = "detected"  # "detected" or "env"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -122,6 +125,7 @@ def _cuda_features(arch: str) -> dict:
         "bulk_copy": cc >= 90,
         "warpgroup_mma": cc == 90 and m.group(3) == "a",
         "warp_specialized": cc == 90 and m.group(3) == "a",
+        "dependent_launch": cc >= 90,
     }
 
 
@@ -138,7 +142,13 @@ def _musa_features(arch: str) -> dict:
         "warpgroup_mma": major >= 3,
         # not yet: tilelang-musa's lowering of named barriers and register reallocation is unverified
         "warp_specialized": False,
+        "dependent_launch": False,
     }
+
+
+def target_features(kind: str, arch: str) -> dict:
+    """The capability flags (:data:`FEATURES`) and capability of a compile target, e.g. ("cuda", "sm_90a")."""
+    return _cuda_features(arch) if kind == "cuda" else _musa_features(arch)
 
 
 def _flags(feats: dict) -> dict:

@@ -37,6 +37,8 @@ def test_env_override(monkeypatch, value, kind, arch, fp8, bulk, wg):
     monkeypatch.setenv(platform.TARGET_ENV, value)
     p = platform.get_platform()
     assert (p.target_kind, p.arch, p.fp8, p.bulk_copy, p.warpgroup_mma) == (kind, arch, fp8, bulk, wg)
+    # programmatic dependent launch: CUDA sm_90+ (the same archs as TMA here), not MUSA
+    assert p.dependent_launch == (kind == "cuda" and bulk)
     assert p.source == "env"
     target = p.tilelang_target()
     if kind == "cuda":

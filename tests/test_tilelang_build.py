@@ -107,9 +107,10 @@ def test_prefill_pingpong_persistent_compiles_for_sm90a():
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
 def test_prefill_pingpong_gather_compiles_for_sm90a(d, causal):
     """The ping-pong prefill with a gathering producer (any page size; the default where pages hold no whole key
-    tile), built through the launcher with its compile options: explicit cp.async row copies (zero-fill
-    predicated) that arrive on the full barriers, a proxy fence before the consumers' WGMMAs read them, and no
-    syncs besides the producer's one per tile and the consumers' turn-taking."""
+    tile), built through the launcher with its compile options: explicit cp.async row copies that arrive on the
+    full barriers, unpredicated (rows are clamped into the sequence, so TileLang's bounds checks are compiled
+    out), a proxy fence before the consumers' WGMMAs read them, and no syncs besides the producer's one per tile
+    and the consumers' turn-taking."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
@@ -117,8 +118,36 @@ def test_prefill_pingpong_gather_compiles_for_sm90a(d, causal):
     spec = ti.AttnSpec(8, 2, d, d, "bfloat16", "bfloat16", False, False, True, lay, lay)
     cfg = ti.PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=False, pingpong=True)
     src = ti.prefill_kernel(spec, causal, 16, target=HOPPER, cfg=cfg).get_kernel_source()
-    assert "cp_async_gs_conditional<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
+    assert "cp_async_gs<16>" in src and "mbarrier_cp_async_arrive_noinc" in src
+    assert "cp_async_gs_conditional" not in src
     assert "tma_load(Q_desc" in src and "tma_load(KC_desc" not in src
     assert "fence_proxy_async" in src and "wait_wgmma<1>" in src
     assert "warpgroup_reg_alloc<232>" in src and "warpgroup_reg_dealloc<40>" in src
     assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src)) == {("5", "256"), ("6", "256"), ("7", "128")}
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
+    """The split-KV decode kernel and its combine, as the launcher builds them for sm_90a: the row copies of a
+    tile follow each other with no block barrier between them (the resolved rows live in static shared memory,
+    apart from the tiles), and the combine is a programmatic dependent launch of the decode (the decode
+    triggers it as it starts, the combine waits for the decode grid before it reads a partial), unless
+    ``MUSA_ATTN_PDL=0``."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    if not pdl:
+        monkeypatch.setenv("MUSA_ATTN_PDL", "0")
+    lay = (2 * 128, 2 * 128, 128)
+    spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
+    src = ti.decode_kernel(spec, ti.decode_config(1, 4), True, target=HOPPER).get_kernel_source()
+    assert src.count("cp_async_gs_conditional<16>") >= 2
+    assert not re.search(r"__syncthreads\(\);\s*tl::cp_async_gs", src), "a barrier before a row copy"
+    assert re.search(r"__shared__ [^;]*int slot_s\[512\];", src), "rows in static shared memory"
+    assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == pdl
+    comb = ti.combine_kernel(spec, target=HOPPER).get_kernel_source()
+    assert ("cudaGridDependencySynchronize();" in comb) == pdl
+    if pdl:  # before the first read of a partial
+        assert comb.index("cudaGridDependencySynchronize") < comb.index("L_part[")
+    unsplit = ti.decode_kernel(spec, ti.decode_config(1, 4), False, target=HOPPER).get_kernel_source()
+    assert "cudaTriggerProgrammaticLaunchCompletion" not in unsplit  # nothing depends on it

@@ -93,8 +93,13 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
     monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
-    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 2, 384, True, True)
-    assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
+    # three K/V stages where they fit the SM's 228 KB (hd 128: 224 KB of tiles), two stay a candidate
+    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
+    assert ti.PrefillConfig(128, 128, 2, 384, True, True) in ti.prefill_candidates(128, 128, page_size=128)
+    assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 64, 3, 384, True, True)
+    assert ti.pingpong_smem_fits(128, 128, 128, 3, 228 * 1024)
+    assert not ti.pingpong_smem_fits(128, 128, 128, 3, 225 * 1024)  # 1 KB short of 224 + 2: two stages
+    assert not ti.pingpong_smem_fits(128, 128, 128, 2, 0)  # unknown shared memory: no extra stage
     assert ti.prefill_config(128, 128, page_size=256).pingpong
     for kw in (dict(page_size=128, has_window=True), dict(page_size=128, is_fp8=True)):
         assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, **kw)), kw
@@ -103,7 +108,7 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
     # pages that hold no whole key tile: the ping-pong kernel with a gathering producer (default)
     for ps in (1, 16, 32):
         assert ti.prefill_config(128, 128, page_size=ps) == ti.PrefillConfig(128, 128, 2, 384, False, True)
-    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 2, 384, True, True)
+    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
     assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16, has_window=True))
     # MUSA_ATTN_PINGPONG_GATHER=0 takes it out: the row-gather kernel again
     monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "0")

@@ -13,9 +13,9 @@ from ... import tuning
 from ..._tilelang import compile_cached, tl, tl_dtype
 from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
-from ...platform import get_platform
+from ...platform import get_platform, target_features
 from .._common import check, constant_vector, per_kv_head
-from . import pingpong_gather_enabled, split_mixed_batches
+from . import dependent_launch_enabled, pingpong_gather_enabled, split_mixed_batches
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -56,6 +56,9 @@ class DecodeConfig:
     # tiles whose cache rows are resolved at once (the pipeline restarts after each run); 0: the copies resolve
     # them inline, one pipeline over all the split's tiles (a tune_decode.py candidate, not yet run on a GPU)
     slot_tiles: int = K.SLOT_TILES
+    # every run's pipeline has the fixed trip count slot_tiles (tiles past the split's end fully masked): what
+    # lets TileLang lower 3+ stages (a tune_decode.py candidate)
+    full_runs: bool = False
 
 
 def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -84,6 +87,13 @@ def prefill_shape_class(d: int, dv: int, is_fp8: bool, page_size: int, has_windo
     return tuning.shape_key(d=d, dv=dv, fp8=int(is_fp8), window=int(has_window), pages=pages)
 
 
+def pingpong_smem_fits(d: int, dv: int, block_N: int, num_stages: int, smem_per_sm: int) -> bool:
+    """Whether the ping-pong prefill's tiles (two 64-row Q halves + ``num_stages`` K and V tiles, 16-bit) fit
+    one block's shared memory: the SM's, less 1 KB the driver reserves per block and 1 KB for the barriers."""
+    need = 2 * (128 * d + num_stages * block_N * (d + dv))
+    return smem_per_sm > 0 and need + 2048 <= smem_per_sm
+
+
 def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                        has_window: bool = False) -> list[PrefillConfig]:
     """Every prefill tiling valid for this shape class on this platform (what ``musa-attn tune`` tries), the
@@ -95,7 +105,12 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     out = []
     for bn in widths:
         if pingpong_ok and page_size % bn == 0:
-            out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=2, threads=384, tma=True, pingpong=True))
+            # three stages where shared memory holds them (hd 128: 224 KB), measured 1-5% faster than two
+            # (tune-prefill-20261129T224018Z); two stay a tuning candidate
+            for stages in (3, 2):
+                if stages == 2 or pingpong_smem_fits(d, dv, bn, stages, plat.smem_per_sm):
+                    out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=384, tma=True,
+                                             pingpong=True))
     if pingpong_ok and pingpong_gather_enabled():
         out.append(PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=False, pingpong=True))
     for bn in widths:
@@ -227,6 +242,11 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             # the gathering producer syncs its warp group itself (one named barrier per tile); TileLang's
             # automatic syncs would put one before every row copy
             pc[tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
+            # and its bounds checks are redundant: rows are clamped into the sequence, page-table columns
+            # into the table, output stores guarded by hand. Without them a 16-byte row copy is 7 PTX
+            # instructions instead of 11, in warps that share issue slots with the softmax: page 1 causal
+            # 4k / 8k / 16k 357 / 428 / 464 TFLOP/s instead of 326 / 394 / 430 (tune-prefill-20261129T224018Z)
+            pc[tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
         return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill_pingpong(
             spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
             spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma), target=target,
@@ -237,16 +257,32 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
         cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma), target=target)
 
 
+def _pdl(target) -> bool:
+    """Programmatic dependent launch between the split-KV decode and its combine kernel: where the compile
+    target has it (CUDA sm_90+; ``target``: None for this platform's, or a ``{"kind", "arch"}`` dict) and
+    ``MUSA_ATTN_PDL`` allows it."""
+    if not dependent_launch_enabled():
+        return False
+    if target is None:
+        return get_platform().dependent_launch
+    return (isinstance(target, dict) and target.get("kind") in ("cuda", "musa")
+            and target_features(target["kind"], str(target.get("arch")))["dependent_launch"])
+
+
 def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
-    return compile_cached(("decode", spec, split, dcfg), lambda: K.build_decode(
+    pdl = split and _pdl(target)
+    return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ()), lambda: K.build_decode(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, dcfg.max_q, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, split, spec.k_layout, spec.v_layout,
-        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads, dcfg.slot_tiles), target=target)
+        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads, dcfg.slot_tiles, dcfg.full_runs, pdl),
+        target=target)
 
 
 def combine_kernel(spec: AttnSpec, target=None):
-    return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks),
-                          lambda: K.build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks), target=target)
+    pdl = _pdl(target)
+    return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks) + (("pdl",) if pdl else ()),
+                          lambda: K.build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks, pdl=pdl),
+                          target=target)
 
 
 def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale=None, sliding_window=None,

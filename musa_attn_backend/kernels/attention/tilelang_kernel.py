@@ -46,6 +46,14 @@ def _slot(page_table, b, pos, sk, page_size, max_pages):
     return T.if_then_else(pos < sk, page * page_size + T.truncmod(pos, page_size), -1)
 
 
+def _slot_buffer(n: int):
+    """Shared buffer for ``n`` resolved cache rows, in static shared memory rather than the dynamic pool that
+    holds the tiles: TileLang's barrier insertion then sees that a row copy reads a buffer other than the one
+    it writes. In the pool it could not tell them apart and put a block-wide barrier before every 16-byte
+    copy (16 per 64-key decode tile)."""
+    return T.alloc_shared([n], "int32", scope="shared")
+
+
 def _attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, slot_tiles=SLOT_TILES):
     """Tile loads and the online-softmax step shared by the prefill and decode programs."""
     NEG_INF = -T.infinity(ACC)
@@ -220,7 +228,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
-            slot_s = None if tma else T.alloc_shared([SLOT_TILES * BN], "int32")
+            slot_s = None if tma else _slot_buffer(SLOT_TILES * BN)
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -415,7 +423,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
             init_scores(acc_s, 0, qpos0, sk, cross0)
             T.sync_threads(my_bar, 2 * 128)
             wait_full(k_full, tile(kc, 0) % S, (tile(kc, 0) // S) & 1)
-            issue_scores(Q_s[g, :, :], K_s[0, :, :], acc_s, cross0)
+            issue_scores(Q_s[g, :, :], K_s[tile(kc, 0) % S, :, :], acc_s, cross0)
             T.named_barrier_arrive(other_bar, 2 * 128)
             T.wait_wgmma(0)
             T.mbarrier_arrive(k_empty[tile(kc, 0) % S])
@@ -659,7 +667,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                  has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool, split: bool,
                  k_layout: tuple, v_layout: tuple,
                  block_M: int = 64, block_N: int = 64, num_stages: int = 2, threads: int = 128,
-                 slot_tiles: int = SLOT_TILES):
+                 slot_tiles: int = SLOT_TILES, full_runs: bool = False, pdl: bool = False):
     """Split-KV decode (and short causal queries, up to ``max_q`` tokens per request, e.g. speculative verify).
 
     One block per (KV split, KV head, request); its rows are the ``max_q x G`` (token, query head) pairs that
@@ -667,6 +675,10 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     partial (output normalised by its own sum, LSE in log2 units) for :func:`build_combine`; without it, the
     final output. ``slot_tiles``: tiles whose cache rows are resolved together; the copy pipeline restarts
     after each such run. 0: the copies resolve each row themselves, in one pipeline over all the tiles.
+    ``full_runs``: every run's pipeline has the fixed trip count ``slot_tiles`` (TileLang lowers 3+ stages only
+    for a fixed count); tiles past the split's end are fully masked, their rows zero-filled (no memory
+    traffic). ``pdl`` (split only): trigger the dependent launch of the combine kernel (programmatic dependent
+    launch) as the block starts, so the combine's launch overlaps this kernel's last wave.
     """
     G = Hq // Hkv
     rows = max_q * G
@@ -729,13 +741,15 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
         LSE: T.Tensor(L_shape, "float32"),
     ):
         with T.Kernel(num_splits, Hkv, B, threads=threads) as (bs, bh, bb):
+            if pdl:
+                T.pdl_trigger()
             Q_s = T.alloc_shared([BM, D], q_dtype)
             P_s = T.alloc_shared([BM, BN], q_dtype) if small else None
             K_s = T.alloc_shared([BN, D], q_dtype)
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
-            slot_s = T.alloc_shared([slot_tiles * BN], "int32") if slot_tiles > 0 else None
+            slot_s = _slot_buffer(slot_tiles * BN) if slot_tiles > 0 else None
             acc_s = T.alloc_fragment([BM, BN], ACC)
             acc_p = T.alloc_fragment([BM, BN], q_dtype)
             acc_o = T.alloc_fragment([BM, DV], ACC)
@@ -770,7 +784,18 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            if slot_tiles > 0:
+            if full_runs:
+                # keys of this split end at split_end: later tiles of the last run are masked, their rows -1
+                split_end = T.min(sk, (n_lo + it_lo + n_iters) * BN)
+                for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
+                    resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, split_end,
+                                  page_size, MP)
+                    for it in T.Pipelined(slot_tiles, num_stages=num_stages):
+                        n0 = (n_lo + it_lo + c * slot_tiles + it) * BN
+                        load_kv(KC, VC, K_s, V_s, K8_s, V8_s, lambda j: slot_s[it * BN + j], kvh)
+                        tile_step(Q_s, K_s, V_s, P_s, acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, n0,
+                                  prefix, split_end, window, logit_scale, softcap, scale_log2)
+            elif slot_tiles > 0:
                 for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
                     resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, sk, page_size, MP)
                     for it in T.Pipelined(T.min(slot_tiles, n_iters - c * slot_tiles), num_stages=num_stages):
@@ -810,8 +835,10 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
 
 
 @functools.lru_cache(maxsize=None)
-def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int = 128):
-    """Merge split-KV partials: ``O = sum_s 2^(lse_s - lse) o_s`` with ``lse = log2 sum_s 2^lse_s`` (+ sink)."""
+def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int = 128, pdl: bool = False):
+    """Merge split-KV partials: ``O = sum_s 2^(lse_s - lse) o_s`` with ``lse = log2 sum_s 2^lse_s`` (+ sink).
+    ``pdl``: launched as a programmatic dependent of the decode kernel; it waits for the decode grid's
+    completion (and its memory) before it reads a partial."""
     NT = T.dynamic("num_tokens")
     S = T.dynamic("num_splits")
     NEG_INF = -T.infinity(ACC)
@@ -825,6 +852,8 @@ def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int 
         LSE: T.Tensor((NT, Hq), "float32"),
     ):
         with T.Kernel(NT, Hq, threads=threads) as (t, h):
+            if pdl:
+                T.pdl_sync()
             acc = T.alloc_fragment([DV], ACC)
             m = T.alloc_var(ACC)
             total = T.alloc_var(ACC)
