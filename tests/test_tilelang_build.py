@@ -82,7 +82,8 @@ def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
 
 
 def test_prefill_pingpong_persistent_compiles_for_sm90a():
-    """The ping-pong prefill on a persistent schedule (a ``tune_prefill.py`` kind, not yet a default): one block
+    """The ping-pong prefill on a persistent schedule (a ``tune_prefill.py`` kind; correct on the H200 but 9-30%
+    slower than one block per tile, tune-prefill-20261129T224018Z, so not a default): one block
     per SM walks the work items; both roles track their tiles' stage and phase across items, the producer waits
     for the consumers' last Q K^T before it loads the next Q, and the consumers' turn-taking runs on across
     items (one hand-off before the first item, one final sync)."""

@@ -93,10 +93,13 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
     monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
-    # three K/V stages where they fit the SM's 228 KB (hd 128: 224 KB of tiles), two stay a candidate
+    # three K/V stages where they fit the SM's 228 KB and were measured faster (hd 128, 128-key tiles: 224 KB);
+    # two stay a candidate there, and elsewhere the default with three as a candidate
     assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
     assert ti.PrefillConfig(128, 128, 2, 384, True, True) in ti.prefill_candidates(128, 128, page_size=128)
-    assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 64, 3, 384, True, True)
+    assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
+    assert ti.PrefillConfig(128, 64, 3, 384, True, True) in ti.prefill_candidates(64, 64, page_size=64)
+    assert ti.prefill_config(128, 128, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
     assert ti.pingpong_smem_fits(128, 128, 128, 3, 228 * 1024)
     assert not ti.pingpong_smem_fits(128, 128, 128, 3, 225 * 1024)  # 1 KB short of 224 + 2: two stages
     assert not ti.pingpong_smem_fits(128, 128, 128, 2, 0)  # unknown shared memory: no extra stage

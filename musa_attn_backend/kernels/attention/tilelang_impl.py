@@ -54,10 +54,12 @@ class DecodeConfig:
     num_stages: int
     threads: int
     # tiles whose cache rows are resolved at once (the pipeline restarts after each run); 0: the copies resolve
-    # them inline, one pipeline over all the split's tiles (a tune_decode.py candidate, not yet run on a GPU)
+    # them inline, one pipeline over all the split's tiles (a tune_decode.py candidate: 3.5x slower on the H200,
+    # TileLang makes those copies synchronous; tune-decode-20261129T223507Z)
     slot_tiles: int = K.SLOT_TILES
     # every run's pipeline has the fixed trip count slot_tiles (tiles past the split's end fully masked): what
-    # lets TileLang lower 3+ stages (a tune_decode.py candidate)
+    # lets TileLang lower 3+ stages (a tune_decode.py candidate; 3 and 4 stages measured 4-41% slower on the
+    # H200, fewer blocks per SM; tune-decode-20261129T224737Z)
     full_runs: bool = False
 
 
@@ -105,9 +107,11 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     out = []
     for bn in widths:
         if pingpong_ok and page_size % bn == 0:
-            # three stages where shared memory holds them (hd 128: 224 KB), measured 1-5% faster than two
-            # (tune-prefill-20261129T224018Z); two stay a tuning candidate
-            for stages in (3, 2):
+            # three stages where shared memory holds them (hd 128, 128-key tiles: 224 KB): measured 1-5% faster
+            # than two (tune-prefill-20261129T224018Z), so first there; for the other tilings (not measured)
+            # a tuning candidate after two
+            three_first = d == dv == 128 and bn == 128
+            for stages in ((3, 2) if three_first else (2, 3)):
                 if stages == 2 or pingpong_smem_fits(d, dv, bn, stages, plat.smem_per_sm):
                     out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=384, tma=True,
                                              pingpong=True))
@@ -130,9 +134,10 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
     else row gathers (128-key tiles up to head dim 128).
 
     Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z,
-    -192423Z and -205442Z): ping-pong with TMA tiles and fast math 438 / 554 / 557, without fast math 331 / 472 /
-    514, with 64-key tiles 309 / 391 / 424; ping-pong with a gathering producer (page 1 and 16) 329-334 / 397-401
-    / 429-431; TMA tiles with TileLang's warp specialisation 267 / 380 / 458; row gathers 238 / 291 / 330."""
+    -192423Z, -205442Z and -224018Z): ping-pong with TMA tiles and fast math 443 / 556 / 579 with two stages,
+    451-461 / 567-580 / 580-586 with three; without fast math 331 / 472 / 514; with 64-key tiles 309 / 391 / 424;
+    ping-pong with a gathering producer (page 1 and 16) 357 / 428 / 464 (326 / 394 / 430 with TileLang's bounds
+    checks); TMA tiles with TileLang's warp specialisation 267 / 380 / 458; row gathers 238 / 291 / 330."""
     valid = prefill_candidates(d, dv, is_fp8, page_size, has_window)
     tuned = tuning.lookup("prefill", prefill_shape_class(d, dv, is_fp8, page_size, has_window))
     if tuned:
