@@ -38,9 +38,11 @@ HQ, HKV, D = 32, 8, 128
 # walks the query tiles, longest first; the producer loads the next tile's Q and K/V while the consumers finish)
 # *_ns on a TMA kind: the same without TileLang's bounds checks (the producer's page-table reads are in bounds,
 # TMA clips rows past the tensor in hardware, the output stores are guarded by hand)
+# pingpong_fm_r<N>: TMA tiles copied in N-row chunks of a page, each through the page table (pages that are a
+# multiple of N tokens but hold no whole key tile, e.g. vLLM's 16)
 KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3",
          "pingpong_gather_ns", "pingpong_fm_persist", "pingpong_fm_ns", "pingpong_fm3_ns", "pingpong_gather3_ns",
-         "pingpong_fm3_persist")
+         "pingpong_fm3_persist", "pingpong_fm_r16", "pingpong_fm3_r16", "pingpong_fm_r32", "pingpong_fm_r64")
 SMS = 132  # H200 / H100 SXM: the persistent kind's block count
 GATHERING = ("gather", "pingpong_gather", "pingpong_gather3", "pingpong_gather_ns", "pingpong_gather3_ns")
 
@@ -49,21 +51,25 @@ def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
             ("pingpong_fm", 128), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128),
             ("pingpong_gather_ns", 128), ("pingpong_fm_persist", 128), ("pingpong_fm_ns", 128),
-            ("pingpong_fm3_ns", 128), ("pingpong_gather3_ns", 128), ("pingpong_fm3_persist", 128)]
+            ("pingpong_fm3_ns", 128), ("pingpong_gather3_ns", 128), ("pingpong_fm3_persist", 128),
+            ("pingpong_fm_r16", 128), ("pingpong_fm3_r16", 128), ("pingpong_fm_r32", 128), ("pingpong_fm_r64", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:
             continue
         gathers = kind in GATHERING
-        pages = [p for p in page_sizes if gathers or p % bn == 0]
+        rows = int(kind.rsplit("_r", 1)[1]) if "_r" in kind else 0
+        pages = [p for p in page_sizes if gathers or p % (rows or bn) == 0]
         if pages:
             c = dict(tma=not gathers, pingpong=kind.startswith("pingpong"), block_N=bn,
-                     num_stages=3 if "3" in kind else 2,
+                     num_stages=3 if kind.split("_")[1:2] in (["fm3"], ["gather3"]) else 2,
                      fast_math=kind.startswith(("pingpong_fm", "pingpong_gather")), pages=pages)
             if kind.endswith("_ns"):
                 c["nosafe"] = True
             if kind.endswith("_persist"):
                 c["persist"] = SMS
+            if rows:
+                c["tma_rows"] = rows
             out.append(c)
     return out
 
@@ -74,7 +80,8 @@ def build(cand, causal):
     if cand["pingpong"]:
         return K.build_prefill_pingpong.__wrapped__(HQ, HKV, D, D, "bfloat16", causal, False, False, lay, lay,
                                                     cand["block_N"], cand["num_stages"], gather=not cand["tma"],
-                                                    persistent_ctas=cand.get("persist", 0))
+                                                    persistent_ctas=cand.get("persist", 0),
+                                                    tma_rows=cand.get("tma_rows", 0))
     return K.build_prefill.__wrapped__(HQ, HKV, D, D, "bfloat16", "bfloat16", causal, False, False, False, False,
                                        lay, lay, 128, cand["block_N"], cand["num_stages"], 256, cand["tma"])
 

@@ -152,3 +152,27 @@ def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
         assert comb.index("cudaGridDependencySynchronize") < comb.index("L_part[")
     unsplit = ti.decode_kernel(spec, ti.decode_config(1, 4), False, target=HOPPER).get_kernel_source()
     assert "cudaTriggerProgrammaticLaunchCompletion" not in unsplit  # nothing depends on it
+
+
+def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
+    """The ping-pong prefill with TMA copies of page chunks (opt-in ``MUSA_ATTN_TMA_CHUNKS=1``; for pages of 16
+    tokens): per 128-key tile the producer reads 8 cache rows from the page table before the stage is free, then
+    issues 16-row boxes (one per 64-column swizzle block) into the tile's rows, with the same 128-byte swizzle as
+    the whole-tile copies the consumers' WGMMAs expect."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    monkeypatch.setenv("MUSA_ATTN_TMA_CHUNKS", "1")
+    lay = (2 * 2 * 128, 2 * 2 * 128, 128)  # vLLM's K|V rows: K and V share a row, V 128 elements in
+    spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
+    cfg = ti.prefill_config(128, 128, page_size=16)
+    assert cfg.tma and cfg.pingpong and cfg.tma_rows == 16 and cfg.block_N == 128
+    src = ti.prefill_kernel(spec, True, 16, target=HOPPER, cfg=cfg).get_kernel_source()
+    assert "int rows[8];" in src
+    assert src.count("expect_transaction(2048)") == 2  # K and V: one 16 x 64 box per copy
+    k_loads = re.findall(r"tma_load\(KC_desc, k_full\[[^\]]*\], \(&\(\(\(bfloat16_t\*\)K_s\)\[([^\]]*)\]\)\)", src)
+    assert len(k_loads) == 1 and "* 1024)" in k_loads[0] and "* 8192)" in k_loads[0]  # chunk row / column block
+    # the rows are read before the producer waits for the stage
+    assert src.index("rows[c] =") < src.index("k_empty[(k & 1)].wait(")
+    assert "warpgroup_reg_dealloc<40>" in src

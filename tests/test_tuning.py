@@ -113,6 +113,16 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
         assert ti.prefill_config(128, 128, page_size=ps) == ti.PrefillConfig(128, 128, 2, 384, False, True)
     assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
     assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16, has_window=True))
+    # MUSA_ATTN_TMA_CHUNKS=1 (opt-in until run on a GPU): pages of a multiple of 16 that hold no whole key tile
+    # get 128-key TMA tiles copied in page chunks, first; page 1 and whole-tile pages are unchanged
+    monkeypatch.setenv("MUSA_ATTN_TMA_CHUNKS", "1")
+    for ps, rows in ((16, 16), (32, 32), (48, 16), (64, 64), (192, 64)):
+        assert ti.prefill_config(128, 128, page_size=ps) == ti.PrefillConfig(128, 128, 2, 384, True, True, rows), ps
+    assert ti.prefill_config(128, 128, page_size=1) == ti.PrefillConfig(128, 128, 2, 384, False, True)
+    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
+    assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=8))
+    monkeypatch.delenv("MUSA_ATTN_TMA_CHUNKS")
+    assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=16))
     # MUSA_ATTN_PINGPONG_GATHER=0 takes it out: the row-gather kernel again
     monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "0")
     assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16))

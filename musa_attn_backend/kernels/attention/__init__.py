@@ -18,6 +18,7 @@ from .reference import paged_attention_reference
 SPLIT_MIXED_ENV = "MUSA_ATTN_SPLIT_MIXED"
 PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
 PDL_ENV = "MUSA_ATTN_PDL"
+TMA_CHUNKS_ENV = "MUSA_ATTN_TMA_CHUNKS"
 
 
 def _enabled(env: str) -> bool:
@@ -46,6 +47,13 @@ def dependent_launch_enabled() -> bool:
     turns it off). Measured on the H200, batch 1 at 4k / 16k keys: 16.8 / 31.5 us instead of 18.9 / 32.6 us;
     larger batches unchanged within 1% (tune-decode-20261129T224737Z vs -224817Z)."""
     return _enabled(PDL_ENV)
+
+
+def tma_chunks_enabled() -> bool:
+    """Whether the ping-pong prefill with TMA copies of page chunks (16/32/64 rows, each through the page table)
+    is a candidate, and then the default, for pages of a multiple of 16 tokens that hold no whole key tile
+    (vLLM's 16). Opt-in (``MUSA_ATTN_TMA_CHUNKS=1``) until it has run on a GPU: built and lowering-checked only."""
+    return os.environ.get(TMA_CHUNKS_ENV, "0") == "1"
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]

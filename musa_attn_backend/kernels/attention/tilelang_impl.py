@@ -15,7 +15,7 @@ from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
 from ...platform import get_platform, target_features
 from .._common import check, constant_vector, per_kv_head
-from . import dependent_launch_enabled, pingpong_gather_enabled, split_mixed_batches
+from . import dependent_launch_enabled, pingpong_gather_enabled, split_mixed_batches, tma_chunks_enabled
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -44,6 +44,9 @@ class PrefillConfig:
     # tensor cores, with asynchronous MMAs overlapping the softmax (Hopper-class); the producer copies whole
     # tiles with TMA (tma=True) or gathers rows with cp.async (tma=False)
     pingpong: bool = False
+    # TMA tiles copied in chunks of this many rows of a page, each through the page table (ping-pong only; pages
+    # that are a multiple of it but hold no whole key tile, e.g. vLLM's 16); 0: one copy per tile
+    tma_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def _prefill_tile(d: int, dv: int) -> int:
 
 def prefill_shape_class(d: int, dv: int, is_fp8: bool, page_size: int, has_window: bool) -> str:
     """What a prefill tile choice depends on (besides the device): the key of its tuning-table entry."""
-    pages = "p128" if page_size % 128 == 0 else "p64" if page_size % 64 == 0 else "rows"
+    pages = ("p128" if page_size % 128 == 0 else "p64" if page_size % 64 == 0 else "p16" if page_size % 16 == 0
+             else "rows")
     return tuning.shape_key(d=d, dv=dv, fp8=int(is_fp8), window=int(has_window), pages=pages)
 
 
@@ -105,6 +109,11 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     pingpong_ok = tma_ok and plat.warp_specialized and d == dv and d in (64, 128)
     widths = sorted({_prefill_tile(d, dv), 64}, reverse=True)
     out = []
+    chunk = next((r for r in (64, 32, 16) if page_size % r == 0), 0)
+    if pingpong_ok and tma_chunks_enabled() and page_size % 128 and chunk:
+        # 128-key tiles from page chunks, ahead of 64-key whole-page tiles and of the gathering producer
+        out.append(PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=True, pingpong=True,
+                                 tma_rows=chunk))
     for bn in widths:
         if pingpong_ok and page_size % bn == 0:
             # three stages where shared memory holds them (hd 128, 128-key tiles: 224 KB): measured 1-5% faster
@@ -254,8 +263,8 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             pc[tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
         return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill_pingpong(
             spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
-            spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma), target=target,
-            pass_configs=pc)
+            spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma, tma_rows=cfg.tma_rows),
+            target=target, pass_configs=pc)
     return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,

@@ -302,7 +302,8 @@ _PRODUCER_BAR = 7  # the gathering producer warp group's own sync (its tile's pa
 @functools.lru_cache(maxsize=None)
 def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, causal: bool, has_softcap: bool,
                            has_sinks: bool, k_layout: tuple, v_layout: tuple, block_N: int = 128,
-                           num_stages: int = 2, gather: bool = False, persistent_ctas: int = 0):
+                           num_stages: int = 2, gather: bool = False, persistent_ctas: int = 0,
+                           tma_rows: int = 0):
     """Prefill/extend for Hopper-class GPUs (TMA + warp-group MMA + named barriers): explicit warp
     specialisation in the manner of FlashAttention-3.
 
@@ -317,8 +318,11 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     launcher checks; rows of the last page past the sequence must hold finite values, they are masked); with
     ``gather=True`` (any page size) the whole producer warp group resolves the tile's rows through the page
     table and issues ``cp.async`` row copies, which arrive on the full barriers as they land (rows past the
-    sequence copy its last key, masked). Same arguments and results as :func:`build_prefill`; bf16/fp16 cache,
-    no window.
+    sequence copy its last key, masked). ``tma_rows`` (TMA tiles, 0 = ``block_N``): rows per TMA copy, for
+    pages that hold no whole key tile but whole chunks of ``tma_rows`` keys (``page_size % tma_rows == 0``, the
+    launcher checks; e.g. 16 for vLLM's 16-token blocks): ``block_N / tma_rows`` copies per tile, each through
+    the page table; chunks past the sequence copy its last chunk again (its own page; masked). Same arguments and
+    results as :func:`build_prefill`; bf16/fp16 cache, no window.
     """
     G = Hq // Hkv
     BM, HM, BN, S = 128, 64, block_N, num_stages
@@ -329,12 +333,15 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
     PERSIST = persistent_ctas > 0
+    R = tma_rows or BN  # rows per TMA copy
+    assert not (gather or PERSIST) or R == BN, "tma_rows: TMA tiles, one block per tile"
+    assert BN % R == 0 and R % 8 == 0, f"tma_rows {R} must divide the {BN}-key tile into 8-row multiples"
     assert not (PERSIST and gather), "persistent schedule: TMA tiles only"
     *_, finish_rows = _attention_macros(HM, BN, D, DV, HS_K, HS_V, False)
     assert not gather or (BN <= 128 and D % 8 == 0 and DV % 8 == 0 and 128 % (D // 8) == 0
                           and 128 % (DV // 8) == 0), "gather producer: one page-table row per thread"
     # registers: 2 x 128 consumer + 128 producer threads in the 64K register file; gathers need addresses
-    CONSUMER_REGS, PRODUCER_REGS = (232, 40) if gather else (240, 24)
+    CONSUMER_REGS, PRODUCER_REGS = (232, 40) if gather or R < BN else (240, 24)
     FULL = 128 if gather else 32  # arrivals completing a full barrier: the threads that copy
 
     def page_row(page_table, b, pos, page_size):
@@ -474,16 +481,34 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
 
     @T.macro
     def tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size, n_iters,
-                     kc):
-        """Producer warp: one TMA copy per key / value tile (a whole tile of one page) into the stage buffers."""
+                     kc, sk, rows):
+        """Producer warp: TMA copies of each key / value tile into the stage buffers, one per tile (a whole tile
+        of one page) or one per ``R``-row chunk of a page (``rows``: their cache rows, read from the page table
+        before the stage is free)."""
         for k in T.serial(n_iters):
             st = tile(kc, k) % S
-            r0 = page_row(page_table, b, k * BN, page_size)
+            if R == BN:
+                r0 = page_row(page_table, b, k * BN, page_size)
+            else:
+                for c in T.unroll(BN // R):  # a chunk past the sequence: its last chunk again (own page)
+                    rows[c] = page_row(page_table, b, T.min(k * BN + c * R, (sk - 1) // R * R), page_size)
             T.mbarrier_wait_parity(k_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
+            if R == BN:
+                T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
+            else:
+                for c in T.unroll(BN // R):
+                    for h in T.unroll(D // 64):  # one 128-byte swizzle column block per copy: a contiguous box
+                        T.tma_copy(KC[rows[c]:rows[c] + R, kvh * HS_K + h * 64:kvh * HS_K + h * 64 + 64],
+                                   K_s[st, c * R:(c + 1) * R, h * 64:h * 64 + 64], barrier=k_full[st])
             T.mbarrier_arrive(k_full[st])
             T.mbarrier_wait_parity(v_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :], barrier=v_full[st])
+            if R == BN:
+                T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :], barrier=v_full[st])
+            else:
+                for c in T.unroll(BN // R):
+                    for h in T.unroll(DV // 64):
+                        T.tma_copy(VC[rows[c]:rows[c] + R, kvh * HS_V + h * 64:kvh * HS_V + h * 64 + 64],
+                                   V_s[st, c * R:(c + 1) * R, h * 64:h * 64 + 64], barrier=v_full[st])
             T.mbarrier_arrive(v_full[st])
 
     def work_item(item, cu_seqlens_q, seqlens_k, max_seqlen_q):
@@ -594,7 +619,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                             T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
                             T.mbarrier_arrive(q_full)
                             tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh,
-                                         page_size, n_iters, kc)
+                                         page_size, n_iters, kc, sk, None)
                             kc = kc + n_iters
                             qi = qi + 1
                 logit_scale = sm_scale
@@ -636,8 +661,9 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                         T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
                     T.mbarrier_arrive(q_full)
                     if not gather:
+                        rows = T.alloc_local([BN // R], "int32") if R < BN else None
                         tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size,
-                                     n_iters, 0)
+                                     n_iters, 0, sk, rows)
                 if gather:
                     if tx >= 256:
                         p = tx - 256
