@@ -99,6 +99,10 @@ def test_prefill_pingpong_persistent_compiles_for_sm90a():
     assert src.count("/ 132)") >= 3, "producer and both consumer groups walk the work items"
     assert "q_empty[0].wait(((qi & 1) ^ 1))" in src and src.count("q_empty[0].arrive()") == 2
     assert "kc = (kc + n_iters)" in src
+    # every Q K^T reads its own stage, the first tile of an item too (it starts at stage kc % 2, not 0: the
+    # H200 check of 6f5b951 failed on that)
+    k_descs = re.findall(r"initialize_wgmma_descriptor<1, 1, 64>\((desc_b\w*), \(&\(\(\(bfloat16_t\*\)K_s\)", src)
+    assert len(k_descs) == 4 and all(re.search(rf"increase_descriptor_offset<int>\({d}, \(+kc", src) for d in k_descs)
     # group 1 hands group 0 the first turn once, before its item loop (then tile 0's and the loop's turns)
     first_arrive = src.index("__named_barrier_arrive(5, 256)")
     loops = [m.start() for m in re.finditer(r"for \(int w", src)]
