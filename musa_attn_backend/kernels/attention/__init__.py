@@ -41,6 +41,7 @@ def pingpong_gather_enabled() -> bool:
     the row-gather kernel (tune-prefill-20261129T205442Z)."""
     return _enabled(PINGPONG_GATHER_ENV)
 
+
 def dependent_launch_enabled() -> bool:
     """Whether the split-KV combine kernel is launched as a programmatic dependent of the decode kernel where the
     target has it (CUDA sm_90+), so its launch overlaps the decode's last wave (default; ``MUSA_ATTN_PDL=0``
