@@ -19,6 +19,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,13 +48,34 @@ def capture_graph(fn):
     return g
 
 
+_gpu_warm = False
+
+
+def _warm_gpu(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for about ``seconds`` before the first measurement of a run, so its clocks have ramped
+    up: the first rows of attention-20261129T230430Z (batch 1, cuDNN too) timed ~20 µs where later identical
+    launches took 12-14 µs."""
+    global _gpu_warm
+    if _gpu_warm:
+        return
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+    _gpu_warm = True
+
+
 def bench_ms(fn, warmup=5, rep=30, graph=True) -> float:
     """Median time of ``fn`` in ms with CUDA events after warm-up.
 
     With ``graph`` the call is captured once in a CUDA graph and the replays are timed (as an engine runs
     decode), so host-side launch overhead stays out of the number for ours and the peers alike; a callable
-    that cannot be captured is timed eagerly.
+    that cannot be captured is timed eagerly. The first call of a process first warms the GPU up.
     """
+    _warm_gpu()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
