@@ -145,7 +145,8 @@ def main(argv=None):
                     forced.update(splits=s, cfg=dcfg(t))
                     ms = bench_ms(lambda: paged_attention(q, k, v, meta, impl="tilelang"))
                     row = dict(batch=b, ctx=ctx, page_size=ps, block_N=t[0], num_stages=t[1], slot_tiles=t[2],
-                               full_runs=bool(t[3:] and t[3]), pdl=os.environ.get("MUSA_ATTN_PDL", "0") == "1",
+                               full_runs=bool(t[3:] and t[3]), pdl=I.dependent_launch_enabled(),
+                               chunked_combine=I.chunked_combine_enabled(),
                                splits=s, ours_ms=ms, tbps=kv_bytes / ms / 1e9, default_splits=default_splits)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

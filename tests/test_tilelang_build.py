@@ -154,6 +154,11 @@ def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
     assert ("cudaGridDependencySynchronize();" in comb) == pdl
     if pdl:  # before the first read of a partial
         assert comb.index("cudaGridDependencySynchronize") < comb.index("L_part[")
+    monkeypatch.setenv("MUSA_ATTN_CHUNKED_COMBINE", "1")  # opt-in: LSEs at once, partials 8 splits at a time
+    chunked = ti.combine_kernel(spec, target=HOPPER).get_kernel_source()
+    assert "lse_s[" in chunked and re.search(r"for \(int j\w* = 0; j\w* < 8; \+\+j\w*\)", chunked)
+    assert ("cudaGridDependencySynchronize();" in chunked) == pdl
+    monkeypatch.delenv("MUSA_ATTN_CHUNKED_COMBINE")
     unsplit = ti.decode_kernel(spec, ti.decode_config(1, 4), False, target=HOPPER).get_kernel_source()
     assert "cudaTriggerProgrammaticLaunchCompletion" not in unsplit  # nothing depends on it
 

@@ -19,6 +19,7 @@ SPLIT_MIXED_ENV = "MUSA_ATTN_SPLIT_MIXED"
 PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
 PDL_ENV = "MUSA_ATTN_PDL"
 TMA_CHUNKS_ENV = "MUSA_ATTN_TMA_CHUNKS"
+CHUNKED_COMBINE_ENV = "MUSA_ATTN_CHUNKED_COMBINE"
 
 
 def _enabled(env: str) -> bool:
@@ -55,6 +56,13 @@ def tma_chunks_enabled() -> bool:
     is a candidate, and then the default, for pages of a multiple of 16 tokens that hold no whole key tile
     (vLLM's 16). Opt-in (``MUSA_ATTN_TMA_CHUNKS=1``) until it has run on a GPU: built and lowering-checked only."""
     return os.environ.get(TMA_CHUNKS_ENV, "0") == "1"
+
+
+def chunked_combine_enabled() -> bool:
+    """Whether the split-KV combine reads the partial LSEs at once and the partial outputs 8 splits at a time
+    (their loads in flight together) instead of one split after the other, a dependent L2 round trip each: the
+    combine's share of a batch-1 decode. Opt-in (``MUSA_ATTN_CHUNKED_COMBINE=1``) until it has run on a GPU."""
+    return os.environ.get(CHUNKED_COMBINE_ENV, "0") == "1"
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]

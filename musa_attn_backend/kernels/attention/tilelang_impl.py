@@ -15,7 +15,8 @@ from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
 from ...platform import get_platform, target_features
 from .._common import check, constant_vector, per_kv_head
-from . import dependent_launch_enabled, pingpong_gather_enabled, split_mixed_batches, tma_chunks_enabled
+from . import (chunked_combine_enabled, dependent_launch_enabled, pingpong_gather_enabled, split_mixed_batches,
+               tma_chunks_enabled)
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -294,9 +295,12 @@ def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
 
 def combine_kernel(spec: AttnSpec, target=None):
     pdl = _pdl(target)
-    return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks) + (("pdl",) if pdl else ()),
-                          lambda: K.build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks, pdl=pdl),
-                          target=target)
+    # the split loop in chunks of 8 with their loads in flight together (opt-in until run on a GPU)
+    max_splits = MAX_SPLITS if chunked_combine_enabled() else 0
+    return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks) + (("pdl",) if pdl else ())
+                          + ((("splits", max_splits),) if max_splits else ()),
+                          lambda: K.build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks, pdl=pdl,
+                                                  max_splits=max_splits), target=target)
 
 
 def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale=None, sliding_window=None,
