@@ -24,12 +24,12 @@ export PYTHONPATH=$ep:$PYTHONPATH
 what=${1:-all}; shift || true
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__, torch.cuda.get_device_name())"
 # The whole GPU suite no longer fits one 600 s device call: tests-1 (the kernel-tiling sweep, compile-heavy) and
-# tests-2 (everything else) split it. -rA lists every test's outcome in the log, so a cut-off run still says
-# which tests passed.
+# tests-2 (everything else) split it. -v logs each test's outcome as it finishes, so a run cut off by the time
+# limit still says which tests passed.
 gpu_tests() {
-  python3 -m pytest -m gpu "$@" -q -n "${JOBS:-12}" -p no:cacheprovider -rA 2>&1 | tee "$out/gpu_tests.log" \
-    | grep -v "^PASSED" | tail -40
-  echo "passed: $(grep -c '^PASSED' "$out/gpu_tests.log")"
+  python3 -m pytest -m gpu "$@" -v -n "${JOBS:-12}" -p no:cacheprovider -rs 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -v " PASSED " | tail -40
+  echo "passed: $(grep -c ' PASSED ' "$out/gpu_tests.log")"
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
   gpu_tests ${TESTS:-tests} "$@"

@@ -26,6 +26,10 @@ def _enabled(env: str) -> bool:
     return os.environ.get(env, "1") != "0"
 
 
+def _opted_in(env: str) -> bool:
+    return os.environ.get(env, "0") == "1"
+
+
 def split_mixed_batches() -> bool:
     """Whether a mixed batch whose metadata counts its leading decodes (``PagedKVMeta.num_decodes``) runs them
     with the decode kernel and the rest with the prefill kernel on the GPU (default; ``MUSA_ATTN_SPLIT_MIXED=0``
@@ -55,14 +59,14 @@ def tma_chunks_enabled() -> bool:
     """Whether the ping-pong prefill with TMA copies of page chunks (16/32/64 rows, each through the page table)
     is a candidate, and then the default, for pages of a multiple of 16 tokens that hold no whole key tile
     (vLLM's 16). Opt-in (``MUSA_ATTN_TMA_CHUNKS=1``) until it has run on a GPU: built and lowering-checked only."""
-    return os.environ.get(TMA_CHUNKS_ENV, "0") == "1"
+    return _opted_in(TMA_CHUNKS_ENV)
 
 
 def chunked_combine_enabled() -> bool:
     """Whether the split-KV combine reads the partial LSEs at once and the partial outputs 8 splits at a time
     (their loads in flight together) instead of one split after the other, a dependent L2 round trip each: the
     combine's share of a batch-1 decode. Opt-in (``MUSA_ATTN_CHUNKED_COMBINE=1``) until it has run on a GPU."""
-    return os.environ.get(CHUNKED_COMBINE_ENV, "0") == "1"
+    return _opted_in(CHUNKED_COMBINE_ENV)
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]

@@ -480,6 +480,20 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
 
 
     @T.macro
+    def tma_tile(C, X_s, st, bars, col0, W, r0, rows):
+        """TMA copies of one key or value tile (``W`` columns from ``col0``) into stage ``st`` (arriving on
+        ``bars[st]``): one copy of the
+        whole tile from row ``r0``, or one per ``R``-row chunk (from ``rows[c]``) and 64-column swizzle block
+        (a contiguous box)."""
+        if R == BN:
+            T.tma_copy(C[r0:r0 + BN, col0:col0 + W], X_s[st, :, :], barrier=bars[st])
+        else:
+            for c in T.unroll(BN // R):
+                for h in T.unroll(W // 64):
+                    T.tma_copy(C[rows[c]:rows[c] + R, col0 + h * 64:col0 + h * 64 + 64],
+                               X_s[st, c * R:(c + 1) * R, h * 64:h * 64 + 64], barrier=bars[st])
+
+    @T.macro
     def tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size, n_iters,
                      kc, sk, rows):
         """Producer warp: TMA copies of each key / value tile into the stage buffers, one per tile (a whole tile
@@ -487,28 +501,15 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
         before the stage is free)."""
         for k in T.serial(n_iters):
             st = tile(kc, k) % S
-            if R == BN:
-                r0 = page_row(page_table, b, k * BN, page_size)
-            else:
+            r0 = page_row(page_table, b, k * BN, page_size) if R == BN else 0  # (0: unused)
+            if R < BN:
                 for c in T.unroll(BN // R):  # a chunk past the sequence: its last chunk again (own page)
                     rows[c] = page_row(page_table, b, T.min(k * BN + c * R, (sk - 1) // R * R), page_size)
             T.mbarrier_wait_parity(k_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            if R == BN:
-                T.tma_copy(KC[r0:r0 + BN, kvh * HS_K:kvh * HS_K + D], K_s[st, :, :], barrier=k_full[st])
-            else:
-                for c in T.unroll(BN // R):
-                    for h in T.unroll(D // 64):  # one 128-byte swizzle column block per copy: a contiguous box
-                        T.tma_copy(KC[rows[c]:rows[c] + R, kvh * HS_K + h * 64:kvh * HS_K + h * 64 + 64],
-                                   K_s[st, c * R:(c + 1) * R, h * 64:h * 64 + 64], barrier=k_full[st])
+            tma_tile(KC, K_s, st, k_full, kvh * HS_K, D, r0, rows)
             T.mbarrier_arrive(k_full[st])
             T.mbarrier_wait_parity(v_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            if R == BN:
-                T.tma_copy(VC[r0:r0 + BN, kvh * HS_V:kvh * HS_V + DV], V_s[st, :, :], barrier=v_full[st])
-            else:
-                for c in T.unroll(BN // R):
-                    for h in T.unroll(DV // 64):
-                        T.tma_copy(VC[rows[c]:rows[c] + R, kvh * HS_V + h * 64:kvh * HS_V + h * 64 + 64],
-                                   V_s[st, c * R:(c + 1) * R, h * 64:h * 64 + 64], barrier=v_full[st])
+            tma_tile(VC, V_s, st, v_full, kvh * HS_V, DV, r0, rows)
             T.mbarrier_arrive(v_full[st])
 
     def work_item(item, cu_seqlens_q, seqlens_k, max_seqlen_q):
@@ -810,25 +811,19 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             T.fill(l_i, 0)
             T.fill(m_i, NEG_INF)
 
-            if full_runs:
-                # keys of this split end at split_end: later tiles of the last run are masked, their rows -1
-                split_end = T.min(sk, (n_lo + it_lo + n_iters) * BN)
+            if slot_tiles > 0:
+                # full runs: the keys of this split end at kv_end, later tiles of its last run are masked and
+                # their rows -1; else each run's pipeline stops at the split's last tile
+                kv_end = T.min(sk, (n_lo + it_lo + n_iters) * BN) if full_runs else sk
                 for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
-                    resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, split_end,
-                                  page_size, MP)
-                    for it in T.Pipelined(slot_tiles, num_stages=num_stages):
+                    resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, kv_end, page_size,
+                                  MP)
+                    run = slot_tiles if full_runs else T.min(slot_tiles, n_iters - c * slot_tiles)
+                    for it in T.Pipelined(run, num_stages=num_stages):
                         n0 = (n_lo + it_lo + c * slot_tiles + it) * BN
                         load_kv(KC, VC, K_s, V_s, K8_s, V8_s, lambda j: slot_s[it * BN + j], kvh)
                         tile_step(Q_s, K_s, V_s, P_s, acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, n0,
-                                  prefix, split_end, window, logit_scale, softcap, scale_log2)
-            elif slot_tiles > 0:
-                for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
-                    resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, sk, page_size, MP)
-                    for it in T.Pipelined(T.min(slot_tiles, n_iters - c * slot_tiles), num_stages=num_stages):
-                        n0 = (n_lo + it_lo + c * slot_tiles + it) * BN
-                        load_kv(KC, VC, K_s, V_s, K8_s, V8_s, lambda j: slot_s[it * BN + j], kvh)
-                        tile_step(Q_s, K_s, V_s, P_s, acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, n0,
-                                  prefix, sk, window, logit_scale, softcap, scale_log2)
+                                  prefix, kv_end, window, logit_scale, softcap, scale_log2)
             else:
                 # rows resolved inline by the copies (one page-table read per row, cached): one pipeline over
                 # all the split's tiles, no restarts
