@@ -42,17 +42,19 @@ HQ, HKV, D = 32, 8, 128
 # multiple of N tokens but hold no whole key tile, e.g. vLLM's 16)
 KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3",
          "pingpong_gather_ns", "pingpong_fm_persist", "pingpong_fm_ns", "pingpong_fm3_ns", "pingpong_gather3_ns",
-         "pingpong_fm3_persist", "pingpong_fm_r16", "pingpong_fm3_r16", "pingpong_fm_r32", "pingpong_fm_r64")
+         "pingpong_fm3_persist", "pingpong_fm_r16", "pingpong_fm3_r16", "pingpong_fm_r32", "pingpong_fm_r64",
+         "pingpong_fm3_r32", "pingpong_fm3_r64")
 SMS = 132  # H200 / H100 SXM: the persistent kind's block count
 GATHERING = ("gather", "pingpong_gather", "pingpong_gather3", "pingpong_gather_ns", "pingpong_gather3_ns")
 
 
 def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
-            ("pingpong_fm", 128), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128),
+            ("pingpong_fm", 128), ("pingpong_fm", 64), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128),
             ("pingpong_gather_ns", 128), ("pingpong_fm_persist", 128), ("pingpong_fm_ns", 128),
             ("pingpong_fm3_ns", 128), ("pingpong_gather3_ns", 128), ("pingpong_fm3_persist", 128),
-            ("pingpong_fm_r16", 128), ("pingpong_fm3_r16", 128), ("pingpong_fm_r32", 128), ("pingpong_fm_r64", 128)]
+            ("pingpong_fm_r16", 128), ("pingpong_fm3_r16", 128), ("pingpong_fm_r32", 128), ("pingpong_fm_r64", 128),
+            ("pingpong_fm3_r32", 128), ("pingpong_fm3_r64", 128)]
     out = []
     for kind, bn in grid:
         if kind not in kinds:

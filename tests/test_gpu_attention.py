@@ -150,7 +150,7 @@ def test_long_prefill(gpu_device):
 def test_prefill_every_tiling(gpu_device, page_size, variant, monkeypatch):
     """Every prefill tiling this platform offers for the pages (ping-pong with TMA tiles or with a gathering
     producer, whole-tile TMA and row gathers at each tile width, the ones ``musa-attn tune`` picks from; plus the
-    ping-pong kernel with TMA copies of page chunks, opt-in), on one ragged extend batch with odd lengths."""
+    ping-pong kernel with TMA copies of page chunks), on one ragged extend batch with odd lengths."""
     monkeypatch.delenv("MUSA_ATTN_PINGPONG_GATHER", raising=False)  # the default: gathering ping-pong offered
     hq, hkv, d, dtype = 16, 4, 128, torch.bfloat16
     opts, causal = {}, variant != "non_causal"
@@ -171,14 +171,12 @@ def test_prefill_every_tiling(gpu_device, page_size, variant, monkeypatch):
     meta = b.meta()
     ref, ref_lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, impl="reference",
                                    **opts)
+    monkeypatch.delenv("MUSA_ATTN_TMA_CHUNKS", raising=False)  # the default: page-chunk TMA tiles offered
     cfgs = tilelang_impl.prefill_candidates(d, d, False, page_size, False)
-    assert any(c.tma for c in cfgs) == (tilelang_impl.get_platform().bulk_copy and page_size % 64 == 0)
-    with monkeypatch.context() as mp:  # the page-chunk TMA tiles (opt-in until measured) for pages of 16s
-        mp.setenv("MUSA_ATTN_TMA_CHUNKS", "1")
-        chunked = [c for c in tilelang_impl.prefill_candidates(d, d, False, page_size, False) if c.tma_rows]
-    assert bool(chunked) == (tilelang_impl.get_platform().warp_specialized and d in (64, 128)
-                             and page_size % 16 == 0 and page_size % 128 != 0)
-    cfgs += chunked
+    plat = tilelang_impl.get_platform()
+    assert any(c.tma and not c.tma_rows for c in cfgs) == (plat.bulk_copy and page_size % 64 == 0)
+    assert any(c.tma_rows for c in cfgs) == (plat.warp_specialized and d in (64, 128) and page_size % 16 == 0
+                                             and page_size % 128 != 0)
     for cfg in cfgs:
         out, lse = tilelang_impl.paged_attention_tilelang(q, k_cache, v_cache, meta, causal=causal, return_lse=True,
                                                           prefill_cfg=cfg, **opts)

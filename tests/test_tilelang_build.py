@@ -164,18 +164,17 @@ def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
 
 
 def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
-    """The ping-pong prefill with TMA copies of page chunks (opt-in ``MUSA_ATTN_TMA_CHUNKS=1``; for pages of 16
-    tokens): per 128-key tile the producer reads 8 cache rows from the page table before the stage is free, then
-    issues 16-row boxes (one per 64-column swizzle block) into the tile's rows, with the same 128-byte swizzle as
-    the whole-tile copies the consumers' WGMMAs expect."""
+    """The ping-pong prefill with TMA copies of page chunks (for pages of 16 tokens a tuning candidate; the
+    default for 64 with 64-row chunks): per 128-key tile the producer reads 8 cache rows from the page table
+    before the stage is free, then issues 16-row boxes (one per 64-column swizzle block) into the tile's rows,
+    with the same 128-byte swizzle as the whole-tile copies the consumers' WGMMAs expect."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
     monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
-    monkeypatch.setenv("MUSA_ATTN_TMA_CHUNKS", "1")
     lay = (2 * 2 * 128, 2 * 2 * 128, 128)  # vLLM's K|V rows: K and V share a row, V 128 elements in
     spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
-    cfg = ti.prefill_config(128, 128, page_size=16)
+    cfg = next(c for c in ti.prefill_candidates(128, 128, page_size=16) if c.tma_rows and c.num_stages == 2)
     assert cfg.tma and cfg.pingpong and cfg.tma_rows == 16 and cfg.block_N == 128
     src = ti.prefill_kernel(spec, True, 16, target=HOPPER, cfg=cfg).get_kernel_source()
     assert "int rows[8];" in src
@@ -185,3 +184,8 @@ def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
     # the rows are read before the producer waits for the stage
     assert src.index("rows[c] =") < src.index("k_empty[(k & 1)].wait(")
     assert "warpgroup_reg_dealloc<40>" in src
+    # page 64 (the default there): 64-row chunks, two per 128-key tile, 64 x 64 boxes
+    cfg64 = ti.prefill_config(128, 128, page_size=64)
+    assert cfg64.tma_rows == 64 and cfg64.block_N == 128 and cfg64.num_stages == 2
+    src = ti.prefill_kernel(spec, True, 64, target=HOPPER, cfg=cfg64).get_kernel_source()
+    assert "int rows[2];" in src and src.count("expect_transaction(8192)") == 2

@@ -97,9 +97,8 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
     # two stay a candidate there, and elsewhere the default with three as a candidate
     assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
     assert ti.PrefillConfig(128, 128, 2, 384, True, True) in ti.prefill_candidates(128, 128, page_size=128)
-    assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
+    assert ti.PrefillConfig(128, 64, 2, 384, True, True) in ti.prefill_candidates(64, 64, page_size=64)
     assert ti.PrefillConfig(128, 64, 3, 384, True, True) in ti.prefill_candidates(64, 64, page_size=64)
-    assert ti.prefill_config(128, 128, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
     assert ti.pingpong_smem_fits(128, 128, 128, 3, 228 * 1024)
     assert not ti.pingpong_smem_fits(128, 128, 128, 3, 225 * 1024)  # 1 KB short of 224 + 2: two stages
     assert not ti.pingpong_smem_fits(128, 128, 128, 2, 0)  # unknown shared memory: no extra stage
@@ -113,20 +112,28 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
         assert ti.prefill_config(128, 128, page_size=ps) == ti.PrefillConfig(128, 128, 2, 384, False, True)
     assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
     assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16, has_window=True))
-    # MUSA_ATTN_TMA_CHUNKS=1 (opt-in until run on a GPU): pages of a multiple of 16 that hold no whole key tile
-    # get 128-key TMA tiles copied in page chunks, first; page 1 and whole-tile pages are unchanged
-    monkeypatch.setenv("MUSA_ATTN_TMA_CHUNKS", "1")
+    # pages of a multiple of 16 that hold no whole key tile: 128-key TMA tiles copied in page chunks. 64-row
+    # chunks are the default (first); 16/32-row chunks (measured slower) tuning candidates, last
     for ps, rows in ((16, 16), (32, 32), (48, 16), (64, 64), (192, 64)):
-        assert ti.prefill_config(128, 128, page_size=ps) == ti.PrefillConfig(128, 128, 2, 384, True, True, rows), ps
-    assert ti.prefill_config(128, 128, page_size=1) == ti.PrefillConfig(128, 128, 2, 384, False, True)
-    assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
+        cands = ti.prefill_candidates(128, 128, page_size=ps)
+        chunked = ti.PrefillConfig(128, 128, 2, 384, True, True, rows)
+        assert chunked in cands and ti.PrefillConfig(128, 128, 3, 384, True, True, rows) in cands, ps
+        assert (cands[0] == chunked) == (rows == 64) and (cands[-1].tma_rows == rows) == (rows != 64), ps
+        assert ti.prefill_config(128, 128, page_size=ps) == (
+            chunked if rows == 64 else ti.PrefillConfig(128, 128, 2, 384, False, True)), ps
+    assert ti.prefill_config(64, 64, page_size=64) == ti.PrefillConfig(128, 128, 2, 384, True, True, 64)
     assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=8))
+    assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=256))
+    assert not any(c.tma_rows for c in ti.prefill_candidates(256, 256, page_size=64))  # no ping-pong at hd 256
+    monkeypatch.setenv("MUSA_ATTN_TMA_CHUNKS", "0")  # takes them out: 64-key whole-page tiles at page 64
+    assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=64))
+    assert ti.prefill_config(128, 128, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
     monkeypatch.delenv("MUSA_ATTN_TMA_CHUNKS")
-    assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=16))
     # MUSA_ATTN_PINGPONG_GATHER=0 takes it out: the row-gather kernel again
     monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "0")
-    assert not any(c.pingpong for c in ti.prefill_candidates(128, 128, page_size=16))
+    assert not any(c.pingpong and not c.tma for c in ti.prefill_candidates(128, 128, page_size=16))
     assert ti.prefill_config(128, 128, page_size=1) == ti.PrefillConfig(128, 128, 2, 256, False)
+    assert ti.prefill_config(128, 128, page_size=16) == ti.PrefillConfig(128, 128, 2, 256, False)
     monkeypatch.delenv("MUSA_ATTN_PINGPONG_GATHER")
     monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_31")
     platform.reset()

@@ -57,9 +57,9 @@ def dependent_launch_enabled() -> bool:
 
 def tma_chunks_enabled() -> bool:
     """Whether the ping-pong prefill with TMA copies of page chunks (16/32/64 rows, each through the page table)
-    is a candidate, and then the default, for pages of a multiple of 16 tokens that hold no whole key tile
-    (vLLM's 16). Opt-in (``MUSA_ATTN_TMA_CHUNKS=1``) until it has run on a GPU: built and lowering-checked only."""
-    return _opted_in(TMA_CHUNKS_ENV)
+    is a candidate for pages of a multiple of 16 tokens that hold no whole key tile (default; the default
+    kernel for pages of 64, a tuning candidate for 16 and 32; ``MUSA_ATTN_TMA_CHUNKS=0`` removes it)."""
+    return _enabled(TMA_CHUNKS_ENV)
 
 
 def chunked_combine_enabled() -> bool:

@@ -110,11 +110,19 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     pingpong_ok = tma_ok and plat.warp_specialized and d == dv and d in (64, 128)
     widths = sorted({_prefill_tile(d, dv), 64}, reverse=True)
     out = []
+    # 128-key TMA tiles copied in page chunks (pages of 16s that hold no whole key tile). With 64-row chunks
+    # (page 64) the default, ahead of 64-key whole-page tiles: causal 4k / 8k / 16k 415 / 513 / 539 TFLOP/s
+    # against 344 / 425 / 467 for the gathering producer (tune-prefill-20261130T003107Z). With 16/32-row chunks
+    # (more, smaller copies from one producer thread) 245 / 287 / 312 and 347 / 423 / 470: tuning candidates
+    # only, last
     chunk = next((r for r in (64, 32, 16) if page_size % r == 0), 0)
+    chunked = []
     if pingpong_ok and tma_chunks_enabled() and page_size % 128 and chunk:
-        # 128-key tiles from page chunks, ahead of 64-key whole-page tiles and of the gathering producer
-        out.append(PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=True, pingpong=True,
-                                 tma_rows=chunk))
+        chunked = [PrefillConfig(block_M=128, block_N=128, num_stages=stages, threads=384, tma=True, pingpong=True,
+                                 tma_rows=chunk)
+                   for stages in (2, 3) if stages == 2 or pingpong_smem_fits(d, dv, 128, stages, plat.smem_per_sm)]
+    if chunk == 64:
+        out += chunked
     for bn in widths:
         if pingpong_ok and page_size % bn == 0:
             # three stages where shared memory holds them (hd 128, 128-key tiles: 224 KB): measured 1-5% faster
@@ -131,7 +139,7 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
         for tma in ((True, False) if tma_ok and page_size % bn == 0 else (False,)):
             for stages in ((2,) if tma else (1,) if is_fp8 else (2, 1)):
                 out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=256, tma=tma))
-    return out
+    return out + (chunked if chunk != 64 else [])
 
 
 def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
@@ -157,9 +165,9 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
             cfg = None  # a table from another version of this package: ignore the entry
         if cfg in valid:
             return cfg
-    # the default: the ping-pong kernel where the platform and pages allow it, else the widest TMA tiling,
-    # else the widest row gather
-    return next((c for c in valid if c.tma), valid[0])
+    # the default: the ping-pong kernel where the platform and pages allow it (it comes first), else the widest
+    # TMA tiling, else the widest row gather
+    return valid[0] if valid[0].pingpong else next((c for c in valid if c.tma and not c.tma_rows), valid[0])
 
 
 def decode_config(max_q: int, group: int, is_fp8: bool = False, dv: int = 128) -> Optional[DecodeConfig]:
