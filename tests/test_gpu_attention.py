@@ -110,11 +110,13 @@ def test_decode_long_and_wide(gpu_device, page_size, batch_size, max_len):
     _compare(b, 32, 8, 128, torch.bfloat16, gpu_device)
 
 
+@pytest.mark.parametrize("chunked", ["1", "0"])
 @pytest.mark.parametrize("batch_size,max_len,sinks", [(1, 32768, False), (3, 9000, True), (5, 700, False)])
-def test_decode_chunked_combine(gpu_device, monkeypatch, batch_size, max_len, sinks):
-    """The split-KV combine reading 8 splits at a time (opt-in ``MUSA_ATTN_CHUNKED_COMBINE=1``): split counts
-    that are and are not multiples of 8 (the wave model gives 1-64 here), with and without sinks."""
-    monkeypatch.setenv("MUSA_ATTN_CHUNKED_COMBINE", "1")
+def test_decode_chunked_combine(gpu_device, monkeypatch, batch_size, max_len, sinks, chunked):
+    """The split-KV combine reading 8 splits at a time (the default) and one by one
+    (``MUSA_ATTN_CHUNKED_COMBINE=0``): split counts that are and are not multiples of 8 (the wave model gives
+    1-64 here), with and without sinks."""
+    monkeypatch.setenv("MUSA_ATTN_CHUNKED_COMBINE", chunked)
     b = _batch(7 + batch_size, gpu_device, batch_size=batch_size, page_size=16, max_seq_len=max_len, decode=True)
     opts = dict(sinks=torch.randn(32, device=gpu_device)) if sinks else {}
     _compare(b, 32, 8, 128, torch.bfloat16, gpu_device, **opts)

@@ -154,10 +154,11 @@ def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
     assert ("cudaGridDependencySynchronize();" in comb) == pdl
     if pdl:  # before the first read of a partial
         assert comb.index("cudaGridDependencySynchronize") < comb.index("L_part[")
-    monkeypatch.setenv("MUSA_ATTN_CHUNKED_COMBINE", "1")  # opt-in: LSEs at once, partials 8 splits at a time
-    chunked = ti.combine_kernel(spec, target=HOPPER).get_kernel_source()
-    assert "lse_s[" in chunked and re.search(r"for \(int j\w* = 0; j\w* < 8; \+\+j\w*\)", chunked)
-    assert ("cudaGridDependencySynchronize();" in chunked) == pdl
+    # the default combine: LSEs at once, partials 8 splits at a time; MUSA_ATTN_CHUNKED_COMBINE=0: one by one
+    assert "lse_s[" in comb and re.search(r"for \(int j\w* = 0; j\w* < 8; \+\+j\w*\)", comb)
+    monkeypatch.setenv("MUSA_ATTN_CHUNKED_COMBINE", "0")
+    serial = ti.combine_kernel(spec, target=HOPPER).get_kernel_source()
+    assert "lse_s[" not in serial and ("cudaGridDependencySynchronize();" in serial) == pdl
     monkeypatch.delenv("MUSA_ATTN_CHUNKED_COMBINE")
     unsplit = ti.decode_kernel(spec, ti.decode_config(1, 4), False, target=HOPPER).get_kernel_source()
     assert "cudaTriggerProgrammaticLaunchCompletion" not in unsplit  # nothing depends on it
@@ -184,8 +185,8 @@ def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
     # the rows are read before the producer waits for the stage
     assert src.index("rows[c] =") < src.index("k_empty[(k & 1)].wait(")
     assert "warpgroup_reg_dealloc<40>" in src
-    # page 64 (the default there): 64-row chunks, two per 128-key tile, 64 x 64 boxes
+    # page 64 (the default there): 64-row chunks, two per 128-key tile, 64 x 64 boxes, 3 stages
     cfg64 = ti.prefill_config(128, 128, page_size=64)
-    assert cfg64.tma_rows == 64 and cfg64.block_N == 128 and cfg64.num_stages == 2
+    assert cfg64.tma_rows == 64 and cfg64.block_N == 128 and cfg64.num_stages == 3
     src = ti.prefill_kernel(spec, True, 64, target=HOPPER, cfg=cfg64).get_kernel_source()
     assert "int rows[2];" in src and src.count("expect_transaction(8192)") == 2

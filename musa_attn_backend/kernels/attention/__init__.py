@@ -26,10 +26,6 @@ def _enabled(env: str) -> bool:
     return os.environ.get(env, "1") != "0"
 
 
-def _opted_in(env: str) -> bool:
-    return os.environ.get(env, "0") == "1"
-
-
 def split_mixed_batches() -> bool:
     """Whether a mixed batch whose metadata counts its leading decodes (``PagedKVMeta.num_decodes``) runs them
     with the decode kernel and the rest with the prefill kernel on the GPU (default; ``MUSA_ATTN_SPLIT_MIXED=0``
@@ -64,9 +60,11 @@ def tma_chunks_enabled() -> bool:
 
 def chunked_combine_enabled() -> bool:
     """Whether the split-KV combine reads the partial LSEs at once and the partial outputs 8 splits at a time
-    (their loads in flight together) instead of one split after the other, a dependent L2 round trip each: the
-    combine's share of a batch-1 decode. Opt-in (``MUSA_ATTN_CHUNKED_COMBINE=1``) until it has run on a GPU."""
-    return _opted_in(CHUNKED_COMBINE_ENV)
+    (their loads in flight together) rather than one split after another, each a dependent L2 round trip
+    (default; ``MUSA_ATTN_CHUNKED_COMBINE=0`` turns it off). Measured on the H200 (hd 128, 32/8 heads, page 1):
+    batch 1 at 4k / 32k keys 15.2 -> 14.4 us and 54.9 -> 52.7 us, batch 8 at 4k 51.2 -> 48.3 us, batch 32
+    within 0.2% (tune-decode-20261130T005144Z vs -005211Z)."""
+    return _enabled(CHUNKED_COMBINE_ENV)
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]

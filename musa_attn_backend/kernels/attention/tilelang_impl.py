@@ -111,16 +111,18 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     widths = sorted({_prefill_tile(d, dv), 64}, reverse=True)
     out = []
     # 128-key TMA tiles copied in page chunks (pages of 16s that hold no whole key tile). With 64-row chunks
-    # (page 64) the default, ahead of 64-key whole-page tiles: causal 4k / 8k / 16k 415 / 513 / 539 TFLOP/s
-    # against 344 / 425 / 467 for the gathering producer (tune-prefill-20261130T003107Z). With 16/32-row chunks
-    # (more, smaller copies from one producer thread) 245 / 287 / 312 and 347 / 423 / 470: tuning candidates
-    # only, last
+    # (page 64) the default, ahead of 64-key whole-page tiles. Page 64, causal 4k / 8k / 16k TFLOP/s: 438 / 555 /
+    # 577 with 3 stages, 416 / 516 / 541 with 2, against 350 / 425 / 466 for the gathering producer and 293 /
+    # 400 / 462 for 64-key whole-page tiles (tune-prefill-20261130T005050Z). With 16/32-row chunks (more,
+    # smaller copies from one producer thread) 245 / 287 / 312 and 347 / 423 / 470 (-003107Z): tuning
+    # candidates only, last
     chunk = next((r for r in (64, 32, 16) if page_size % r == 0), 0)
     chunked = []
     if pingpong_ok and tma_chunks_enabled() and page_size % 128 and chunk:
         chunked = [PrefillConfig(block_M=128, block_N=128, num_stages=stages, threads=384, tma=True, pingpong=True,
                                  tma_rows=chunk)
-                   for stages in (2, 3) if stages == 2 or pingpong_smem_fits(d, dv, 128, stages, plat.smem_per_sm)]
+                   for stages in ((3, 2) if d == dv == 128 else (2, 3))
+                   if stages == 2 or pingpong_smem_fits(d, dv, 128, stages, plat.smem_per_sm)]
     if chunk == 64:
         out += chunked
     for bn in widths:
@@ -303,7 +305,7 @@ def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
 
 def combine_kernel(spec: AttnSpec, target=None):
     pdl = _pdl(target)
-    # the split loop in chunks of 8 with their loads in flight together (opt-in until run on a GPU)
+    # the split loop in chunks of 8 with their loads in flight together (default; see chunked_combine_enabled)
     max_splits = MAX_SPLITS if chunked_combine_enabled() else 0
     return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks) + (("pdl",) if pdl else ())
                           + ((("splits", max_splits),) if max_splits else ()),
