@@ -149,8 +149,8 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
     """Prefill tiling: the tuning table's choice for this shape class on this device (``musa-attn tune``) if
     there is a valid one, else the default (the first whole-tile candidate of :func:`prefill_candidates`, else
     the first). On Hopper-class GPUs, for a bf16/fp16 cache without a window and head dim 64/128, that is the
-    ping-pong kernel: with TMA tiles where pages hold whole key tiles (64+ tokens), else with a gathering
-    producer. Else, with a bulk-copy engine (TMA / TME) and the same cache conditions, one block copy per tile;
+    ping-pong kernel: with TMA tiles where pages hold whole 128-key tiles, from 64-row page chunks where pages
+    are a multiple of 64, else with a gathering producer. Else, with a bulk-copy engine (TMA / TME) and the same cache conditions, one block copy per tile;
     else row gathers (128-key tiles up to head dim 128).
 
     Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z,
