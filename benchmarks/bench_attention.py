@@ -365,6 +365,10 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tag", default="attention")
+    ap.add_argument("--prefill-pages", default="1,64,128",
+                    help="page sizes of the prefill rows (1: gathering producer, 64: page-chunk TMA tiles, 128: "
+                         "whole-tile TMA)")
+    ap.add_argument("--decode-pages", default="1,64")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench: needs a CUDA GPU", file=sys.stderr)
@@ -377,11 +381,12 @@ def main(argv=None):
     rows = []
     if "prefill" in ops:
         seqs = [2048, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384]
-        rows += prefill_rows(seqs, [True] if args.quick else [True, False], peers=not args.no_peers)
+        rows += prefill_rows(seqs, [True] if args.quick else [True, False], peers=not args.no_peers,
+                             page_sizes=[int(p) for p in args.prefill_pages.split(",")])
     if "decode" in ops:
         batches = [1, 32, 128] if args.quick else [1, 8, 32, 64, 128, 256]
         ctxs = [4096, 16384] if args.quick else [1024, 4096, 16384, 32768]
-        rows += decode_rows(batches, ctxs, [1, 64], peers=not args.no_peers)
+        rows += decode_rows(batches, ctxs, [int(p) for p in args.decode_pages.split(",")], peers=not args.no_peers)
     finish(rows, ceilings)
     print_table(rows)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
