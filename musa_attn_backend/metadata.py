@@ -13,6 +13,10 @@ One :class:`PagedKVMeta` describes a batch the way the kernels want it, whatever
 * ``num_decodes`` (host int, default 0 = not known): the first ``num_decodes`` requests have one query token
   each. An engine that orders decodes first (vLLM) may say so; the GPU path then runs them with the decode
   kernel and only the rest with the prefill kernel.
+* ``new_kv_only`` (host bool, default False = not known): no request after the leading ``num_decodes`` has a
+  cached prefix, so each one's keys are exactly its new tokens (rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of
+  the batch's new K/V). The engines set it from host-side lengths; the GPU prefill may then read the new K/V
+  instead of the cache (``paged_attention(new_kv=...)``).
 
 Both constructors produce identical tensors for the same logical batch (a property test checks it).
 
@@ -57,6 +61,7 @@ class PagedKVMeta:
     max_seqlen_q: int
     max_seqlen_k: int
     num_decodes: int = 0
+    new_kv_only: bool = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -90,7 +95,8 @@ class PagedKVMeta:
                            page_table=self.page_table[start:stop].clone(), slot_mapping=self.slot_mapping,
                            page_size=self.page_size,
                            max_seqlen_q=self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q,
-                           max_seqlen_k=self.max_seqlen_k)
+                           max_seqlen_k=self.max_seqlen_k,
+                           new_kv_only=self.new_kv_only and start >= self.num_decodes)
 
     def decode_split(self) -> tuple["PagedKVMeta", "PagedKVMeta"]:
         """The leading ``num_decodes`` requests (one query token each) and the rest, as batches of their own

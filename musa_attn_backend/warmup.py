@@ -9,6 +9,7 @@ can ship warm and nothing is compiled on the serving hot path (the first call on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -80,6 +81,13 @@ def cache_layouts(engine: str, hkv: int, d: int, dv: int) -> tuple[tuple, tuple]
     raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
 
 
+def new_kv_layouts(hq: int, hkv: int, d: int, dv: int) -> list[tuple[tuple, tuple]]:
+    """(K, V) row layouts of the new K/V a prefill without cached prefixes may read (``new_kv``): views of the
+    fused ``[q | k | v]`` projection (both engines, when rotary embedding works in place), or K/V of their own."""
+    row = hq * d + hkv * d + hkv * dv
+    return [((hkv * d, row, d), (hkv * dv, row, dv)), ((hkv * d, hkv * d, d), (hkv * dv, hkv * dv, dv))]
+
+
 @dataclass(frozen=True)
 class Job:
     kind: str  # prefill | decode | combine | write_kv
@@ -95,7 +103,7 @@ DEFAULT_PAGE_SIZE = {"sglang": 1, "vllm": 16}
 def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[str] = None,
          speculative_tokens: int = 0, page_size: Optional[int] = None) -> list[Job]:
     """The kernels serving ``model`` will launch (``page_size``: the engine's, default its default)."""
-    from .kernels.attention.tilelang_impl import AttnSpec, decode_config
+    from .kernels.attention.tilelang_impl import AttnSpec, decode_config, new_kv_prefill_config
 
     kv = KV_DTYPES.get(kv_dtype or "auto", kv_dtype) or model.dtype
     k_layout, v_layout = cache_layouts(engine, model.num_kv_heads, model.head_dim, model.head_dim_v)
@@ -105,6 +113,11 @@ def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[st
         spec = AttnSpec(model.num_q_heads, model.num_kv_heads, model.head_dim, model.head_dim_v, model.dtype, kv,
                         window, model.has_softcap, model.has_sinks, k_layout, v_layout)
         jobs.append(Job("prefill", (spec, True, page_size or DEFAULT_PAGE_SIZE[engine])))
+        ncfg = new_kv_prefill_config(model.head_dim, model.head_dim_v, window) if not spec.is_fp8 else None
+        if ncfg is not None:  # (MUSA_ATTN_NEW_KV_PREFILL=1) prefills without cached prefixes
+            for kl, vl in new_kv_layouts(model.num_q_heads, model.num_kv_heads, model.head_dim, model.head_dim_v):
+                nspec = dataclasses.replace(spec, k_layout=kl, v_layout=vl)
+                jobs.append(Job("prefill", (nspec, True, page_size or DEFAULT_PAGE_SIZE[engine], None, ncfg, True)))
         q_lens = sorted({1} | ({1 + speculative_tokens} if speculative_tokens else set()))
         seen = set()
         for q in q_lens:

@@ -39,6 +39,12 @@ def case():
         (lambda q, k, v, m: (q, k, v, m, {"impl": "cuda"}), "impl must be one of"),
         (lambda q, k, v, m: (q, k, v, m, {"impl": "tilelang"}), "impl='tilelang' needs"),
         (lambda q, k, v, m: (q, k, v, "meta", {}), "meta must be a PagedKVMeta"),
+        (lambda q, k, v, m: (q, k, v, m, {"new_kv": torch.zeros(3)}), "new_kv must be a \\(k, v\\) pair"),
+        (lambda q, k, v, m: (q, k, v, m, {"new_kv": (torch.zeros(q.shape[0], 2, 64),)}), "new_kv must be a"),
+        (lambda q, k, v, m: (q, k, v, m, {"new_kv": (torch.zeros(q.shape[0] - 1, 2, 64), torch.zeros(
+            q.shape[0], 2, 64))}), r"new_kv\[0\] \(k\) must be .* with at least"),
+        (lambda q, k, v, m: (q, k, v, m, {"new_kv": (torch.zeros(q.shape[0], 2, 64), torch.zeros(
+            q.shape[0]))}), r"new_kv\[1\] \(v\) must be"),
     ],
 )
 def test_paged_attention_rejects(case, mutate, match):

@@ -196,3 +196,54 @@ def test_tilelang_rejects_unsupported(gpu_device):
     kc, vc, _, _ = b.make_kv(2, 64, torch.float32)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         paged_attention(torch.randn(b.num_tokens, 4, 64, device=gpu_device), kc, vc, b.meta(), impl="tilelang")
+
+
+@pytest.mark.parametrize("page_size,d,variant", [(1, 128, "causal"), (16, 128, "non_causal"), (1, 64, "softcap"),
+                                                 (16, 128, "sinks"), (1, 128, "fused_mqa"), (64, 128, "decodes")])
+def test_prefill_from_new_kv(gpu_device, monkeypatch, page_size, d, variant):
+    """``MUSA_ATTN_NEW_KV_PREFILL=1``: a batch without cached prefixes (``new_kv_only``; after leading decodes
+    with ``decodes``) reads its keys from the new K/V rows, whatever the page size. With the new K/V equal to
+    what the cache holds the result is the reference's; with them perturbed it follows them (the new rows were
+    read, not the pages). Ragged lengths that are not multiples of the tile, a request longer than 2 tiles."""
+    import dataclasses
+
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
+    hq, hkv, dtype, causal, opts = 16, 4, torch.bfloat16, variant != "non_causal", {}
+    if variant == "softcap":
+        opts["logit_softcap"] = 30.0
+    elif variant == "sinks":
+        opts["sinks"] = torch.randn(hq, device=gpu_device)
+    elif variant == "fused_mqa":
+        hq, hkv = 8, 1
+    nd = 3 if variant == "decodes" else 0
+    qlens = [1] * nd + [1, 77, 300, 1030, 129]
+    b = _batch(11 + page_size + d, gpu_device, batch_size=len(qlens), page_size=page_size, max_seq_len=2000,
+               query_lens=qlens, prefix_lens=[500, 9, 1200][:nd] + [0] * (len(qlens) - nd))
+    k_cache, v_cache, ks, vs = b.make_kv(hkv, d, dtype)
+    new_k = torch.cat([x[p:] for x, p in zip(ks, b.prefix_lens)])
+    new_v = torch.cat([x[p:] for x, p in zip(vs, b.prefix_lens)])
+    if variant == "fused_mqa":  # 2-D strided views of a fused [q | k | v] projection, as the engines pass them
+        qkv = torch.randn(b.num_tokens, (hq + 2 * hkv) * d, device=gpu_device).to(dtype)
+        qkv[:, hq * d:(hq + hkv) * d] = new_k.flatten(1)
+        qkv[:, (hq + hkv) * d:] = new_v.flatten(1)
+        new_k, new_v = qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:]
+    q = torch.randn(b.num_tokens, hq, d, generator=torch.Generator().manual_seed(2)).to(dtype).to(gpu_device)
+    meta = dataclasses.replace(b.meta(), num_decodes=nd, new_kv_only=True)
+    ran = []
+    real = tilelang_impl.prefill_kernel
+    monkeypatch.setattr(tilelang_impl, "prefill_kernel", lambda *a, **k: ran.append(k.get("ragged")) or real(*a, **k))
+    out, lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, new_kv=(new_k, new_v),
+                               impl="tilelang", **opts)
+    assert ran == [True], ran
+    ref, ref_lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, impl="reference",
+                                   **opts)
+    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) output elements"
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    # perturbed new K/V: the prefill rows follow them, the decode rows (the cache) do not move
+    bumped = paged_attention(q, k_cache, v_cache, meta, causal=causal, new_kv=(new_k, new_v + 1), impl="tilelang",
+                             **opts)
+    t = nd
+    assert torch.equal(bumped[:t], out[:t])
+    assert (bumped[t:].float() - out[t:].float()).abs().mean() > 0.5

@@ -39,13 +39,42 @@ def _stand_in(kind, k_cache, v_cache, launches, causal):
     return kernel
 
 
+def _new_kv_stand_in(spec, launches, causal):
+    """The prefill kernel reading the batch's new K/V rows (``ragged``): request ``b``'s keys are rows
+    ``cu[b]:cu[b+1]`` of ``k_rows`` / ``v_rows`` (laid out as ``spec`` says), and it has no cached prefix."""
+    def kernel(q, k_rows, v_rows, cu, sk, pt, sinks, k_scale, v_scale, sm_scale, softcap, window, page_size, extra,
+               o, lse):
+        b = sk.numel()
+        launches.append(("prefill_new_kv", b, q.shape[0], extra))
+        kv = []
+        for rows, (_, s_tok, s_head), w in ((k_rows, spec.k_layout, spec.d), (v_rows, spec.v_layout, spec.dv)):
+            assert rows.stride() == (s_tok, 1), "rows and layout disagree"
+            kv.append(rows.as_strided((rows.shape[0], spec.hkv, w), (s_tok, s_head, 1)))
+        for i in range(b):
+            lo, hi = int(cu[i]), int(cu[i + 1])
+            assert int(sk[i]) == hi - lo, "a request with a cached prefix took the new-K/V kernel"
+            n = hi - lo
+            one = PagedKVMeta(cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), seqlens_k=sk[i:i + 1],
+                              prefix_lens=torch.zeros(1, dtype=torch.int32),
+                              page_table=torch.arange(n, dtype=torch.int32)[None],
+                              slot_mapping=torch.full((n,), -1, dtype=torch.int64), page_size=1, max_seqlen_q=n,
+                              max_seqlen_k=n)
+            out, l = paged_attention(q[lo:hi].float(), kv[0][lo:hi, None].float(), kv[1][lo:hi, None].float(), one,
+                                     causal=causal, sm_scale=sm_scale, return_lse=True, impl="reference")
+            o[lo:hi] = out.to(o.dtype)
+            lse[lo:hi] = l
+    return kernel
+
+
 @pytest.fixture()
 def stand_ins(monkeypatch):
     launches = []
     state = {}
     monkeypatch.setattr(tilelang_impl, "POISON", True)
     monkeypatch.setattr(tilelang_impl, "num_splits_for", lambda *a, **k: 1)
-    monkeypatch.setattr(tilelang_impl, "prefill_kernel", lambda spec, causal, page_size, cfg=None, target=None:
+    monkeypatch.setattr(tilelang_impl, "prefill_kernel",
+                        lambda spec, causal, page_size, cfg=None, target=None, ragged=False:
+                        _new_kv_stand_in(spec, launches, causal) if ragged else
                         _stand_in("prefill", state["k"], state["v"], launches, causal))
     monkeypatch.setattr(tilelang_impl, "decode_kernel", lambda spec, dcfg, split, target=None:
                         _stand_in(f"decode{dcfg.max_q}", state["k"], state["v"], launches, True))
@@ -119,3 +148,90 @@ def test_split_metadata_built_once_per_batch(stand_ins, monkeypatch):
     assert dataclasses.replace(meta, num_decodes=1).decode_split()[0].batch_size == 1
     with pytest.raises(ValueError, match="decode_split"):
         batch.meta().decode_split()  # no leading decodes counted
+
+
+def _new_kv_case(num_decodes, query_lens, prefix_lens, *, new_kv_only=True, fused=False, dtype=torch.bfloat16,
+                 window=None):
+    """A batch whose cache holds its K/V, and new K/V that differ from what the cache holds for the new tokens
+    (+1): an output that follows them shows which source a launch read."""
+    batch = random_batch(random.Random(sum(query_lens)), batch_size=len(query_lens), page_size=16,
+                         max_seq_len=300, query_lens=query_lens, prefix_lens=prefix_lens)
+    k, v, ks, vs = batch.make_kv(2, 64, torch.bfloat16)
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)
+    meta = dataclasses.replace(batch.meta(), num_decodes=num_decodes, new_kv_only=new_kv_only)
+    new_k = torch.cat([x[p:] for x, p in zip(ks, prefix_lens)]) + 1
+    new_v = torch.cat([x[p:] for x, p in zip(vs, prefix_lens)]) + 1
+    if fused:  # SGLang / vLLM views of a fused [q | k | v] projection: 2-D, a row stride of the whole projection
+        qkv = torch.randn(batch.num_tokens, (8 + 2 + 2) * 64).to(torch.bfloat16)
+        qkv[:, 8 * 64:10 * 64] = new_k.flatten(1)
+        qkv[:, 10 * 64:] = new_v.flatten(1)
+        new_kv = (qkv[:, 8 * 64:10 * 64], qkv[:, 10 * 64:])
+    else:
+        new_kv = (new_k.to(dtype), new_v.to(dtype))
+    # the cache as the new K/V say (what the new-K/V kernel sees), for the expected output
+    k2, v2 = k.clone(), v.clone()
+    for b, (p, n) in enumerate(zip(prefix_lens, query_lens)):
+        rows = torch.tensor([batch.slot(b, p + i) for i in range(n)])
+        k2.view(-1, 2, 64)[rows] += 1
+        v2.view(-1, 2, 64)[rows] += 1
+    q = torch.randn(batch.num_tokens, 8, 64).to(torch.bfloat16)
+    return q, k, v, k2, v2, meta, new_kv
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_new_kv_prefill_reads_the_new_rows(stand_ins, monkeypatch, fused):
+    """``MUSA_ATTN_NEW_KV_PREFILL=1`` on a Hopper target: a batch without cached prefixes (``new_kv_only``) runs
+    the prefill kernel on the new K/V rows (3-D, or 2-D strided views of a fused projection); after leading
+    decodes, those go to the decode kernel on the cache and only the rest reads the new rows."""
+    launches, state = stand_ins
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
+    for nd, qlens, plens in ((0, [37, 120, 5], [0, 0, 0]), (2, [1, 1, 37, 130], [30, 99, 0, 0])):
+        launches.clear()
+        q, k, v, k2, v2, meta, new_kv = _new_kv_case(nd, qlens, plens, fused=fused)
+        state["k"], state["v"] = k, v
+        out = tilelang_impl.paged_attention_tilelang(q, k, v, meta, new_kv=new_kv)
+        assert [kind for kind, *_ in launches] == (["decode1"] if nd else []) + ["prefill_new_kv"]
+        t = sum(qlens[:nd])
+        ref_new = paged_attention(q, k2, v2, meta, impl="reference")  # the prefill part: the new rows
+        ref_cache = paged_attention(q, k, v, meta, impl="reference")  # the decodes: the cache
+        torch.testing.assert_close(out[t:].float(), ref_new[t:].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out[:t].float(), ref_cache[:t].float(), atol=2e-2, rtol=2e-2)
+        assert not torch.allclose(ref_new[t:].float(), ref_cache[t:].float(), atol=0.1), "the sources must differ"
+
+
+@pytest.mark.parametrize("case", ["not_flagged", "opted_out", "window", "dtype", "not_hopper"])
+def test_new_kv_prefill_falls_back_to_the_cache(stand_ins, monkeypatch, case):
+    """The cache path where the new K/V may not stand in for it: the batch not flagged (not known to be free of
+    cached prefixes), the switch off, a window (no TMA ping-pong kernel), new K/V of another dtype than the cache,
+    or a platform without the TMA ping-pong kernel."""
+    launches, state = stand_ins
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80" if case == "not_hopper" else "sm_90a")
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "0" if case == "opted_out" else "1")
+    q, k, v, _, _, meta, new_kv = _new_kv_case(0, [37, 120, 5], [0, 0, 0], new_kv_only=case != "not_flagged",
+                                               dtype=torch.float16 if case == "dtype" else torch.bfloat16)
+    state["k"], state["v"] = k, v
+    opts = dict(sliding_window=50) if case == "window" else {}
+    out = tilelang_impl.paged_attention_tilelang(q, k, v, meta, new_kv=new_kv, **opts)
+    assert [kind for kind, *_ in launches] == ["prefill"]
+    if not opts:  # (the stand-in kernels know no window)
+        torch.testing.assert_close(out.float(), paged_attention(q, k, v, meta, impl="reference").float(),
+                                   atol=2e-2, rtol=2e-2)
+
+
+def test_new_kv_only_survives_the_decode_split():
+    batch = random_batch(random.Random(1), batch_size=4, page_size=16, max_seq_len=200, query_lens=[1, 1, 9, 30],
+                         prefix_lens=[10, 50, 0, 0])
+    meta = dataclasses.replace(batch.meta(), num_decodes=2, new_kv_only=True)
+    decodes, rest = meta.decode_split()
+    assert rest.new_kv_only and not decodes.new_kv_only
+    assert not dataclasses.replace(batch.meta(), num_decodes=2).decode_split()[1].new_kv_only
+    assert not batch.meta().new_kv_only  # not known unless an engine says so
+
+
+def test_reference_reads_the_cache_whatever_new_kv():
+    """The reference (the CPU path and the ground truth) reads the cache; ``new_kv`` is only a GPU shortcut."""
+    q, k, v, _, _, meta, new_kv = _new_kv_case(0, [37, 120, 5], [0, 0, 0])
+    assert torch.equal(paged_attention(q, k, v, meta, new_kv=new_kv, impl="reference"),
+                       paged_attention(q, k, v, meta, impl="reference"))

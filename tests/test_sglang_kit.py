@@ -215,3 +215,56 @@ def test_other_speculative_modes_are_refused_not_misread():
         fb = type("FB", (), {"forward_mode": mode})()
         with pytest.raises(NotImplementedError, match=mode.name):
             backend._build(fb)
+
+
+# --------------------------------------------------------------------------------------------------- new K/V
+def _spy_new_kv(monkeypatch):
+    """Record, per layer call, whether the batch was flagged free of cached prefixes and the new K/V passed."""
+    from musa_attn_backend.sglang import backend
+
+    seen = []
+    real = backend.paged_attention
+
+    def spy(q, k_cache, v_cache, meta, **kw):
+        nkv = kw.get("new_kv")
+        seen.append((meta.new_kv_only, None if nkv is None else tuple(tuple(x.shape) for x in nkv)))
+        return real(q, k_cache, v_cache, meta, **kw)
+
+    monkeypatch.setattr(backend, "paged_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name,flagged", [("extend_empty_prefix_gqa_page1", True),
+                                          ("mixed_mode_prefix_and_fresh", False),
+                                          ("extend_long_context_page64", False)])
+def test_extend_without_prefixes_hands_over_new_kv(monkeypatch, name, flagged):
+    """An extend batch whose requests have no cached prefix (SGLang's host ``extend_prefix_lens_cpu``) is flagged
+    ``new_kv_only`` and its new K/V, as written into the pool, go along with the call (the GPU prefill may read
+    them instead of the pages); any prefix, or decodes in a mixed batch, and it is not flagged."""
+    case = next(c for c in CASES if c.name == name)
+    seen = _spy_new_kv(monkeypatch)
+    with torch.no_grad():
+        kit.run_dense_attention_case(_TC(), case, device="cpu", dtype=torch.float32,
+                                     max_context_len=_max_context(case))
+    assert seen and all(f == flagged for f, _ in seen), seen
+    tokens = sum(case.input_lens)
+    assert all(shapes == ((tokens, case.num_kv_heads, kit.DEFAULT_HEAD_DIM),) * 2 for _, shapes in seen), seen
+
+
+@pytest.mark.gpu
+def test_kit_extend_new_kv_prefill_gpu(monkeypatch, gpu_device):
+    """On the GPU with ``MUSA_ATTN_NEW_KV_PREFILL=1``: a prefill without cached prefixes at page 1 runs the TMA
+    ping-pong kernel on the new K/V rows (SGLang's k / v views), and matches the kit's reference."""
+    from musa_attn_backend.kernels.attention import tilelang_impl
+
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    ragged = []
+    real = tilelang_impl.prefill_kernel
+    monkeypatch.setattr(tilelang_impl, "prefill_kernel",
+                        lambda *a, **k: ragged.append(k.get("ragged", False)) or real(*a, **k))
+    case = _case("extend_new_kv_page1", ForwardMode.EXTEND, heads=8, kv_heads=2, page=1, prefix=(0, 0, 0),
+                 extend=(7, 300, 129))
+    with torch.no_grad():
+        kit.run_dense_attention_case(_TC(), case, device=gpu_device, dtype=torch.bfloat16, head_dim=128,
+                                     hidden_size=256, max_context_len=_max_context(case))
+    assert ragged and all(ragged), ragged

@@ -190,3 +190,31 @@ def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
     assert cfg64.tma_rows == 64 and cfg64.block_N == 128 and cfg64.num_stages == 3
     src = ti.prefill_kernel(spec, True, 64, target=HOPPER, cfg=cfg64).get_kernel_source()
     assert "int rows[2];" in src and src.count("expect_transaction(8192)") == 2
+
+
+def test_prefill_new_kv_compiles_for_sm90a(monkeypatch):
+    """The prefill reading the batch's new K/V rows instead of the cache (opt-in ``MUSA_ATTN_NEW_KV_PREFILL=1``,
+    for batches without cached prefixes): the TMA ping-pong kernel of pages of 128, its K/V tiles copied from
+    row ``cu_seqlens_q[b] + 128 k`` of the new K/V (SGLang's strided views of a fused QKV projection too), the
+    page table not read."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    import dataclasses
+
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    assert ti.new_kv_prefill_config(128, 128) is None  # opt-in
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    cfg = ti.new_kv_prefill_config(128, 128)
+    assert cfg == ti.prefill_config(128, 128, page_size=128) and cfg.tma and cfg.pingpong and not cfg.tma_rows
+    assert ti.new_kv_prefill_config(128, 128, has_window=True) is None
+    assert ti.new_kv_prefill_config(256, 256) is None  # no ping-pong kernel at head dim 256
+    lay = (8 * 128 + 2 * 2 * 128, 8 * 128 + 2 * 2 * 128, 128)  # rows of a fused [q | k | v] projection
+    spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
+    src = ti.prefill_kernel(spec, True, 1, target=HOPPER, cfg=cfg, ragged=True).get_kernel_source()
+    paged = ti.prefill_kernel(dataclasses.replace(spec), True, 128, target=HOPPER, cfg=cfg).get_kernel_source()
+    assert "page_table[" in paged and "page_table[" not in src
+    # K and V: two 64-column boxes per tile, at row q0 (the request's first new token) + 128 k
+    loads = re.findall(r"tma_load\([KV]C_desc, [kv]_full\[[^\]]*\], [^;]*;", src)
+    assert len(loads) == 4 and all(x.endswith(", ((k * 128) + q0));") for x in loads), loads
+    assert src.count("tma_load") == paged.count("tma_load") and "cp_async" not in src

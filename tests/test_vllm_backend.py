@@ -122,8 +122,9 @@ def _builder_impl_vs_reference(hq, hkv, block, opts, *, device="cpu", dtype=torc
     # the cached prefixes, written by the backend's own writer
     prefix_slots = torch.tensor([batch.slot(b, p) for b, n in enumerate(batch.prefix_lens) for p in range(n)],
                                 device=device)
-    impl.do_kv_cache_update(layer, torch.cat([k[:p] for k, p in zip(ks, batch.prefix_lens)]),
-                            torch.cat([v[:p] for v, p in zip(vs, batch.prefix_lens)]), kv_cache, prefix_slots)
+    if len(prefix_slots):
+        impl.do_kv_cache_update(layer, torch.cat([k[:p] for k, p in zip(ks, batch.prefix_lens)]),
+                                torch.cat([v[:p] for v, p in zip(vs, batch.prefix_lens)]), kv_cache, prefix_slots)
     key = torch.cat([k[p:] for k, p in zip(ks, batch.prefix_lens)])
     value = torch.cat([v[p:] for v, p in zip(vs, batch.prefix_lens)])
     impl.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
@@ -175,6 +176,26 @@ def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, 
     assert calls, "the TileLang path did not run"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block,decodes", [(16, False), (1, True), (64, False)])
+def test_builder_and_impl_new_kv_prefill_on_gpu(gpu_device, monkeypatch, block, decodes):
+    """``MUSA_ATTN_NEW_KV_PREFILL=1``: a prefill batch without cached prefixes (after leading decodes with
+    ``decodes``) reads the key / value vLLM hands the impl instead of the blocks, and matches float32 math."""
+    from musa_attn_backend.kernels.attention import tilelang_impl
+
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    monkeypatch.setattr(tilelang_impl, "POISON", True)
+    ragged = []
+    real = tilelang_impl.prefill_kernel
+    monkeypatch.setattr(tilelang_impl, "prefill_kernel",
+                        lambda *a, **k: ragged.append(k.get("ragged", False)) or real(*a, **k))
+    nd = 2 if decodes else 0
+    _builder_impl_vs_reference(32, 8, block, {}, device=gpu_device, dtype=torch.bfloat16, d=128, tol=2e-2,
+                               query_lens=(1,) * nd + (300, 129, 1000), prefix_lens=(900, 77)[:nd] + (0, 0, 0),
+                               max_seq_len=1100)
+    assert ragged == [True], ragged
+
+
 def test_builder_counts_leading_decodes_when_splitting(monkeypatch):
     """By default (and with ``MUSA_ATTN_SPLIT_MIXED=1``) the builder asks vLLM to put decodes first and records
     how many lead the batch (from the host copy of query_start_loc); with ``MUSA_ATTN_SPLIT_MIXED=0``, neither."""
@@ -196,6 +217,33 @@ def test_builder_counts_leading_decodes_when_splitting(monkeypatch):
             batch = random_batch(random.Random(len(qlens)), batch_size=len(qlens), page_size=16, max_seq_len=90,
                                  query_lens=list(qlens))
             assert builder.build(0, _common_metadata(batch)).meta.num_decodes == (0 if flag == "0" else leading)
+
+
+def test_builder_flags_batches_without_cached_prefixes(monkeypatch):
+    """``new_kv_only``: no request after the leading decodes (all requests, when the builder does not split
+    mixed batches) has a cached prefix, from the host copies of query_start_loc and seq_lens (vLLM's
+    ``seq_lens_cpu_upper_bound``, exact for prefill rows); unknown without them; never for pure decode batches."""
+    import dataclasses as dc
+
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from musa_attn_backend.vllm.backend import TileLangMusaBackend
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    cases = [((37, 20), (0, 0), True, True), ((1, 1, 37, 20), (5, 9, 0, 0), True, False),
+             ((1, 1, 37, 20), (5, 9, 0, 3), False, False), ((37, 20), (0, 4), False, False),
+             ((1, 1), (5, 9), False, False), ((1, 30), (0, 0), True, True)]
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
+        builder = TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], VllmConfig(), torch.device("cpu"))
+        for qlens, plens, split_yes, one_launch_yes in cases:
+            batch = random_batch(random.Random(len(qlens)), batch_size=len(qlens), page_size=16, max_seq_len=90,
+                                 query_lens=list(qlens), prefix_lens=list(plens))
+            cm = _common_metadata(batch)
+            want = split_yes if flag == "1" else one_launch_yes
+            assert builder.build(0, cm).meta.new_kv_only == want, (flag, qlens, plens)
+            assert not builder.build(0, dc.replace(cm, seq_lens_cpu_upper_bound=None)).meta.new_kv_only
 
 
 def _decode_builder(block, hkv, d, dtype, device, monkeypatch, graphs=True):

@@ -47,6 +47,31 @@ def test_plan_lists_each_kernel_serving_needs():
     assert all(j.args[0].kv_dtype == "float8_e4m3" for j in fp8 if j.kind != "write_kv")
 
 
+def test_plan_adds_the_new_kv_prefill_when_switched_on(monkeypatch):
+    """With ``MUSA_ATTN_NEW_KV_PREFILL=1`` on a Hopper target, the prefill reading the new K/V of batches without
+    cached prefixes is warmed up too, for the two layouts the engines hand over (views of a fused QKV
+    projection, K/V of their own); not for FP8 caches, windowed layers, or with the switch off."""
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    llama = warmup.from_hf_config(LLAMA, tp=2)
+    def new_kv_jobs(jobs):
+        return [j for j in jobs if j.kind == "prefill" and len(j.args) > 3]
+
+    assert not new_kv_jobs(warmup.plan(llama))  # off by default
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    new = new_kv_jobs(warmup.plan(llama, engine="vllm"))
+    assert len(new) == 2 and all(j.args[4] == ti.new_kv_prefill_config(128, 128) and j.args[5] for j in new)
+    # the layouts are those of the engines' tensors: k / v split off a fused projection, or contiguous
+    qkv = torch.zeros(10, (16 + 2 * 4) * 128, dtype=torch.bfloat16)
+    fused = ti._new_kv_rows((qkv[:, 16 * 128:20 * 128], qkv[:, 20 * 128:]), 10, 4, 128, 128, torch.bfloat16, "t")
+    alone = ti._new_kv_rows((torch.zeros(10, 4, 128, dtype=torch.bfloat16),) * 2, 10, 4, 128, 128, torch.bfloat16,
+                            "t")
+    assert {(j.args[0].k_layout, j.args[0].v_layout) for j in new} == {fused[2:], alone[2:]}
+    assert not new_kv_jobs(warmup.plan(llama, kv_dtype="fp8"))
+    assert not new_kv_jobs(warmup.plan(warmup.from_hf_config(MISTRAL)))  # windowed only
+
+
 @pytest.mark.parametrize("hkv,d", [(8, 128), (1, 64), (4, 256)])
 def test_cache_layouts_match_what_each_engine_allocates(hkv, d):
     # SGLang: separate K and V pools [slots, H, D], viewed as pages of 16.

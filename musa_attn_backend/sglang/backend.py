@@ -10,6 +10,7 @@ region syncs the host.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -70,10 +71,15 @@ def _make_class():
             if mode.is_decode_or_idle():
                 return PagedKVMeta.from_sglang(**common)
             lens_cpu = getattr(fb, "extend_seq_lens_cpu", None)
-            return PagedKVMeta.from_sglang(**common, extend_prefix_lens=fb.extend_prefix_lens,
+            meta = PagedKVMeta.from_sglang(**common, extend_prefix_lens=fb.extend_prefix_lens,
                                            extend_seq_lens=fb.extend_seq_lens,
                                            max_seqlen_q=int(max(lens_cpu)) if lens_cpu is not None and len(lens_cpu)
                                            else None)
+            # no cached prefix anywhere (host list): each request's keys are its new tokens
+            prefix_cpu = getattr(fb, "extend_prefix_lens_cpu", None)
+            if out is None and prefix_cpu is not None and len(prefix_cpu) and not any(prefix_cpu):
+                meta = dataclasses.replace(meta, new_kv_only=True)
+            return meta
 
         def init_forward_metadata(self, forward_batch):
             self.forward_metadata = self._build(forward_batch)
@@ -102,9 +108,11 @@ def _make_class():
         def _attend(self, q, k, v, layer, fb, save_kv_cache, kwargs, causal):
             if layer.is_cross_attention:
                 raise NotImplementedError("tilelang_musa: cross-attention layers are not supported")
+            new_kv = None
             if save_kv_cache and k is not None and v is not None:
                 self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(fb), k, v,
                                                     getattr(layer, "k_scale", None), getattr(layer, "v_scale", None))
+                new_kv = (k, v)  # as written (same dtype: copied as is); a prefill without prefixes may read them
             hq = layer.tp_q_head_num
             d, dv = layer.qk_head_dim, layer.v_head_dim
             k_cache = _paged(self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.page_size)
@@ -121,6 +129,7 @@ def _make_class():
                 sinks=sinks.float() if sinks is not None else None,
                 k_scale=getattr(layer, "k_scale", None) if fp8 else None,
                 v_scale=getattr(layer, "v_scale", None) if fp8 else None,
+                new_kv=None if fp8 else new_kv,
             )
             return out.reshape(-1, hq * dv)
 

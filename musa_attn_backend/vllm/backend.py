@@ -47,6 +47,16 @@ def _leading_decodes(query_start_loc_cpu: torch.Tensor) -> int:
     return int(longer[0, 0]) if longer.numel() else int(query_start_loc_cpu.numel() - 1)
 
 
+def _new_kv_only(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: Optional[torch.Tensor], first: int) -> bool:
+    """Whether requests ``first``.. have no cached prefix (their keys are their new tokens): from host tensors
+    (no device sync). ``seq_lens_cpu``: vLLM's ``seq_lens_cpu_upper_bound``, exact for prefill rows and never
+    below a row's length, so equality with the query length is exact; None = not known."""
+    if seq_lens_cpu is None:
+        return False
+    q_lens = query_start_loc_cpu[first + 1:] - query_start_loc_cpu[first:-1]
+    return bool(q_lens.numel()) and bool((seq_lens_cpu[first:q_lens.numel() + first] == q_lens).all())
+
+
 def _graphs_enabled() -> bool:
     return os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
 
@@ -150,8 +160,12 @@ class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]
                                      seq_lens=cm.seq_lens[:bs], slot_mapping=slots, page_size=self.block_size,
                                      max_seqlen_q=int(cm.max_query_len),
                                      max_seqlen_k=None if out is not None else int(cm.max_seq_len), out=out)
-        if self.split_mixed and out is None and cm.max_query_len > 1:
-            meta = dataclasses.replace(meta, num_decodes=_leading_decodes(cm.query_start_loc_cpu[:bs + 1]))
+        if out is None and cm.max_query_len > 1:
+            qsl = cm.query_start_loc_cpu[:bs + 1]
+            nd = _leading_decodes(qsl) if self.split_mixed else 0
+            bound = getattr(cm, "seq_lens_cpu_upper_bound", None)
+            meta = dataclasses.replace(meta, num_decodes=nd, new_kv_only=_new_kv_only(
+                qsl, bound[:bs] if bound is not None else None, nd))
         return TileLangMusaMetadata(meta=meta, num_actual_tokens=n, slot_mapping=meta.slot_mapping,
                                     causal=cm.causal)
 
@@ -210,8 +224,12 @@ class TileLangMusaImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = self._caches(kv_cache)
         k_scale, v_scale = self._scales(layer)
+        # the new K/V as written into the cache (this layer wrote them: not a KV-sharing layer), for a prefill
+        # without cached prefixes to read instead of the cache
+        new_kv = (key[:n], value[:n]) if key is not None and value is not None \
+            and self.kv_sharing_target_layer_name is None and not self.fp8 else None
         out = paged_attention(query[:n], k_cache, v_cache, attn_metadata.meta, causal=attn_metadata.causal,
                               sm_scale=self.scale, sliding_window=self.window, logit_softcap=self.logits_soft_cap,
-                              sinks=self.sinks, k_scale=k_scale, v_scale=v_scale)
+                              sinks=self.sinks, k_scale=k_scale, v_scale=v_scale, new_kv=new_kv)
         output[:n].copy_(out.view(output[:n].shape))
         return output

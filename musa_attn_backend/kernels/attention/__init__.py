@@ -20,10 +20,15 @@ PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
 PDL_ENV = "MUSA_ATTN_PDL"
 TMA_CHUNKS_ENV = "MUSA_ATTN_TMA_CHUNKS"
 CHUNKED_COMBINE_ENV = "MUSA_ATTN_CHUNKED_COMBINE"
+NEW_KV_PREFILL_ENV = "MUSA_ATTN_NEW_KV_PREFILL"
 
 
 def _enabled(env: str) -> bool:
     return os.environ.get(env, "1") != "0"
+
+
+def _opted_in(env: str) -> bool:
+    return os.environ.get(env, "0") == "1"
 
 
 def split_mixed_batches() -> bool:
@@ -67,13 +72,21 @@ def chunked_combine_enabled() -> bool:
     return _enabled(CHUNKED_COMBINE_ENV)
 
 
+def new_kv_prefill_enabled() -> bool:
+    """Whether a prefill whose requests have no cached prefix reads the batch's new K/V (``new_kv`` of
+    :func:`paged_attention`, contiguous per request) with whole-tile TMA copies instead of the paged cache,
+    whatever the page size (SGLang's page 1, vLLM's 16 would otherwise take the gathering producer). Opt-in
+    (``MUSA_ATTN_NEW_KV_PREFILL=1``) until it has run on a GPU: built and lowering-checked only."""
+    return _opted_in(NEW_KV_PREFILL_ENV)
+
+
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]
 
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_paged_attention_args(q, k_cache, v_cache, meta, *, sm_scale=None, sliding_window=None,
-                               logit_softcap=None, sinks=None, k_scale=None, v_scale=None) -> None:
+                               logit_softcap=None, sinks=None, k_scale=None, v_scale=None, new_kv=None) -> None:
     """Shape, dtype and option checks common to every implementation (raises ``ValueError``)."""
     op = "paged_attention"
     check(isinstance(q, torch.Tensor) and q.dim() == 3,
@@ -115,6 +128,15 @@ def check_paged_attention_args(q, k_cache, v_cache, meta, *, sm_scale=None, slid
               f"{op}: sinks must be a 1-D tensor with one logit per query head ({hq}), got "
               f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
         check(sinks.device == q.device, f"{op}: sinks are on {sinks.device}, q on {q.device}")
+    if new_kv is not None:
+        check(isinstance(new_kv, (tuple, list)) and len(new_kv) == 2
+              and all(isinstance(x, torch.Tensor) for x in new_kv),
+              f"{op}: new_kv must be a (k, v) pair of tensors, got {type(new_kv).__name__}")
+        for name, x in zip(("new_kv[0] (k)", "new_kv[1] (v)"), new_kv):
+            check(x.dim() in (2, 3) and x.shape[0] >= num_tokens,
+                  f"{op}: {name} must be [num_tokens, num_kv_heads, head_dim] or [num_tokens, num_kv_heads * "
+                  f"head_dim] with at least {num_tokens} rows, got {tuple(x.shape)}")
+            check(x.device == q.device, f"{op}: {name} is on {x.device}, q on {q.device}")
 
 
 def paged_attention(
@@ -131,6 +153,7 @@ def paged_attention(
     k_scale: Optional[Union[float, torch.Tensor]] = None,
     v_scale: Optional[Union[float, torch.Tensor]] = None,
     return_lse: bool = False,
+    new_kv: Optional[tuple] = None,
     impl: str = "auto",
 ):
     """Attention of packed queries over a paged KV cache (prefill, extend with a cached prefix, or decode).
@@ -151,13 +174,20 @@ def paged_attention(
         sinks: float ``[num_q_heads]`` per-head sink logits: an extra softmax column with no value.
         return_lse: also return the natural-log sum-exp of the logits, float32 ``[num_tokens, num_q_heads]``
             (the sink term included; ``-inf`` for a row that sees nothing).
+        new_kv: optional ``(k, v)``, the batch's new K/V ``[num_tokens, num_kv_heads, head_dim]`` (or
+            ``[num_tokens, num_kv_heads * head_dim]``, any row stride) packed like ``q``, exactly as written into
+            the cache. Where ``meta.new_kv_only`` says that no request (after the leading decodes) has a cached
+            prefix, the GPU prefill may read them instead of the cache: the same values, in whole contiguous
+            tiles whatever the page size (opt-in, :func:`new_kv_prefill_enabled`). Ignored by the reference,
+            for FP8 caches and where their dtype differs from the cache's.
         impl: ``auto`` (TileLang on a GPU, reference on a CPU), ``tilelang`` or ``reference``.
 
     Returns:
         ``out`` ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)``.
     """
     check_paged_attention_args(q, k_cache, v_cache, meta, sm_scale=sm_scale, sliding_window=sliding_window,
-                               logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                               logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                               new_kv=new_kv)
     if sliding_window is not None and sliding_window < 0:
         sliding_window = None
     if logit_softcap == 0:
@@ -169,4 +199,4 @@ def paged_attention(
         return paged_attention_reference(q, k_cache, v_cache, meta, **kwargs)
     from . import tilelang_impl
 
-    return tilelang_impl.paged_attention_tilelang(q, k_cache, v_cache, meta, **kwargs)
+    return tilelang_impl.paged_attention_tilelang(q, k_cache, v_cache, meta, new_kv=new_kv, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
 from ...platform import get_platform, target_features
 from .._common import check, constant_vector, per_kv_head
-from . import (chunked_combine_enabled, dependent_launch_enabled, pingpong_gather_enabled, split_mixed_batches,
-               tma_chunks_enabled)
+from . import (chunked_combine_enabled, dependent_launch_enabled, new_kv_prefill_enabled, pingpong_gather_enabled,
+               split_mixed_batches, tma_chunks_enabled)
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -257,8 +258,12 @@ class AttnSpec:
 
 
 def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None,
-                   cfg: Optional[PrefillConfig] = None):
+                   cfg: Optional[PrefillConfig] = None, ragged: bool = False):
+    """The prefill/extend kernel for ``spec`` (``cfg``: a tiling, default :func:`prefill_config`). ``ragged``:
+    the TMA ping-pong kernel reading the batch's new K/V rows instead of a paged cache (``spec``'s layouts are
+    theirs; see :func:`new_kv_prefill_config`)."""
     cfg = cfg or prefill_config(spec.d, spec.dv, spec.is_fp8, page_size, spec.has_window)
+    assert not ragged or (cfg.pingpong and cfg.tma and not cfg.tma_rows), f"ragged: TMA ping-pong tiles, not {cfg}"
     if cfg.pingpong:
         # fast math (exp2 as one ex2.approx.ftz, no denormal fix-ups): the softmax is what the tensor cores
         # wait on here; measured 0.85-0.98x -> cuDNN instead of 0.64-0.90x, same error (tune-prefill-20261129T192423Z)
@@ -272,14 +277,46 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             # instructions instead of 11, in warps that share issue slots with the softmax: page 1 causal
             # 4k / 8k / 16k 357 / 428 / 464 TFLOP/s instead of 326 / 394 / 430 (tune-prefill-20261129T224018Z)
             pc[tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
-        return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill_pingpong(
+        return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()),
+                              lambda: K.build_prefill_pingpong(
             spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
-            spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma, tma_rows=cfg.tma_rows),
-            target=target, pass_configs=pc)
+            spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma, tma_rows=cfg.tma_rows,
+            ragged=ragged), target=target, pass_configs=pc)
     return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
         cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma), target=target)
+
+
+def new_kv_prefill_config(d: int, dv: int, has_window: bool = False) -> Optional[PrefillConfig]:
+    """The tiling for a prefill that reads the batch's new K/V rows (contiguous per request) instead of the
+    paged cache: the whole-tile TMA ping-pong tiling of pages of 128 (tuned or default) where this platform
+    and head dims have it, else None (the cache path)."""
+    if has_window or not new_kv_prefill_enabled():
+        return None
+    cfg = prefill_config(d, dv, False, 128, False)
+    return cfg if cfg.pingpong and cfg.tma and not cfg.tma_rows else None
+
+
+def _new_kv_rows(new_kv, nt: int, hkv: int, d: int, dv: int, dtype: torch.dtype, op: str):
+    """``(k_rows, v_rows, k_layout, v_layout)`` of the batch's new K/V ``[num_tokens, num_kv_heads, dim]``
+    (any row stride), or None where they do not fit the TMA kernel (shape, dtype, alignment): the cache path."""
+    if new_kv is None:
+        return None
+    out = []
+    for x, w in zip(new_kv, (d, dv)):
+        if x is None or x.dtype != dtype or x.shape[0] < nt:
+            return None
+        x = x[:nt].reshape(nt, hkv, w) if x.dim() == 2 else x[:nt]
+        if tuple(x.shape) != (nt, hkv, w) or x.stride(-1) != 1:
+            return None
+        s0, s1, _ = x.stride()
+        try:  # one token per "page": the layout checks of a paged cache apply as they are
+            out.append(cache_rows(x.as_strided((nt, 1, hkv, w), (s0, s0, s1, 1)), "new K/V", op=op))
+        except ValueError:
+            return None
+    (k_rows, k_layout), (v_rows, v_layout) = out
+    return k_rows, v_rows, k_layout, v_layout
 
 
 def _pdl(target) -> bool:
@@ -315,7 +352,7 @@ def combine_kernel(spec: AttnSpec, target=None):
 
 def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale=None, sliding_window=None,
                              logit_softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False,
-                             prefill_cfg: Optional[PrefillConfig] = None):
+                             new_kv=None, prefill_cfg: Optional[PrefillConfig] = None):
     """The TileLang path of :func:`musa_attn_backend.kernels.paged_attention` (``prefill_cfg``: force a prefill
     tiling, for the tuner)."""
     check_tilelang_supported(q, k_cache, v_cache)
@@ -345,8 +382,22 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     if nt == 0:
         return (out, lse) if return_lse else out
 
-    def args(m: PagedKVMeta, qq: torch.Tensor):
-        return (qq, k_rows, v_rows, m.cu_seqlens_q, m.seqlens_k, m.page_table, *scalars, m.page_size)
+    def args(m: PagedKVMeta, qq: torch.Tensor, kv=None):
+        return (qq, *(kv or (k_rows, v_rows)), m.cu_seqlens_q, m.seqlens_k, m.page_table, *scalars, m.page_size)
+
+    # a batch (or the part after its leading decodes) in which no request has a cached prefix: its keys are
+    # the new tokens, contiguous per request, so whole-tile TMA copies of them serve any page size
+    ncfg = new_kv_prefill_config(d, dv, spec.has_window) if new_kv is not None and not spec.is_fp8 \
+        and prefill_cfg is None else None
+    nkv = _new_kv_rows(new_kv, nt, hkv, d, dv, q.dtype, op) if ncfg is not None else None
+
+    def run_prefill(m: PagedKVMeta, cfg=None):
+        if nkv is not None and m.new_kv_only:
+            nspec = dataclasses.replace(spec, k_layout=nkv[2], v_layout=nkv[3])
+            prefill_kernel(nspec, causal, m.page_size, cfg=ncfg, ragged=True)(
+                *args(m, q, nkv[:2]), int(m.max_seqlen_q), out, lse)
+        else:
+            prefill_kernel(spec, causal, m.page_size, cfg=cfg)(*args(m, q), int(m.max_seqlen_q), out, lse)
 
     def run_decode(m: PagedKVMeta, dcfg: DecodeConfig, qq, oo, ll):
         plat = get_platform()
@@ -371,8 +422,7 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
         # metadata is built once per batch, not once per layer.
         decodes, rest = meta.decode_split()
         run_decode(decodes, one, q[:nd], out[:nd], lse[:nd])
-        prefill_kernel(spec, causal, meta.page_size)(*args(rest, q), int(rest.max_seqlen_q), out, lse)
+        run_prefill(rest)
     else:
-        prefill_kernel(spec, causal, meta.page_size, cfg=prefill_cfg)(*args(meta, q), int(meta.max_seqlen_q),
-                                                                         out, lse)
+        run_prefill(meta, prefill_cfg)
     return (out, lse) if return_lse else out

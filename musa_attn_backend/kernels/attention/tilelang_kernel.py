@@ -303,7 +303,7 @@ _PRODUCER_BAR = 7  # the gathering producer warp group's own sync (its tile's pa
 def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, causal: bool, has_softcap: bool,
                            has_sinks: bool, k_layout: tuple, v_layout: tuple, block_N: int = 128,
                            num_stages: int = 2, gather: bool = False, persistent_ctas: int = 0,
-                           tma_rows: int = 0):
+                           tma_rows: int = 0, ragged: bool = False):
     """Prefill/extend for Hopper-class GPUs (TMA + warp-group MMA + named barriers): explicit warp
     specialisation in the manner of FlashAttention-3.
 
@@ -321,8 +321,11 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     sequence copy its last key, masked). ``tma_rows`` (TMA tiles, 0 = ``block_N``): rows per TMA copy, for
     pages that hold no whole key tile but whole chunks of ``tma_rows`` keys (``page_size % tma_rows == 0``, the
     launcher checks; e.g. 16 for vLLM's 16-token blocks): ``block_N / tma_rows`` copies per tile, each through
-    the page table; chunks past the sequence copy its last chunk again (its own page; masked). Same arguments and
-    results as :func:`build_prefill`; bf16/fp16 cache, no window.
+    the page table; chunks past the sequence copy its last chunk again (its own page; masked). ``ragged`` (TMA
+    whole tiles): ``KC`` / ``VC`` are the batch's new K/V rows packed like ``Q``, not a paged cache, for a batch
+    in which no request has a cached prefix: request ``b``'s key ``j`` is row ``cu_seqlens_q[b] + j`` and the
+    page table is not read (rows past a request's end are the next request's keys or clipped by TMA; masked).
+    Same arguments and results as :func:`build_prefill`; bf16/fp16 cache, no window.
     """
     G = Hq // Hkv
     BM, HM, BN, S = 128, 64, block_N, num_stages
@@ -337,6 +340,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     assert not (gather or PERSIST) or R == BN, "tma_rows: TMA tiles, one block per tile"
     assert BN % R == 0 and R % 8 == 0, f"tma_rows {R} must divide the {BN}-key tile into 8-row multiples"
     assert not (PERSIST and gather), "persistent schedule: TMA tiles only"
+    assert not ragged or (R == BN and not gather and not PERSIST), "ragged: whole TMA tiles, one block per tile"
     *_, finish_rows = _attention_macros(HM, BN, D, DV, HS_K, HS_V, False)
     assert not gather or (BN <= 128 and D % 8 == 0 and DV % 8 == 0 and 128 % (D // 8) == 0
                           and 128 % (DV // 8) == 0), "gather producer: one page-table row per thread"
@@ -495,13 +499,16 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
 
     @T.macro
     def tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size, n_iters,
-                     kc, sk, rows):
+                     kc, sk, rows, row0):
         """Producer warp: TMA copies of each key / value tile into the stage buffers, one per tile (a whole tile
-        of one page) or one per ``R``-row chunk of a page (``rows``: their cache rows, read from the page table
-        before the stage is free)."""
+        of one page, or with ``ragged`` from the request's first row ``row0``) or one per ``R``-row chunk of a
+        page (``rows``: their cache rows, read from the page table before the stage is free)."""
         for k in T.serial(n_iters):
             st = tile(kc, k) % S
-            r0 = page_row(page_table, b, k * BN, page_size) if R == BN else 0  # (0: unused)
+            if ragged:
+                r0 = row0 + k * BN
+            else:
+                r0 = page_row(page_table, b, k * BN, page_size) if R == BN else 0  # (0: unused)
             if R < BN:
                 for c in T.unroll(BN // R):  # a chunk past the sequence: its last chunk again (own page)
                     rows[c] = page_row(page_table, b, T.min(k * BN + c * R, (sk - 1) // R * R), page_size)
@@ -620,7 +627,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                             T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
                             T.mbarrier_arrive(q_full)
                             tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh,
-                                         page_size, n_iters, kc, sk, None)
+                                         page_size, n_iters, kc, sk, None, None)
                             kc = kc + n_iters
                             qi = qi + 1
                 logit_scale = sm_scale
@@ -664,7 +671,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                     if not gather:
                         rows = T.alloc_local([BN // R], "int32") if R < BN else None
                         tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size,
-                                     n_iters, 0, sk, rows)
+                                     n_iters, 0, sk, rows, q0)
                 if gather:
                     if tx >= 256:
                         p = tx - 256
