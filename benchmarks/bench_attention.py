@@ -12,6 +12,8 @@ Rooflines: prefill against a measured bf16 matmul rate, decode against measured 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -28,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from musa_attn_backend.kernels import paged_attention  # noqa: E402
+from musa_attn_backend.kernels.attention import NEW_KV_PREFILL_ENV  # noqa: E402
 from musa_attn_backend.metadata import PagedKVMeta  # noqa: E402
 
 
@@ -173,9 +176,23 @@ def flex_paged_prefill(q, k_cache, v_cache, table, causal, compiled=True):
     return lambda: fn(qt, kt, vt, block_mask=block, enable_gqa=True)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_sizes=(1, 128), peers=True):
     """One row per (causal, length, page size). ``ours_contiguous_ms``: the same kernel and page size with the
-    request's pages in order (the paged-vs-contiguous ratio)."""
+    request's pages in order (the paged-vs-contiguous ratio). ``ours_new_kv_ms``: the same prefill with its keys
+    read from the new K/V (``MUSA_ATTN_NEW_KV_PREFILL=1``, how a fresh prefill runs in the engines with it on)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -192,6 +209,19 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                         device="cuda"), slot_mapping=torch.arange(s, device="cuda"), page_size=ps, max_seqlen_q=s,
                         max_seqlen_k=s)
                     res[name, ps] = bench_ms(lambda: paged_attention(q, k, v, meta, causal=causal, impl="tilelang"))
+                    if not contig:
+                        # a fresh prefill as the engines run it with MUSA_ATTN_NEW_KV_PREFILL=1: keys from the
+                        # new K/V the layer is handed (here the request's K/V in order), not from the pages
+                        nk, nv = (x.view(-1, hkv, d)[table[0].repeat_interleave(ps).long() * ps
+                                                     + torch.arange(table.shape[1] * ps, device="cuda") % ps][:s]
+                                  for x in (k, v))
+                        fresh = dataclasses.replace(meta, new_kv_only=True)
+                        try:
+                            with _env(NEW_KV_PREFILL_ENV, "1"):
+                                res["ours_new_kv", ps] = bench_ms(lambda: paged_attention(
+                                    q, k, v, fresh, causal=causal, new_kv=(nk, nv), impl="tilelang"))
+                        except Exception as e:  # report, keep the run
+                            print(f"  ours_new_kv skipped: {type(e).__name__}: {e}"[:300])
                     if peers and not contig:
                         try:
                             fn = flex_paged_prefill(q, k, v, table, causal)
@@ -232,6 +262,7 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                     "shape": dict(batch=batch, seqlen_q=s, seqlen_k=s, heads_q=hq, heads_kv=hkv, head_dim=d,
                                   page_size=ps, causal=causal, dtype=str(dtype).replace("torch.", "")),
                     "ours_ms": res["ours", ps], "ours_contiguous_ms": res["ours_contiguous", ps],
+                    "ours_new_kv_ms": res.get(("ours_new_kv", ps)),
                     "tflops": flops / res["ours", ps] / 1e9, "gbps": None,
                     "peers": {**peer_ms, **({"flex_paged": res["flex_paged", ps]} if ("flex_paged", ps) in res
                                             else {})},
