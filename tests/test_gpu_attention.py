@@ -199,12 +199,14 @@ def test_tilelang_rejects_unsupported(gpu_device):
 
 
 @pytest.mark.parametrize("page_size,d,variant", [(1, 128, "causal"), (16, 128, "non_causal"), (1, 64, "softcap"),
-                                                 (16, 128, "sinks"), (1, 128, "fused_mqa"), (64, 128, "decodes")])
+                                                 (16, 128, "sinks"), (1, 128, "fused_mqa"), (64, 128, "decodes"),
+                                                 (1, 256, "causal")])
 def test_prefill_from_new_kv(gpu_device, monkeypatch, page_size, d, variant):
     """``MUSA_ATTN_NEW_KV_PREFILL=1``: a batch without cached prefixes (``new_kv_only``; after leading decodes
     with ``decodes``) reads its keys from the new K/V rows, whatever the page size. With the new K/V equal to
     what the cache holds the result is the reference's; with them perturbed it follows them (the new rows were
-    read, not the pages). Ragged lengths that are not multiples of the tile, a request longer than 2 tiles."""
+    read, not the pages). Ragged lengths that are not multiples of the tile, a request longer than 2 tiles; head
+    dim 256 takes the TMA-tile kernel without ping-pong (the MUSA path's kernel)."""
     import dataclasses
 
     monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")

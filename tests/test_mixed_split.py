@@ -201,13 +201,13 @@ def test_new_kv_prefill_reads_the_new_rows(stand_ins, monkeypatch, fused):
         assert not torch.allclose(ref_new[t:].float(), ref_cache[t:].float(), atol=0.1), "the sources must differ"
 
 
-@pytest.mark.parametrize("case", ["not_flagged", "opted_out", "window", "dtype", "not_hopper"])
+@pytest.mark.parametrize("case", ["not_flagged", "opted_out", "window", "dtype", "no_bulk_copy"])
 def test_new_kv_prefill_falls_back_to_the_cache(stand_ins, monkeypatch, case):
     """The cache path where the new K/V may not stand in for it: the batch not flagged (not known to be free of
-    cached prefixes), the switch off, a window (no TMA ping-pong kernel), new K/V of another dtype than the cache,
-    or a platform without the TMA ping-pong kernel."""
+    cached prefixes), the switch off, a window (no whole-tile TMA kernel), new K/V of another dtype than the cache,
+    or a platform without bulk copies (sm_80)."""
     launches, state = stand_ins
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80" if case == "not_hopper" else "sm_90a")
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80" if case == "no_bulk_copy" else "sm_90a")
     monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "0" if case == "opted_out" else "1")
     q, k, v, _, _, meta, new_kv = _new_kv_case(0, [37, 120, 5], [0, 0, 0], new_kv_only=case != "not_flagged",
                                                dtype=torch.float16 if case == "dtype" else torch.bfloat16)

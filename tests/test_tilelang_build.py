@@ -208,7 +208,8 @@ def test_prefill_new_kv_compiles_for_sm90a(monkeypatch):
     cfg = ti.new_kv_prefill_config(128, 128)
     assert cfg == ti.prefill_config(128, 128, page_size=128) and cfg.tma and cfg.pingpong and not cfg.tma_rows
     assert ti.new_kv_prefill_config(128, 128, has_window=True) is None
-    assert ti.new_kv_prefill_config(256, 256) is None  # no ping-pong kernel at head dim 256
+    wide = ti.new_kv_prefill_config(256, 256)  # no ping-pong kernel at head dim 256: TMA tiles
+    assert wide == ti.prefill_config(256, 256, page_size=128) and wide.tma and not wide.pingpong
     lay = (8 * 128 + 2 * 2 * 128, 8 * 128 + 2 * 2 * 128, 128)  # rows of a fused [q | k | v] projection
     spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
     src = ti.prefill_kernel(spec, True, 1, target=HOPPER, cfg=cfg, ragged=True).get_kernel_source()
@@ -218,3 +219,20 @@ def test_prefill_new_kv_compiles_for_sm90a(monkeypatch):
     loads = re.findall(r"tma_load\([KV]C_desc, [kv]_full\[[^\]]*\], [^;]*;", src)
     assert len(loads) == 4 and all(x.endswith(", ((k * 128) + q0));") for x in loads), loads
     assert src.count("tma_load") == paged.count("tma_load") and "cp_async" not in src
+    # the TMA-tile kernel of other platforms (TileLang's own warp specialisation; MUSA MP31's TME tiles) the same
+    spec256 = ti.AttnSpec(8, 2, 256, 256, "bfloat16", "bfloat16", k_layout=(512, 2 * 512 + 8 * 256, 256),
+                          v_layout=(512, 2 * 512 + 8 * 256, 256))
+    src = ti.prefill_kernel(spec256, True, 1, target=HOPPER, cfg=wide, ragged=True).get_kernel_source()
+    assert "page_table[" not in src and "tma_load" in src and "cp_async" not in src
+    loads = re.findall(r"tma_load\([KV]C_desc, [^;]*;", src)  # 4 boxes of 64 columns each for K and V
+    assert len(loads) == 8 and all(x.endswith(", ((k * 64) + q0));") for x in loads), loads
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_31")
+    from musa_attn_backend import platform
+
+    platform.reset()
+    musa = ti.new_kv_prefill_config(128, 128)
+    assert musa is not None and musa.tma and not musa.pingpong
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80")
+    platform.reset()
+    assert ti.new_kv_prefill_config(128, 128) is None  # no bulk copies: the cache path
+    platform.reset()

@@ -260,10 +260,10 @@ class AttnSpec:
 def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None,
                    cfg: Optional[PrefillConfig] = None, ragged: bool = False):
     """The prefill/extend kernel for ``spec`` (``cfg``: a tiling, default :func:`prefill_config`). ``ragged``:
-    the TMA ping-pong kernel reading the batch's new K/V rows instead of a paged cache (``spec``'s layouts are
+    the whole-tile TMA kernel reading the batch's new K/V rows instead of a paged cache (``spec``'s layouts are
     theirs; see :func:`new_kv_prefill_config`)."""
     cfg = cfg or prefill_config(spec.d, spec.dv, spec.is_fp8, page_size, spec.has_window)
-    assert not ragged or (cfg.pingpong and cfg.tma and not cfg.tma_rows), f"ragged: TMA ping-pong tiles, not {cfg}"
+    assert not ragged or (cfg.tma and not cfg.tma_rows), f"ragged: whole TMA tiles, not {cfg}"
     if cfg.pingpong:
         # fast math (exp2 as one ex2.approx.ftz, no denormal fix-ups): the softmax is what the tensor cores
         # wait on here; measured 0.85-0.98x -> cuDNN instead of 0.64-0.90x, same error (tune-prefill-20261129T192423Z)
@@ -282,20 +282,21 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
             spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma, tma_rows=cfg.tma_rows,
             ragged=ragged), target=target, pass_configs=pc)
-    return compile_cached(("prefill", spec, causal, cfg), lambda: K.build_prefill(
+    return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()), lambda: K.build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
-        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma), target=target)
+        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma, ragged), target=target)
 
 
 def new_kv_prefill_config(d: int, dv: int, has_window: bool = False) -> Optional[PrefillConfig]:
     """The tiling for a prefill that reads the batch's new K/V rows (contiguous per request) instead of the
-    paged cache: the whole-tile TMA ping-pong tiling of pages of 128 (tuned or default) where this platform
-    and head dims have it, else None (the cache path)."""
+    paged cache: the whole-tile TMA tiling of pages of 128 (tuned or default; on Hopper the ping-pong kernel,
+    on MUSA MP31 TME tiles) where this platform has bulk copies for these head dims, else None (the cache
+    path)."""
     if has_window or not new_kv_prefill_enabled():
         return None
     cfg = prefill_config(d, dv, False, 128, False)
-    return cfg if cfg.pingpong and cfg.tma and not cfg.tma_rows else None
+    return cfg if cfg.tma and not cfg.tma_rows else None
 
 
 def _new_kv_rows(new_kv, nt: int, hkv: int, d: int, dv: int, dtype: torch.dtype, op: str):

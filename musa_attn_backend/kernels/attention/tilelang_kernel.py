@@ -131,7 +131,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                   has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool,
                   k_layout: tuple, v_layout: tuple,
                   block_M: int = 128, block_N: int = 128, num_stages: int = 2, threads: int = 256,
-                  tma: bool = False):
+                  tma: bool = False, ragged: bool = False):
     """Varlen prefill/extend: one block per (query tile of one request, query head).
 
     ``k_layout``/``v_layout`` = (width, row stride, head stride) of the cache row views.
@@ -144,7 +144,9 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     * ``tma`` (bf16/fp16 cache, no window, ``page_size % block_N == 0``, checked by the launcher): each tile
       is one block copy of ``block_N`` consecutive rows of one page (TMA with a warp-specialised producer on
       Hopper). Rows of the last page past the sequence are read and masked, so they must hold finite values
-      (both engines allocate their caches zeroed).
+      (both engines allocate their caches zeroed). With ``ragged``, ``KC`` / ``VC`` are the batch's new K/V
+      rows packed like ``Q`` (a batch without cached prefixes): tile ``j`` of request ``b`` is rows
+      ``cu_seqlens_q[b] + block_N j ..``, the page table is not read.
 
     The causal / window / sequence-end mask is the initial value of the QK accumulator, and only tiles that
     cross a boundary compute it; the others start from zero.
@@ -158,6 +160,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
     assert not tma or (not is_fp8 and not has_window), "TMA tiles: bf16/fp16 caches without a window"
+    assert not ragged or tma, "ragged: TMA tiles"
     # Only with a window can a row see no key of a whole tile (otherwise key 0, in the first tile, is
     # visible to every row), so only then does the softmax guard against an all-masked row.
     guard_empty = has_window
@@ -175,12 +178,15 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     def page_row(page_table, b, pos, page_size):
         return page_table[b, pos // page_size] * page_size + pos % page_size
 
+    def tile_row(page_table, b, n0, page_size, q0):
+        return q0 + n0 if ragged else page_row(page_table, b, n0, page_size)
+
     @T.macro
-    def load_tma(KC, VC, K_s, V_s, page_table, b, n0, page_size, kvh):
+    def load_tma(KC, VC, K_s, V_s, page_table, b, n0, page_size, kvh, q0):
         # whole tiles only: TileLang 0.1.15 lowers a block copy into a slice of a shared tile without TMA
-        T.copy(KC[page_row(page_table, b, n0, page_size):page_row(page_table, b, n0, page_size) + BN,
+        T.copy(KC[tile_row(page_table, b, n0, page_size, q0):tile_row(page_table, b, n0, page_size, q0) + BN,
                   kvh * HS_K:kvh * HS_K + D], K_s)
-        T.copy(VC[page_row(page_table, b, n0, page_size):page_row(page_table, b, n0, page_size) + BN,
+        T.copy(VC[tile_row(page_table, b, n0, page_size, q0):tile_row(page_table, b, n0, page_size, q0) + BN,
                   kvh * HS_V:kvh * HS_V + DV], V_s)
 
     @T.macro
@@ -265,7 +271,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
 
             if tma:
                 for k in T.Pipelined(n_iters, num_stages=num_stages):
-                    load_tma(KC, VC, K_s, V_s, page_table, b, (n_lo + k) * BN, page_size, kvh)
+                    load_tma(KC, VC, K_s, V_s, page_table, b, (n_lo + k) * BN, page_size, kvh, q0)
                     tile_scores(Q_s, K_s, acc_s, (n_lo + k) * BN, prefix + m0, sk, window, logit_scale, softcap)
                     softmax_step(acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i, scale_log2, guard_empty)
                     T.gemm(acc_p, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
