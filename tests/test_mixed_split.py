@@ -235,3 +235,19 @@ def test_reference_reads_the_cache_whatever_new_kv():
     q, k, v, _, _, meta, new_kv = _new_kv_case(0, [37, 120, 5], [0, 0, 0])
     assert torch.equal(paged_attention(q, k, v, meta, new_kv=new_kv, impl="reference"),
                        paged_attention(q, k, v, meta, impl="reference"))
+
+
+def test_new_kv_rows_take_only_what_fits():
+    """The new K/V the TMA kernel can read: 3-D or 2-D (heads x dim flattened), any row stride, 16-byte aligned
+    rows and data, the batch's dtype; anything else (None: the cache path) is not an error."""
+    rows = tilelang_impl._new_kv_rows
+    k = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    assert rows((k, k), 10, 2, 64, 64, torch.bfloat16, "t")[2] == (128, 128, 64)
+    qkv = torch.zeros(12, (8 + 4) * 64, dtype=torch.bfloat16)
+    fused = rows((qkv[:, 512:640], qkv[:, 640:]), 10, 2, 64, 64, torch.bfloat16, "t")
+    assert fused[2] == (128, 768, 64) and fused[0].data_ptr() == qkv[:, 512:].data_ptr()  # a view, no copy
+    assert rows((k, k), 10, 2, 64, 64, torch.float16, "t") is None  # dtype
+    assert rows((k[:9], k), 10, 2, 64, 64, torch.bfloat16, "t") is None  # too few rows
+    assert rows((k.flatten(1)[:, :96], k), 10, 2, 64, 64, torch.bfloat16, "t") is None  # not heads x dim
+    assert rows((qkv[:, 4:132], qkv[:, 640:]), 10, 2, 64, 64, torch.bfloat16, "t") is None  # misaligned
+    assert rows((k, k.transpose(1, 2).contiguous().transpose(1, 2)), 10, 2, 64, 64, torch.bfloat16, "t") is None

@@ -151,8 +151,8 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
     there is a valid one, else the default (the first whole-tile candidate of :func:`prefill_candidates`, else
     the first). On Hopper-class GPUs, for a bf16/fp16 cache without a window and head dim 64/128, that is the
     ping-pong kernel: with TMA tiles where pages hold whole 128-key tiles, from 64-row page chunks where pages
-    are a multiple of 64, else with a gathering producer. Else, with a bulk-copy engine (TMA / TME) and the same cache conditions, one block copy per tile;
-    else row gathers (128-key tiles up to head dim 128).
+    are a multiple of 64, else with a gathering producer. Else, with a bulk-copy engine (TMA / TME) and the
+    same cache conditions, one block copy per tile; else row gathers (128-key tiles up to head dim 128).
 
     Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z,
     -192423Z, -205442Z and -224018Z): ping-pong with TMA tiles and fast math 443 / 556 / 579 with two stages,
@@ -306,7 +306,7 @@ def _new_kv_rows(new_kv, nt: int, hkv: int, d: int, dv: int, dtype: torch.dtype,
         return None
     out = []
     for x, w in zip(new_kv, (d, dv)):
-        if x is None or x.dtype != dtype or x.shape[0] < nt:
+        if x is None or x.dtype != dtype or x.shape[0] < nt or (x.dim() == 2 and x.shape[1] != hkv * w):
             return None
         x = x[:nt].reshape(nt, hkv, w) if x.dim() == 2 else x[:nt]
         if tuple(x.shape) != (nt, hkv, w) or x.stride(-1) != 1:
