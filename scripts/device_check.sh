@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (after `source .device/env.sh`): GPU tests, then a benchmark. Logs go to $OUT.
-#   scripts/device_check.sh [tests|tests-1|tests-2|bench|quick-bench|all] [pytest args...]
+#   scripts/device_check.sh [tests|tests-1|tests-2|tests-new-kv|bench|quick-bench|all] [pytest args...]
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -36,6 +36,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests-1 ]; then
   gpu_tests tests/test_gpu_attention.py -k "every_tiling or chunked_combine" "$@"
+fi
+if [ "$what" = tests-new-kv ]; then  # the new-K/V prefill's GPU tests (kernel, SGLang kit, vLLM builder/impl)
+  gpu_tests tests -k "new_kv" "$@"
 fi
 if [ "$what" = tests-2 ]; then
   gpu_tests tests -k "not every_tiling and not chunked_combine" "$@"
