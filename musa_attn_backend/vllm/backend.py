@@ -54,7 +54,7 @@ def _new_kv_only(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: Optional[torch
     if seq_lens_cpu is None:
         return False
     q_lens = query_start_loc_cpu[first + 1:] - query_start_loc_cpu[first:-1]
-    return bool(q_lens.numel()) and bool((seq_lens_cpu[first:q_lens.numel() + first] == q_lens).all())
+    return bool(q_lens.numel()) and bool((seq_lens_cpu[first:] == q_lens).all())
 
 
 def _graphs_enabled() -> bool:

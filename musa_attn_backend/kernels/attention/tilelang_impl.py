@@ -388,8 +388,8 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
 
     # a batch (or the part after its leading decodes) in which no request has a cached prefix: its keys are
     # the new tokens, contiguous per request, so whole-tile TMA copies of them serve any page size
-    ncfg = new_kv_prefill_config(d, dv, spec.has_window) if new_kv is not None and not spec.is_fp8 \
-        and prefill_cfg is None else None
+    ncfg = new_kv_prefill_config(d, dv, spec.has_window) if new_kv is not None and meta.new_kv_only \
+        and not spec.is_fp8 and prefill_cfg is None else None
     nkv = _new_kv_rows(new_kv, nt, hkv, d, dv, q.dtype, op) if ncfg is not None else None
 
     def run_prefill(m: PagedKVMeta, cfg=None):

@@ -40,6 +40,11 @@ def _visible(kpos, qpos, sk, window, causal: bool, has_window: bool):
     return v
 
 
+def _page_row(page_table, b, pos, page_size):
+    """Cache row of key ``pos`` of request ``b``."""
+    return page_table[b, pos // page_size] * page_size + pos % page_size
+
+
 def _slot(page_table, b, pos, sk, page_size, max_pages):
     """Cache row of key ``pos`` of request ``b``; -1 (zero-filled by the copy) past the sequence end."""
     page = page_table[b, T.min(T.truncdiv(pos, page_size), max_pages - 1)]
@@ -175,11 +180,8 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             c = T.Or(c, n0 < qpos0 + BM - 1 - window)
         return c
 
-    def page_row(page_table, b, pos, page_size):
-        return page_table[b, pos // page_size] * page_size + pos % page_size
-
     def tile_row(page_table, b, n0, page_size, q0):
-        return q0 + n0 if ragged else page_row(page_table, b, n0, page_size)
+        return q0 + n0 if ragged else _page_row(page_table, b, n0, page_size)
 
     @T.macro
     def load_tma(KC, VC, K_s, V_s, page_table, b, n0, page_size, kvh, q0):
@@ -354,9 +356,6 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     CONSUMER_REGS, PRODUCER_REGS = (232, 40) if gather or R < BN else (240, 24)
     FULL = 128 if gather else 32  # arrivals completing a full barrier: the threads that copy
 
-    def page_row(page_table, b, pos, page_size):
-        return page_table[b, pos // page_size] * page_size + pos % page_size
-
     def crosses(n0, qpos0, sk):
         """Some (row, key) of the 64 x BN tile of keys from ``n0`` (rows: query positions from ``qpos0``) is
         masked."""
@@ -514,10 +513,10 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
             if ragged:
                 r0 = row0 + k * BN
             else:
-                r0 = page_row(page_table, b, k * BN, page_size) if R == BN else 0  # (0: unused)
+                r0 = _page_row(page_table, b, k * BN, page_size) if R == BN else 0  # (0: unused)
             if R < BN:
                 for c in T.unroll(BN // R):  # a chunk past the sequence: its last chunk again (own page)
-                    rows[c] = page_row(page_table, b, T.min(k * BN + c * R, (sk - 1) // R * R), page_size)
+                    rows[c] = _page_row(page_table, b, T.min(k * BN + c * R, (sk - 1) // R * R), page_size)
             T.mbarrier_wait_parity(k_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
             tma_tile(KC, K_s, st, k_full, kvh * HS_K, D, r0, rows)
             T.mbarrier_arrive(k_full[st])
