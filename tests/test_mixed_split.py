@@ -251,3 +251,21 @@ def test_new_kv_rows_take_only_what_fits():
     assert rows((k.flatten(1)[:, :96], k), 10, 2, 64, 64, torch.bfloat16, "t") is None  # not heads x dim
     assert rows((qkv[:, 4:132], qkv[:, 640:]), 10, 2, 64, 64, torch.bfloat16, "t") is None  # misaligned
     assert rows((k, k.transpose(1, 2).contiguous().transpose(1, 2)), 10, 2, 64, 64, torch.bfloat16, "t") is None
+
+
+def test_new_kv_only_batch_with_leading_decodes_unsplit_reads_the_cache(stand_ins, monkeypatch):
+    """``new_kv_only`` covers only the requests after the leading decodes: where the batch is not split (not
+    causal here, or ``MUSA_ATTN_SPLIT_MIXED=0``) the one prefill launch holds the decodes too, whose keys include
+    a cached prefix, so it reads the cache."""
+    launches, state = stand_ins
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    for split, causal in (("1", False), ("0", True)):
+        launches.clear()
+        monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", split)
+        q, k, v, _, _, meta, new_kv = _new_kv_case(2, [1, 1, 37, 130], [30, 99, 0, 0])
+        state["k"], state["v"] = k, v
+        out = tilelang_impl.paged_attention_tilelang(q, k, v, meta, causal=causal, new_kv=new_kv)
+        assert [kind for kind, *_ in launches] == ["prefill"]
+        torch.testing.assert_close(out.float(), paged_attention(q, k, v, meta, causal=causal,
+                                                                impl="reference").float(), atol=2e-2, rtol=2e-2)

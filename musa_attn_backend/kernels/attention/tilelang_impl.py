@@ -393,7 +393,9 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     nkv = _new_kv_rows(new_kv, nt, hkv, d, dv, q.dtype, op) if ncfg is not None else None
 
     def run_prefill(m: PagedKVMeta, cfg=None):
-        if nkv is not None and m.new_kv_only:
+        # the flag covers the requests after the leading decodes: a batch that still holds them (not split,
+        # e.g. not causal) reads the cache
+        if nkv is not None and m.new_kv_only and m.num_decodes == 0:
             nspec = dataclasses.replace(spec, k_layout=nkv[2], v_layout=nkv[3])
             prefill_kernel(nspec, causal, m.page_size, cfg=ncfg, ragged=True)(
                 *args(m, q, nkv[:2]), int(m.max_seqlen_q), out, lse)
