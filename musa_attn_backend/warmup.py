@@ -114,7 +114,7 @@ def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[st
                         window, model.has_softcap, model.has_sinks, k_layout, v_layout)
         jobs.append(Job("prefill", (spec, True, page_size or DEFAULT_PAGE_SIZE[engine])))
         ncfg = new_kv_prefill_config(model.head_dim, model.head_dim_v, window) if not spec.is_fp8 else None
-        if ncfg is not None:  # (MUSA_ATTN_NEW_KV_PREFILL=1) prefills without cached prefixes
+        if ncfg is not None:  # prefills without cached prefixes (MUSA_ATTN_NEW_KV_PREFILL=0: off)
             for kl, vl in new_kv_layouts(model.num_q_heads, model.num_kv_heads, model.head_dim, model.head_dim_v):
                 nspec = dataclasses.replace(spec, k_layout=kl, v_layout=vl)
                 jobs.append(Job("prefill", (nspec, True, page_size or DEFAULT_PAGE_SIZE[engine], None, ncfg, True)))

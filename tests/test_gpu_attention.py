@@ -202,14 +202,14 @@ def test_tilelang_rejects_unsupported(gpu_device):
                                                  (16, 128, "sinks"), (1, 128, "fused_mqa"), (64, 128, "decodes"),
                                                  (1, 256, "causal")])
 def test_prefill_from_new_kv(gpu_device, monkeypatch, page_size, d, variant):
-    """``MUSA_ATTN_NEW_KV_PREFILL=1``: a batch without cached prefixes (``new_kv_only``; after leading decodes
+    """The default new-K/V prefill: a batch without cached prefixes (``new_kv_only``; after leading decodes
     with ``decodes``) reads its keys from the new K/V rows, whatever the page size. With the new K/V equal to
     what the cache holds the result is the reference's; with them perturbed it follows them (the new rows were
     read, not the pages). Ragged lengths that are not multiples of the tile, a request longer than 2 tiles; head
     dim 256 takes the TMA-tile kernel without ping-pong (the MUSA path's kernel)."""
     import dataclasses
 
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL", raising=False)  # the default
     monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
     hq, hkv, dtype, causal, opts = 16, 4, torch.bfloat16, variant != "non_causal", {}
     if variant == "softcap":

@@ -79,6 +79,9 @@ def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
     assert "wait_wgmma<1>" in src, "no MMA left in flight across the softmax"
     assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc<24>" in src
     assert re.search(r"__sync_thread_partial\(5, 256\)", src) and re.search(r"__named_barrier_arrive\(6, 256\)", src)
+    # the page table: read once per 32 tiles, a tile's cache row per lane of the producer warp, handed to the
+    # lane issuing the tile's copies by a shuffle (not one dependent read per tile before its copies)
+    assert src.count("page_table[") == 1 and re.search(r"if \(\(k % 32\) == 0\)", src) and "__shfl_sync(" in src
 
 
 def test_prefill_pingpong_persistent_compiles_for_sm90a():
@@ -166,8 +169,8 @@ def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
 
 def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
     """The ping-pong prefill with TMA copies of page chunks (for pages of 16 tokens a tuning candidate; the
-    default for 64 with 64-row chunks): per 128-key tile the producer reads 8 cache rows from the page table
-    before the stage is free, then issues 16-row boxes (one per 64-column swizzle block) into the tile's rows,
+    default for 64 with 64-row chunks): per 128-key tile the producer takes 8 cache rows (read from the page
+    table for 4 tiles at once, one per lane) before the stage is free, then issues 16-row boxes (one per 64-column swizzle block) into the tile's rows,
     with the same 128-byte swizzle as the whole-tile copies the consumers' WGMMAs expect."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
@@ -190,21 +193,23 @@ def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
     assert cfg64.tma_rows == 64 and cfg64.block_N == 128 and cfg64.num_stages == 3
     src = ti.prefill_kernel(spec, True, 64, target=HOPPER, cfg=cfg64).get_kernel_source()
     assert "int rows[2];" in src and src.count("expect_transaction(8192)") == 2
+    assert src.count("page_table[") == 1 and re.search(r"if \(\(k % 16\) == 0\)", src)  # 2 chunks / tile
 
 
 def test_prefill_new_kv_compiles_for_sm90a(monkeypatch):
-    """The prefill reading the batch's new K/V rows instead of the cache (opt-in ``MUSA_ATTN_NEW_KV_PREFILL=1``,
-    for batches without cached prefixes): the TMA ping-pong kernel of pages of 128, its K/V tiles copied from
-    row ``cu_seqlens_q[b] + 128 k`` of the new K/V (SGLang's strided views of a fused QKV projection too), the
-    page table not read."""
+    """The prefill reading the batch's new K/V rows instead of the cache, for batches without cached prefixes
+    (default; ``MUSA_ATTN_NEW_KV_PREFILL=0`` turns it off): the TMA ping-pong kernel of pages of 128, its K/V
+    tiles copied from row ``cu_seqlens_q[b] + 128 k`` of the new K/V (SGLang's strided views of a fused QKV
+    projection too), the page table not read."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     import dataclasses
 
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
     monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
-    assert ti.new_kv_prefill_config(128, 128) is None  # opt-in
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "0")
+    assert ti.new_kv_prefill_config(128, 128) is None  # switched off
+    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL")  # the default
     cfg = ti.new_kv_prefill_config(128, 128)
     assert cfg == ti.prefill_config(128, 128, page_size=128) and cfg.tma and cfg.pingpong and not cfg.tma_rows
     assert ti.new_kv_prefill_config(128, 128, has_window=True) is None

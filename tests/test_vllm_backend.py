@@ -179,11 +179,11 @@ def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block,decodes", [(16, False), (1, True), (64, False)])
 def test_builder_and_impl_new_kv_prefill_on_gpu(gpu_device, monkeypatch, block, decodes):
-    """``MUSA_ATTN_NEW_KV_PREFILL=1``: a prefill batch without cached prefixes (after leading decodes with
+    """The default new-K/V prefill: a prefill batch without cached prefixes (after leading decodes with
     ``decodes``) reads the key / value vLLM hands the impl instead of the blocks, and matches float32 math."""
     from musa_attn_backend.kernels.attention import tilelang_impl
 
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL", raising=False)  # the default
     monkeypatch.setattr(tilelang_impl, "POISON", True)
     ragged = []
     real = tilelang_impl.prefill_kernel

@@ -47,8 +47,8 @@ def test_plan_lists_each_kernel_serving_needs():
     assert all(j.args[0].kv_dtype == "float8_e4m3" for j in fp8 if j.kind != "write_kv")
 
 
-def test_plan_adds_the_new_kv_prefill_when_switched_on(monkeypatch):
-    """With ``MUSA_ATTN_NEW_KV_PREFILL=1`` on a Hopper target, the prefill reading the new K/V of batches without
+def test_plan_adds_the_new_kv_prefill(monkeypatch):
+    """On a Hopper target (unless ``MUSA_ATTN_NEW_KV_PREFILL=0``), the prefill reading the new K/V of batches without
     cached prefixes is warmed up too, for the two layouts the engines hand over (views of a fused QKV
     projection, K/V of their own); not for FP8 caches, windowed layers, or with the switch off."""
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
@@ -58,8 +58,9 @@ def test_plan_adds_the_new_kv_prefill_when_switched_on(monkeypatch):
     def new_kv_jobs(jobs):
         return [j for j in jobs if j.kind == "prefill" and len(j.args) > 3]
 
-    assert not new_kv_jobs(warmup.plan(llama))  # off by default
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
+    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "0")
+    assert not new_kv_jobs(warmup.plan(llama))  # switched off
+    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL")  # on by default
     new = new_kv_jobs(warmup.plan(llama, engine="vllm"))
     assert len(new) == 2 and all(j.args[4] == ti.new_kv_prefill_config(128, 128) and j.args[5] for j in new)
     # the layouts are those of the engines' tensors: k / v split off a fused projection, or contiguous
@@ -86,7 +87,9 @@ def test_cache_layouts_match_what_each_engine_allocates(hkv, d):
 
 
 def test_warmup_compiles_for_sm90a_then_hits_the_cache(tmp_path):
-    """The representative CI compile of attention kernels: a GQA model (4 q / 1 kv heads, head dim 64)."""
+    """The representative CI compile of attention kernels: a GQA model (4 q / 1 kv heads, head dim 64). Seven
+    kernels: prefill, the new-K/V prefill for its two layouts, the decode of 1 query token (two variants),
+    combine, KV write."""
     cfg = tmp_path / "config.json"
     cfg.write_text('{"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, '
                    '"num_key_value_heads": 1, "torch_dtype": "bfloat16"}')
@@ -96,11 +99,11 @@ def test_warmup_compiles_for_sm90a_then_hits_the_cache(tmp_path):
            "sm_90a", "-j", "2", "--quiet"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    assert "5 compiled now, 0 already in the cache" in first.stdout
-    assert len(list((tmp_path / "cache" / "kernels").glob("*.done"))) == 5
+    assert "7 compiled now, 0 already in the cache" in first.stdout
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.done"))) == 7
     assert any((tmp_path / "cache" / "tilelang").rglob("*.cubin")), "TileLang wrote no kernel into our cache"
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert again.returncode == 0 and "0 compiled now, 5 already in the cache" in again.stdout, again.stdout
+    assert again.returncode == 0 and "0 compiled now, 7 already in the cache" in again.stdout, again.stdout
 
 
 def test_warmup_needs_a_target(monkeypatch, capsys):
