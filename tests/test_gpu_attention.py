@@ -147,6 +147,18 @@ def test_long_prefill(gpu_device):
     _compare(b, 16, 4, 128, torch.bfloat16, gpu_device)
 
 
+@pytest.mark.parametrize("page_size,causal", [(64, True), (128, True), (128, False), (256, True)])
+def test_long_extends_tma_tiles(gpu_device, page_size, causal):
+    """The TMA ping-pong kernels' producer reads the page table for 32 tiles' copies at once (one per lane, 16
+    tiles for 64-row chunks): requests of up to 70 key tiles (several reads), with cached prefixes and
+    shuffled pages, check each copy's rows."""
+    b = _batch(page_size + causal, gpu_device, batch_size=3, page_size=page_size, max_seq_len=9000,
+               prefix_lens=[4000, 0, 300], query_lens=[5000, 4500, 129])
+    cfg = tilelang_impl.prefill_config(128, 128, page_size=page_size)
+    assert cfg.tma and cfg.pingpong == (tilelang_impl.get_platform().warp_specialized)
+    _compare(b, 16, 4, 128, torch.bfloat16, gpu_device, causal=causal)
+
+
 @pytest.mark.parametrize("variant", ["causal", "non_causal", "softcap", "sinks", "fp16", "hd64", "mqa"])
 @pytest.mark.parametrize("page_size", [16, 64, 256])
 def test_prefill_every_tiling(gpu_device, page_size, variant, monkeypatch):

@@ -491,11 +491,11 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     @T.macro
     def tma_tile(C, X_s, st, bars, col0, W, r0, rows):
         """TMA copies of one key or value tile (``W`` columns from ``col0``) into stage ``st`` (arriving on
-        ``bars[st]``): one copy of the
-        whole tile from row ``r0``, or one per ``R``-row chunk (from ``rows[c]``) and 64-column swizzle block
-        (a contiguous box)."""
+        ``bars[st]``): one copy of the whole tile from row ``r0`` (``rows[0]`` where ``r0`` is None), or one per
+        ``R``-row chunk (from ``rows[c]``) and 64-column swizzle block (a contiguous box)."""
         if R == BN:
-            T.tma_copy(C[r0:r0 + BN, col0:col0 + W], X_s[st, :, :], barrier=bars[st])
+            T.tma_copy(C[(rows[0] if r0 is None else r0):(rows[0] if r0 is None else r0) + BN, col0:col0 + W],
+                       X_s[st, :, :], barrier=bars[st])
         else:
             for c in T.unroll(BN // R):
                 for h in T.unroll(W // 64):
@@ -504,24 +504,28 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
 
     @T.macro
     def tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size, n_iters,
-                     kc, sk, rows, row0):
+                     kc, sk, rows, row0, pv):
         """Producer warp: TMA copies of each key / value tile into the stage buffers, one per tile (a whole tile
         of one page, or with ``ragged`` from the request's first row ``row0``) or one per ``R``-row chunk of a
-        page (``rows``: their cache rows, read from the page table before the stage is free)."""
+        page. Paged: the cache rows of ``32 / (BN / R)`` tiles' chunks are read from the page table at once, one
+        per lane into ``pv`` (so the first tiles' copies do not wait for one page-table read each), and each
+        tile's are taken from their lanes (``rows``) before its stage is free. Chunks past the sequence: its
+        last chunk again (own page; masked)."""
+        C = BN // R  # copies (chunks) per tile
+        TPW = 32 // C  # tiles per page-table read of the warp
         for k in T.serial(n_iters):
             st = tile(kc, k) % S
-            if ragged:
-                r0 = row0 + k * BN
-            else:
-                r0 = _page_row(page_table, b, k * BN, page_size) if R == BN else 0  # (0: unused)
-            if R < BN:
-                for c in T.unroll(BN // R):  # a chunk past the sequence: its last chunk again (own page)
-                    rows[c] = _page_row(page_table, b, T.min(k * BN + c * R, (sk - 1) // R * R), page_size)
+            if not ragged:
+                if k % TPW == 0:
+                    pv[0] = _page_row(page_table, b, T.min((k * C + T.get_thread_binding() % 32) * R,
+                                                           (sk - 1) // R * R), page_size)
+                for c in T.unroll(C):
+                    rows[c] = T.shfl_sync(pv[0], (k % TPW) * C + c)
             T.mbarrier_wait_parity(k_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            tma_tile(KC, K_s, st, k_full, kvh * HS_K, D, r0, rows)
+            tma_tile(KC, K_s, st, k_full, kvh * HS_K, D, row0 + k * BN if ragged else None, rows)
             T.mbarrier_arrive(k_full[st])
             T.mbarrier_wait_parity(v_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            tma_tile(VC, V_s, st, v_full, kvh * HS_V, DV, r0, rows)
+            tma_tile(VC, V_s, st, v_full, kvh * HS_V, DV, row0 + k * BN if ragged else None, rows)
             T.mbarrier_arrive(v_full[st])
 
     def work_item(item, cu_seqlens_q, seqlens_k, max_seqlen_q):
@@ -620,6 +624,8 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                 if tx >= 256 and tx < 288:
                     kc = T.alloc_var("int32")
                     qi = T.alloc_var("int32")
+                    rows = T.alloc_local([1], "int32")
+                    pv = T.alloc_local([1], "int32")
                     kc = 0
                     qi = 0
                     for w in T.serial(T.ceildiv(T.max(num_work_items(max_seqlen_q) - cta, 0), persistent_ctas)):
@@ -632,7 +638,7 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                             T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
                             T.mbarrier_arrive(q_full)
                             tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh,
-                                         page_size, n_iters, kc, sk, None, None)
+                                         page_size, n_iters, kc, sk, rows, None, pv)
                             kc = kc + n_iters
                             qi = qi + 1
                 logit_scale = sm_scale
@@ -674,9 +680,10 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                         T.tma_copy(Q[q0 + m0 + HM:q0 + m0 + BM, h, :], Q_s[1, :, :], barrier=q_full)
                     T.mbarrier_arrive(q_full)
                     if not gather:
-                        rows = T.alloc_local([BN // R], "int32") if R < BN else None
+                        rows = None if ragged else T.alloc_local([BN // R], "int32")
+                        pv = None if ragged else T.alloc_local([1], "int32")
                         tma_kv_tiles(KC, VC, K_s, V_s, k_full, k_empty, v_full, v_empty, page_table, b, kvh, page_size,
-                                     n_iters, 0, sk, rows, q0)
+                                     n_iters, 0, sk, rows, q0, pv)
                 if gather:
                     if tx >= 256:
                         p = tx - 256
