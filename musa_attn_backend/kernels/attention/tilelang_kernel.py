@@ -491,11 +491,10 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     @T.macro
     def tma_tile(C, X_s, st, bars, col0, W, r0, rows):
         """TMA copies of one key or value tile (``W`` columns from ``col0``) into stage ``st`` (arriving on
-        ``bars[st]``): one copy of the whole tile from row ``r0`` (``rows[0]`` where ``r0`` is None), or one per
-        ``R``-row chunk (from ``rows[c]``) and 64-column swizzle block (a contiguous box)."""
+        ``bars[st]``): one copy of the whole tile from row ``r0``, or one per ``R``-row chunk (from ``rows[c]``)
+        and 64-column swizzle block (a contiguous box)."""
         if R == BN:
-            T.tma_copy(C[(rows[0] if r0 is None else r0):(rows[0] if r0 is None else r0) + BN, col0:col0 + W],
-                       X_s[st, :, :], barrier=bars[st])
+            T.tma_copy(C[r0:r0 + BN, col0:col0 + W], X_s[st, :, :], barrier=bars[st])
         else:
             for c in T.unroll(BN // R):
                 for h in T.unroll(W // 64):
@@ -521,11 +520,12 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                                                            (sk - 1) // R * R), page_size)
                 for c in T.unroll(C):
                     rows[c] = T.shfl_sync(pv[0], (k % TPW) * C + c)
+            r0 = (row0 + k * BN if ragged else rows[0]) if R == BN else None  # a whole tile's first row
             T.mbarrier_wait_parity(k_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            tma_tile(KC, K_s, st, k_full, kvh * HS_K, D, row0 + k * BN if ragged else None, rows)
+            tma_tile(KC, K_s, st, k_full, kvh * HS_K, D, r0, rows)
             T.mbarrier_arrive(k_full[st])
             T.mbarrier_wait_parity(v_empty[st], ((tile(kc, k) // S) & 1) ^ 1)
-            tma_tile(VC, V_s, st, v_full, kvh * HS_V, DV, row0 + k * BN if ragged else None, rows)
+            tma_tile(VC, V_s, st, v_full, kvh * HS_V, DV, r0, rows)
             T.mbarrier_arrive(v_full[st])
 
     def work_item(item, cu_seqlens_q, seqlens_k, max_seqlen_q):
