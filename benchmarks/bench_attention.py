@@ -192,7 +192,8 @@ def _env(name: str, value: str):
 def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_sizes=(1, 128), peers=True):
     """One row per (causal, length, page size). ``ours_contiguous_ms``: the same kernel and page size with the
     request's pages in order (the paged-vs-contiguous ratio). ``ours_new_kv_ms``: the same prefill with its keys
-    read from the new K/V (``MUSA_ATTN_NEW_KV_PREFILL=1``, how a fresh prefill runs in the engines with it on)."""
+    read from the new K/V, how a fresh prefill (no cached prefix) runs in the engines by default; ``ours_ms``
+    reads the paged cache, as an extend with a cached prefix does."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -210,7 +211,7 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                         max_seqlen_k=s)
                     res[name, ps] = bench_ms(lambda: paged_attention(q, k, v, meta, causal=causal, impl="tilelang"))
                     if not contig:
-                        # a fresh prefill as the engines run it with MUSA_ATTN_NEW_KV_PREFILL=1: keys from the
+                        # a fresh prefill as the engines run it (the default, forced on here): keys from the
                         # new K/V the layer is handed (here the request's K/V in order), not from the pages
                         nk, nv = (x.view(-1, hkv, d)[table[0].repeat_interleave(ps).long() * ps
                                                      + torch.arange(table.shape[1] * ps, device="cuda") % ps][:s]
