@@ -45,6 +45,15 @@ def case():
             q.shape[0], 2, 64))}), r"new_kv\[0\] \(k\) must be .* with at least"),
         (lambda q, k, v, m: (q, k, v, m, {"new_kv": (torch.zeros(q.shape[0], 2, 64), torch.zeros(
             q.shape[0]))}), r"new_kv\[1\] \(v\) must be"),
+        (lambda q, k, v, m: (q, k, v, m, {"out": [0.0]}), "out must be a torch.Tensor"),
+        (lambda q, k, v, m: (q, k, v, m, {"out": torch.empty_like(q)[:, :2]}),
+         r"out must have shape .*\[.*, 4, 64\], got \[.*, 2, 64\]"),
+        (lambda q, k, v, m: (q, k, v, m, {"out": torch.empty_like(q)[1:]}), "out must have shape"),
+        (lambda q, k, v, m: (q, k, v, m, {"out": torch.empty_like(q, dtype=torch.float32)}), "out dtype must be"),
+        (lambda q, k, v, m: (q, k, v, m, {"out": torch.empty_like(q, device="meta")}), "out is on meta"),
+        (lambda q, k, v, m: (q, k, v, m, {"out": torch.empty(q.shape[0], 64, 4, dtype=q.dtype).transpose(1, 2)}),
+         "out must be contiguous"),
+        (lambda q, k, v, m: (q, k, v, m, {"out": q}), "out overlaps q"),
     ],
 )
 def test_paged_attention_rejects(case, mutate, match):

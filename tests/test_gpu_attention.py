@@ -261,3 +261,41 @@ def test_prefill_from_new_kv(gpu_device, monkeypatch, page_size, d, variant):
     t = nd
     assert torch.equal(bumped[:t], out[:t])
     assert (bumped[t:].float() - out[t:].float()).abs().mean() > 0.5
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode_split_kv", "mixed_split", "new_kv"])
+def test_out_is_written_in_place(gpu_device, kind):
+    """``out=`` on the TileLang path: rows of a larger, NaN-filled buffer (an engine's padded output) are
+    written by every kind of launch (prefill, split-KV decode + combine, a mixed batch's decode and prefill
+    launches, the new-K/V prefill), come back as the result, equal a call without ``out=``, and the rows past
+    the batch stay untouched; a non-contiguous ``out`` is refused before anything launches."""
+    import dataclasses
+
+    if kind == "decode_split_kv":
+        b = _batch(21, gpu_device, batch_size=2, page_size=16, max_seq_len=6000, decode=True)
+    else:
+        b = _batch(22, gpu_device, batch_size=4, page_size=16, max_seq_len=700,
+                   query_lens=[1, 1, 300, 129] if kind != "new_kv" else [40, 300, 129, 7],
+                   prefix_lens=[500, 33, 0, 77] if kind != "new_kv" else [0, 0, 0, 0])
+    k_cache, v_cache, ks, vs = b.make_kv(8, 128, torch.bfloat16)
+    meta = b.meta()
+    opts = {}
+    if kind == "mixed_split":
+        meta = dataclasses.replace(meta, num_decodes=2)
+    if kind == "new_kv":
+        meta = dataclasses.replace(meta, new_kv_only=True)
+        opts["new_kv"] = (torch.cat(ks), torch.cat(vs))
+    q = torch.randn(b.num_tokens, 32, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q = q.to(gpu_device)
+    want, want_lse = paged_attention(q, k_cache, v_cache, meta, return_lse=True, impl="tilelang", **opts)
+    engine = torch.full((b.num_tokens + 3, 32, 128), float("nan"), dtype=torch.bfloat16, device=gpu_device)
+    out, lse = paged_attention(q, k_cache, v_cache, meta, return_lse=True, impl="tilelang",
+                               out=engine[:b.num_tokens], **opts)
+    assert out.data_ptr() == engine.data_ptr() and out.shape == want.shape
+    assert not torch.isnan(engine[:b.num_tokens]).any(), "rows the kernels left unwritten"
+    assert torch.isnan(engine[b.num_tokens:]).all(), "rows past the batch were written"
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        paged_attention(q, k_cache, v_cache, meta, impl="tilelang",
+                        out=torch.empty(32, b.num_tokens, 128, dtype=torch.bfloat16, device=gpu_device).transpose(0, 1))

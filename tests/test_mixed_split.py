@@ -269,3 +269,24 @@ def test_new_kv_only_batch_with_leading_decodes_unsplit_reads_the_cache(stand_in
         assert [kind for kind, *_ in launches] == ["prefill"]
         torch.testing.assert_close(out.float(), paged_attention(q, k, v, meta, causal=causal,
                                                                 impl="reference").float(), atol=2e-2, rtol=2e-2)
+
+
+def test_tilelang_path_writes_the_given_out(stand_ins):
+    """``out=`` on the launch path: the decode and prefill launches of a split mixed batch write the caller's
+    tensor (NaN beforehand), which is what comes back, with the LSE beside it."""
+    _, state = stand_ins
+    batch = random_batch(random.Random(4), batch_size=4, page_size=16, max_seq_len=400, query_lens=[1, 1, 30, 7],
+                         prefix_lens=[50, 9, 0, 20])
+    k, v, _, _ = batch.make_kv(2, 64, torch.bfloat16)
+    k, v = torch.nan_to_num(k), torch.nan_to_num(v)
+    state["k"], state["v"] = k, v
+    meta = dataclasses.replace(batch.meta(), num_decodes=2)
+    q = torch.randn(batch.num_tokens, 8, 64).to(torch.bfloat16)
+    buf = torch.full((batch.num_tokens, 8, 64), float("nan"), dtype=torch.bfloat16)
+    out, lse = tilelang_impl.paged_attention_tilelang(q, k, v, meta, return_lse=True, out=buf)
+    assert out is buf and not torch.isnan(buf).any()
+    ref, ref_lse = paged_attention(q, k, v, meta, return_lse=True, impl="reference")
+    torch.testing.assert_close(buf.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        tilelang_impl.paged_attention_tilelang(q, k, v, meta, out=buf.transpose(0, 1).contiguous().transpose(0, 1))

@@ -205,3 +205,34 @@ def test_quantize_fp8_clamps():
     x = torch.tensor([[[1000.0, -1000.0, 1.0]]])
     y = quantize_fp8(x, 1.0).float()
     assert y.tolist() == [[[448.0, -448.0, 1.0]]]
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_out_is_written_and_returned(return_lse):
+    """``out=``: the result lands in the caller's tensor, which is what comes back (the LSE beside it when asked
+    for), with the values of a call without it."""
+    batch = random_batch(random.Random(11), batch_size=4, page_size=16, max_seq_len=90, max_query_len=20)
+    k_cache, v_cache, _, _ = batch.make_kv(2, 64, torch.bfloat16, head_dim_v=32)
+    q = torch.randn(batch.num_tokens, 4, 64).to(torch.bfloat16)
+    meta = batch.meta()
+    want, want_lse = paged_attention(q, k_cache, v_cache, meta, return_lse=True)
+    buf = torch.full((batch.num_tokens, 4, 32), float("nan"), dtype=torch.bfloat16)
+    res = paged_attention(q, k_cache, v_cache, meta, out=buf, return_lse=return_lse)
+    out, lse = res if return_lse else (res, None)
+    assert out is buf
+    assert torch.equal(buf, want)
+    if return_lse:
+        assert torch.equal(lse, want_lse)
+
+
+def test_out_may_be_rows_of_a_larger_buffer():
+    """An engine's output holds padded rows past the batch: its leading rows, contiguous, are a valid ``out``
+    and nothing past them is touched."""
+    batch = random_batch(random.Random(12), batch_size=3, page_size=1, max_seq_len=40, max_query_len=9)
+    k_cache, v_cache, _, _ = batch.make_kv(2, 64, torch.float32)
+    q = torch.randn(batch.num_tokens, 4, 64)
+    engine = torch.full((batch.num_tokens + 5, 4, 64), 7.0)
+    res = paged_attention(q, k_cache, v_cache, batch.meta(), out=engine[:batch.num_tokens])
+    assert res.data_ptr() == engine.data_ptr()
+    assert torch.equal(engine[:batch.num_tokens], paged_attention(q, k_cache, v_cache, batch.meta()))
+    assert (engine[batch.num_tokens:] == 7.0).all()

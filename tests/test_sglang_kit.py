@@ -89,6 +89,15 @@ def test_registry_has_our_factory():
     assert ATTENTION_BACKEND_CHOICES.count(BACKEND_NAME) == 1
 
 
+def test_backend_is_a_module_level_attention_backend():
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    from musa_attn_backend.sglang import backend
+
+    assert issubclass(backend.TileLangMusaAttnBackend, AttentionBackend)
+    assert backend.TileLangMusaAttnBackend.__qualname__ == "TileLangMusaAttnBackend"
+
+
 def test_backend_refuses_unsupported_model(monkeypatch):
     from musa_attn_backend.sglang import backend
 
@@ -208,13 +217,12 @@ def test_kit_target_verify_cuda_graph(case, gpu_device, monkeypatch):
 
 
 def test_other_speculative_modes_are_refused_not_misread():
-    from musa_attn_backend.sglang.backend import backend_class
+    from musa_attn_backend.metadata import sglang as sglang_meta
 
-    backend = backend_class().__new__(backend_class())
     for mode in (ForwardMode.DRAFT_EXTEND_V2, ForwardMode.DLLM_EXTEND):
         fb = type("FB", (), {"forward_mode": mode})()
         with pytest.raises(NotImplementedError, match=mode.name):
-            backend._build(fb)
+            sglang_meta.forward_batch_meta(fb, None, 1)
 
 
 # --------------------------------------------------------------------------------------------------- new K/V
@@ -268,3 +276,30 @@ def test_kit_extend_new_kv_prefill_gpu(monkeypatch, gpu_device):
         kit.run_dense_attention_case(_TC(), case, device=gpu_device, dtype=torch.bfloat16, head_dim=128,
                                      hidden_size=256, max_context_len=_max_context(case))
     assert ragged and all(ragged), ragged
+
+
+def test_extend_writes_sglang_output_buffer_in_place(monkeypatch):
+    """Where SGLang hands the call an output buffer (``ForwardBatch._attn_output``: piecewise prefill graphs,
+    padded extend batches), the kernels write it and it is what the backend returns, so SGLang copies nothing;
+    the kit's reference still matches."""
+    from musa_attn_backend.sglang import backend
+
+    seen = []
+    real = backend.TileLangMusaAttnBackend.forward_extend
+
+    def forward_extend(self, q, k, v, layer, fb, *a, **kw):
+        fb._attn_output = torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), float("nan"),
+                                     dtype=q.dtype)
+        try:
+            res = real(self, q, k, v, layer, fb, *a, **kw)
+        finally:
+            buf, fb._attn_output = fb._attn_output, None
+        seen.append(res.data_ptr() == buf.data_ptr() and res.shape == buf.shape)
+        return res
+
+    monkeypatch.setattr(backend.TileLangMusaAttnBackend, "forward_extend", forward_extend)
+    case = next(c for c in CASES if c.name == "mixed_mode_prefix_and_fresh")
+    with torch.no_grad():
+        kit.run_dense_attention_case(_TC(), case, device="cpu", dtype=torch.float32,
+                                     max_context_len=_max_context(case))
+    assert seen and all(seen), seen

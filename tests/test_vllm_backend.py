@@ -154,6 +154,28 @@ def test_builder_and_impl_match_sdpa_on_mixed_batch(hq, hkv, block, opts):
     _builder_impl_vs_reference(hq, hkv, block, opts)
 
 
+def test_impl_writes_vllm_output_in_place(monkeypatch):
+    """The impl hands vLLM's preallocated output (its real rows) to the kernels as ``out=``: the result is
+    written there, not copied from a tensor of our own (the helper fills the output with NaN, then checks that
+    every row was written with the right values)."""
+    from musa_attn_backend.vllm import backend as vb
+
+    calls = []
+    real = vb.paged_attention
+
+    def spy(q, k_cache, v_cache, meta, **kw):
+        res = real(q, k_cache, v_cache, meta, **kw)
+        calls.append((kw.get("out"), res))
+        return res
+
+    monkeypatch.setattr(vb, "paged_attention", spy)
+    _builder_impl_vs_reference(8, 2, 16, {})
+    assert calls, "the impl did not call paged_attention"
+    for out, res in calls:
+        assert out is not None and res is out
+        assert out.shape[1:] == (8, 64) and out.is_contiguous()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split_mixed"])
 @pytest.mark.parametrize("hq,hkv,block", [(32, 8, 16), (32, 8, 128), (8, 1, 64), (16, 16, 1)])

@@ -1,9 +1,9 @@
 """vLLM 0.33 v1 attention backend ``TILELANG_MUSA``: ``CommonAttentionMetadata`` -> PagedKVMeta -> our kernels.
 
-No math here. The builder turns vLLM's batch into the shared paged-KV metadata once per batch; the impl writes
-K/V with our KV-write op (``do_kv_cache_update``) and runs :func:`musa_attn_backend.kernels.paged_attention`
+No math here. The builder hands vLLM's batch to :mod:`musa_attn_backend.metadata.vllm` once per batch; the impl
+writes K/V with our KV-write op (``do_kv_cache_update``) and runs :func:`musa_attn_backend.kernels.paged_attention`
 (TileLang on a GPU, the PyTorch reference on a CPU) on vLLM's NHD cache ``[blocks, block_size, H, 2D]`` seen as
-K and V views, in place.
+K and V views, in place, writing into vLLM's preallocated output.
 
 CUDA graphs: the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE`` and, when vLLM runs full CUDA graphs, builds
 pure-decode batches into persistent fixed-capacity buffers (so a captured graph reads each replay's metadata) with
@@ -15,7 +15,6 @@ declares ``NEVER`` instead.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -35,26 +34,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from ..kernels import paged_attention, write_kv
 from ..kernels.attention import split_mixed_batches
 from ..metadata import PagedKVMeta
+from ..metadata import vllm as vllm_meta
 
 NAME = "TILELANG_MUSA"
 FP8_KV = ("fp8", "fp8_e4m3")
 CUDA_GRAPHS_ENV = "MUSA_ATTN_VLLM_CUDA_GRAPHS"
-
-
-def _leading_decodes(query_start_loc_cpu: torch.Tensor) -> int:
-    """How many requests at the front of the batch have one query token (host tensor: no device sync)."""
-    longer = ((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]) != 1).nonzero()
-    return int(longer[0, 0]) if longer.numel() else int(query_start_loc_cpu.numel() - 1)
-
-
-def _new_kv_only(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: Optional[torch.Tensor], first: int) -> bool:
-    """Whether requests ``first``.. have no cached prefix (their keys are their new tokens): from host tensors
-    (no device sync). ``seq_lens_cpu``: vLLM's ``seq_lens_cpu_upper_bound``, exact for prefill rows and never
-    below a row's length, so equality with the query length is exact; None = not known."""
-    if seq_lens_cpu is None:
-        return False
-    q_lens = query_start_loc_cpu[first + 1:] - query_start_loc_cpu[first:-1]
-    return bool(q_lens.numel()) and bool((seq_lens_cpu[first:] == q_lens).all())
 
 
 def _graphs_enabled() -> bool:
@@ -136,37 +120,22 @@ class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]
         if self.split_mixed:
             self.reorder_batch_threshold = 1  # vLLM puts single-token (decode) requests first
 
-    def _persistent(self, cm: CommonAttentionMetadata) -> PagedKVMeta:
-        """Fixed-capacity metadata buffers for decode batches under full CUDA graphs (made once): up to
-        ``max_num_seqs`` requests, the runner's block-table width (blocks per request at ``max_model_len``)."""
+    def _graph_buffers(self, cm: CommonAttentionMetadata) -> Optional[PagedKVMeta]:
+        """The persistent metadata buffers (made once) for a pure-decode batch under full CUDA graphs that fits
+        them; None for every other batch (it gets tensors of its own)."""
+        if not (self.full_graphs and vllm_meta.is_uniform_decode(cm)):
+            return None
         if self._graph_meta is None:
-            max_bs = max(int(self.vllm_config.scheduler_config.max_num_seqs), cm.num_reqs)
-            self._graph_meta = PagedKVMeta.allocate(max_batch=max_bs, max_tokens=max_bs,
-                                                    max_pages=max(1, cm.block_table_tensor.shape[1]),
-                                                    page_size=self.block_size, device=self.device)
-        return self._graph_meta
+            self._graph_meta = vllm_meta.graph_buffers(cm, self.vllm_config.scheduler_config.max_num_seqs,
+                                                       self.block_size, self.device)
+        return self._graph_meta if vllm_meta.graph_buffers_fit(self._graph_meta, cm) else None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TileLangMusaMetadata:
         cm = common_attn_metadata
-        n, bs = cm.num_actual_tokens, cm.num_reqs
-        slots = cm.slot_mapping[:n]
-        out = None
-        if self.full_graphs and cm.max_query_len == 1 and n == bs:
-            graph_meta = self._persistent(cm)
-            if bs <= graph_meta.batch_size and cm.block_table_tensor.shape[1] <= graph_meta.max_pages:
-                out = graph_meta
-        meta = PagedKVMeta.from_vllm(block_table=cm.block_table_tensor[:bs], query_start_loc=cm.query_start_loc[:bs + 1],
-                                     seq_lens=cm.seq_lens[:bs], slot_mapping=slots, page_size=self.block_size,
-                                     max_seqlen_q=int(cm.max_query_len),
-                                     max_seqlen_k=None if out is not None else int(cm.max_seq_len), out=out)
-        if out is None and cm.max_query_len > 1:
-            qsl = cm.query_start_loc_cpu[:bs + 1]
-            nd = _leading_decodes(qsl) if self.split_mixed else 0
-            bound = getattr(cm, "seq_lens_cpu_upper_bound", None)
-            meta = dataclasses.replace(meta, num_decodes=nd, new_kv_only=_new_kv_only(
-                qsl, bound[:bs] if bound is not None else None, nd))
-        return TileLangMusaMetadata(meta=meta, num_actual_tokens=n, slot_mapping=meta.slot_mapping,
+        meta = vllm_meta.common_metadata_meta(cm, self.block_size, out=self._graph_buffers(cm),
+                                              split_decodes=self.split_mixed)
+        return TileLangMusaMetadata(meta=meta, num_actual_tokens=cm.num_actual_tokens, slot_mapping=meta.slot_mapping,
                                     causal=cm.causal)
 
 
@@ -196,11 +165,7 @@ class TileLangMusaImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
     def _caches(self, kv_cache: torch.Tensor):
-        # logical [blocks, H, block_size, 2D] -> K and V views [blocks, block_size, H, D]
-        k, v = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        if self.fp8:
-            k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
-        return k, v
+        return vllm_meta.kv_cache_views(kv_cache, self.head_size, self.fp8)
 
     def _scales(self, layer):
         if not self.fp8:
@@ -228,8 +193,9 @@ class TileLangMusaImpl(AttentionImpl):
         # without cached prefixes to read instead of the cache
         new_kv = (key[:n], value[:n]) if key is not None and value is not None \
             and self.kv_sharing_target_layer_name is None and not self.fp8 else None
-        out = paged_attention(query[:n], k_cache, v_cache, attn_metadata.meta, causal=attn_metadata.causal,
-                              sm_scale=self.scale, sliding_window=self.window, logit_softcap=self.logits_soft_cap,
-                              sinks=self.sinks, k_scale=k_scale, v_scale=v_scale, new_kv=new_kv)
-        output[:n].copy_(out.view(output[:n].shape))
+        # the kernels write vLLM's output rows in place (no copy): [T, H, Dv] as vLLM allocates it
+        paged_attention(query[:n], k_cache, v_cache, attn_metadata.meta, causal=attn_metadata.causal,
+                        sm_scale=self.scale, sliding_window=self.window, logit_softcap=self.logits_soft_cap,
+                        sinks=self.sinks, k_scale=k_scale, v_scale=v_scale, new_kv=new_kv,
+                        out=output[:n].view(n, self.num_heads, -1))
         return output

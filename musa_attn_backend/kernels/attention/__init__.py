@@ -84,7 +84,8 @@ Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_paged_attention_args(q, k_cache, v_cache, meta, *, sm_scale=None, sliding_window=None,
-                               logit_softcap=None, sinks=None, k_scale=None, v_scale=None, new_kv=None) -> None:
+                               logit_softcap=None, sinks=None, k_scale=None, v_scale=None, new_kv=None,
+                               out=None) -> None:
     """Shape, dtype and option checks common to every implementation (raises ``ValueError``)."""
     op = "paged_attention"
     check(isinstance(q, torch.Tensor) and q.dim() == 3,
@@ -135,6 +136,26 @@ def check_paged_attention_args(q, k_cache, v_cache, meta, *, sm_scale=None, slid
                   f"{op}: {name} must be [num_tokens, num_kv_heads, head_dim] or [num_tokens, num_kv_heads * "
                   f"head_dim] with at least {num_tokens} rows, got {tuple(x.shape)}")
             check(x.device == q.device, f"{op}: {name} is on {x.device}, q on {q.device}")
+    if out is not None:
+        want = (num_tokens, hq, v_cache.shape[3])
+        check(isinstance(out, torch.Tensor), f"{op}: out must be a torch.Tensor, got {type(out).__name__}")
+        check(tuple(out.shape) == want, f"{op}: out must have shape [num_tokens, num_q_heads, v_head_dim] = "
+                                        f"{list(want)}, got {list(out.shape)}")
+        check(out.dtype == q.dtype, f"{op}: out dtype must be q's ({q.dtype}), got {out.dtype}")
+        check(out.device == q.device, f"{op}: out is on {out.device}, q on {q.device}")
+        # The kernels store rows of [num_tokens, num_q_heads, v_head_dim] at row-major offsets; a strided view
+        # would need a copy afterwards, which out= exists to avoid.
+        check(out.is_contiguous(), f"{op}: out must be contiguous (row-major [num_tokens, num_q_heads, "
+                                   f"v_head_dim]), got strides {out.stride()}")
+        # the kernels read q while they write out: the two must not share memory
+        q_end, o_end = q.data_ptr() + _span(q), out.data_ptr() + _span(out)
+        check(out.numel() == 0 or q.numel() == 0 or o_end <= q.data_ptr() or q_end <= out.data_ptr(),
+              f"{op}: out overlaps q's memory; pass a separate output tensor")
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (strides >= 0)."""
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
 
 
 def paged_attention(
@@ -152,6 +173,7 @@ def paged_attention(
     v_scale: Optional[Union[float, torch.Tensor]] = None,
     return_lse: bool = False,
     new_kv: Optional[tuple] = None,
+    out: Optional[torch.Tensor] = None,
     impl: str = "auto",
 ):
     """Attention of packed queries over a paged KV cache (prefill, extend with a cached prefix, or decode).
@@ -178,14 +200,19 @@ def paged_attention(
             prefix, the GPU prefill may read them instead of the cache: the same values, in whole contiguous
             tiles whatever the page size (default, :func:`new_kv_prefill_enabled`). Ignored by the reference,
             for FP8 caches and where their dtype differs from the cache's.
+        out: optional ``[num_tokens, num_q_heads, v_head_dim]`` tensor of ``q``'s dtype on ``q``'s device,
+            contiguous, to write the result into (an engine's preallocated output); it is the returned tensor.
+            Checked with the other arguments, before anything launches. The TileLang kernels write it
+            directly; the reference computes in float32 and copies the result in.
         impl: ``auto`` (TileLang on a GPU, reference on a CPU), ``tilelang`` or ``reference``.
 
     Returns:
-        ``out`` ``[num_tokens, num_q_heads, head_dim]`` in ``q.dtype``, or ``(out, lse)``.
+        ``out`` ``[num_tokens, num_q_heads, v_head_dim]`` in ``q.dtype`` (the given ``out`` if any), or
+        ``(out, lse)``.
     """
     check_paged_attention_args(q, k_cache, v_cache, meta, sm_scale=sm_scale, sliding_window=sliding_window,
                                logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                               new_kv=new_kv)
+                               new_kv=new_kv, out=out)
     if sliding_window is not None and sliding_window < 0:
         sliding_window = None
     if logit_softcap == 0:
@@ -194,7 +221,11 @@ def paged_attention(
                   sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
     which = resolve_impl(impl, q.device, "paged_attention")
     if which == "reference":
-        return paged_attention_reference(q, k_cache, v_cache, meta, **kwargs)
+        res = paged_attention_reference(q, k_cache, v_cache, meta, **kwargs)
+        if out is None:
+            return res
+        out.copy_(res[0] if return_lse else res)
+        return (out, res[1]) if return_lse else out
     from . import tilelang_impl
 
-    return tilelang_impl.paged_attention_tilelang(q, k_cache, v_cache, meta, new_kv=new_kv, **kwargs)
+    return tilelang_impl.paged_attention_tilelang(q, k_cache, v_cache, meta, new_kv=new_kv, out=out, **kwargs)

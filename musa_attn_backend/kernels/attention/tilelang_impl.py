@@ -353,9 +353,10 @@ def combine_kernel(spec: AttnSpec, target=None):
 
 def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale=None, sliding_window=None,
                              logit_softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False,
-                             new_kv=None, prefill_cfg: Optional[PrefillConfig] = None):
-    """The TileLang path of :func:`musa_attn_backend.kernels.paged_attention` (``prefill_cfg``: force a prefill
-    tiling, for the tuner)."""
+                             new_kv=None, out: Optional[torch.Tensor] = None,
+                             prefill_cfg: Optional[PrefillConfig] = None):
+    """The TileLang path of :func:`musa_attn_backend.kernels.paged_attention` (``out``: the caller's output,
+    checked there, written in place; ``prefill_cfg``: force a prefill tiling, for the tuner)."""
     check_tilelang_supported(q, k_cache, v_cache)
     q = q.contiguous()
     nt, hq, d = q.shape
@@ -378,7 +379,11 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
         float(logit_softcap) if spec.has_softcap else 0.0,
         int(sliding_window) if spec.has_window else 0,
     )
-    out = _alloc((nt, hq, dv), q.dtype, dev)
+    if out is None:
+        out = _alloc((nt, hq, dv), q.dtype, dev)
+    else:  # the kernels index O as a contiguous [nt, hq, dv]: anything else would be written wrongly
+        check(tuple(out.shape) == (nt, hq, dv) and out.dtype == q.dtype and out.device == dev
+              and out.is_contiguous(), f"{op}: out must be a contiguous [{nt}, {hq}, {dv}] {q.dtype} tensor on {dev}")
     lse = _alloc((nt, hq), torch.float32, dev)
     if nt == 0:
         return (out, lse) if return_lse else out

@@ -1,6 +1,7 @@
-"""Paged-KV metadata shared by the SGLang and vLLM adapters.
+"""Engine-neutral paged-KV metadata: one batch as the attention kernels read it.
 
-One :class:`PagedKVMeta` describes a batch the way the kernels want it, whatever engine built it:
+One :class:`PagedKVMeta` describes a batch the way the kernels want it, whatever engine built it (the engine
+translations live in :mod:`.sglang` and :mod:`.vllm`):
 
 * ``cu_seqlens_q`` int32 ``[B + 1]``: query tokens of request ``b`` are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
   of the packed ``q``.
@@ -18,9 +19,10 @@ One :class:`PagedKVMeta` describes a batch the way the kernels want it, whatever
   the batch's new K/V). The engines set it from host-side lengths; the GPU prefill may then read the new K/V
   instead of the cache (``paged_attention(new_kv=...)``).
 
-Both constructors produce identical tensors for the same logical batch (a property test checks it).
+Every constructor ends in :meth:`PagedKVMeta.from_lengths` (per-request lengths, page table, slots), so both
+engines' constructors produce identical tensors for the same logical batch (a property test checks it).
 
-CUDA graphs: :meth:`PagedKVMeta.allocate` makes a capacity-sized instance; passing it as ``out=`` to either
+CUDA graphs: :meth:`PagedKVMeta.allocate` makes a capacity-sized instance; passing it as ``out=`` to any
 constructor writes the batch into those buffers in place and returns views of them, so the tensor addresses
 a captured graph recorded stay valid. The decode path (query lengths all 1) never reads a device value on
 the host when ``max_seqlen_k`` is given or may default to the page-table capacity.
@@ -34,20 +36,20 @@ from typing import Optional
 
 import torch
 
-__all__ = ["PagedKVMeta"]
+__all__ = ["PagedKVMeta", "require", "check_1d", "check_page_size", "cumsum0"]
 
 
-def _require(cond: bool, msg: str) -> None:
+def require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
 
 
-def _check_1d(name: str, t: torch.Tensor, length: Optional[int] = None) -> None:
-    _require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _require(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    _require(not t.is_floating_point(), f"{name} must be an integer tensor, got {t.dtype}")
+def check_1d(name: str, t: torch.Tensor, length: Optional[int] = None) -> None:
+    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(t.dim() == 1, f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    require(not t.is_floating_point(), f"{name} must be an integer tensor, got {t.dtype}")
     if length is not None:
-        _require(t.numel() == length, f"{name} must have {length} elements (one per request), got {t.numel()}")
+        require(t.numel() == length, f"{name} must have {length} elements (one per request), got {t.numel()}")
 
 
 @dataclass
@@ -88,7 +90,7 @@ class PagedKVMeta:
     def requests(self, start: int, stop: int, *, max_seqlen_q: Optional[int] = None) -> "PagedKVMeta":
         """Requests ``start:stop`` as a batch of their own (fresh, aligned tensors; query rows keep their indices
         into the packed ``q``, so ``cu_seqlens_q`` is not rebased and ``slot_mapping`` stays whole)."""
-        _require(0 <= start < stop <= self.batch_size, f"requests({start}, {stop}) of a batch of {self.batch_size}")
+        require(0 <= start < stop <= self.batch_size, f"requests({start}, {stop}) of a batch of {self.batch_size}")
         return PagedKVMeta(cu_seqlens_q=self.cu_seqlens_q[start:stop + 1].clone(),
                            seqlens_k=self.seqlens_k[start:stop].clone(),
                            prefix_lens=self.prefix_lens[start:stop].clone(),
@@ -102,8 +104,8 @@ class PagedKVMeta:
         """The leading ``num_decodes`` requests (one query token each) and the rest, as batches of their own
         (:meth:`requests`). Built on the first call and reused by every later one (every layer of the step): a
         metadata object whose ``num_decodes`` is set is read-only, the engines build one per batch."""
-        _require(0 < self.num_decodes < self.batch_size,
-                 f"decode_split: num_decodes {self.num_decodes} must be in (0, batch size {self.batch_size})")
+        require(0 < self.num_decodes < self.batch_size,
+                f"decode_split: num_decodes {self.num_decodes} must be in (0, batch size {self.batch_size})")
         views = self.__dict__.get("_decode_split")
         if views is None:
             views = (self.requests(0, self.num_decodes, max_seqlen_q=1),
@@ -120,8 +122,8 @@ class PagedKVMeta:
     def allocate(cls, max_batch: int, max_tokens: int, max_pages: int, page_size: int,
                  device: torch.device | str) -> "PagedKVMeta":
         """Fixed-capacity buffers to pass as ``out=`` (CUDA-graph capture and replay)."""
-        _require(max_batch >= 1 and max_tokens >= 1 and max_pages >= 1, "allocate: capacities must be >= 1")
-        _check_page_size(page_size)
+        require(max_batch >= 1 and max_tokens >= 1 and max_pages >= 1, "allocate: capacities must be >= 1")
+        check_page_size(page_size)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             cu_seqlens_q=torch.zeros(max_batch + 1, **i32),
@@ -136,103 +138,35 @@ class PagedKVMeta:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_sglang(
-        cls,
-        *,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        extend_prefix_lens: Optional[torch.Tensor] = None,
-        extend_seq_lens: Optional[torch.Tensor] = None,
-        out_cache_loc: Optional[torch.Tensor] = None,
-        page_size: int = 1,
-        max_seqlen_q: Optional[int] = None,
-        max_seqlen_k: Optional[int] = None,
-        out: Optional["PagedKVMeta"] = None,
-    ) -> "PagedKVMeta":
-        """From SGLang's batch view.
+    def from_sglang(cls, **kwargs) -> "PagedKVMeta":
+        """From SGLang's batch tensors (``req_to_token``, ``req_pool_indices``, ``seq_lens``, ...): see
+        :func:`musa_attn_backend.metadata.sglang.paged_kv_meta` for the arguments."""
+        from .sglang import paged_kv_meta
 
-        ``req_to_token`` ``[pool_size, max_context]`` maps (request slot, token position) to a KV slot;
-        SGLang allocates whole pages, so the page of position ``p`` is ``req_to_token[r, p] // page_size`` and
-        the first position of each page gives the page table. ``seq_lens`` are total lengths (prefix + new).
-        For a decode batch leave ``extend_prefix_lens``/``extend_seq_lens`` out (one new token per request).
-        ``out_cache_loc`` (slots of the new tokens) defaults to ``req_to_token`` at the new positions, where
-        SGLang has written it before the forward pass.
+        return paged_kv_meta(**kwargs)
+
+    @classmethod
+    def from_vllm(cls, **kwargs) -> "PagedKVMeta":
+        """From vLLM's ``CommonAttentionMetadata`` tensors (``block_table``, ``query_start_loc``, ``seq_lens``,
+        ``slot_mapping``, ``page_size``): see :func:`musa_attn_backend.metadata.vllm.paged_kv_meta`."""
+        from .vllm import paged_kv_meta
+
+        return paged_kv_meta(**kwargs)
+
+    @classmethod
+    def from_lengths(cls, *, query_lens: torch.Tensor, seqlens_k: torch.Tensor, prefix_lens: torch.Tensor,
+                     page_table: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                     out: Optional["PagedKVMeta"] = None) -> "PagedKVMeta":
+        """The engine-neutral constructor every engine translation ends in.
+
+        ``query_lens``, ``seqlens_k``, ``prefix_lens`` int32 ``[B]`` on the page table's device;
+        ``page_table`` int32 ``[B, pages]`` (entries past a request's last page may hold anything: they are
+        zeroed here); ``slot_mapping`` int64 ``[num_tokens]``. ``max_seqlen_q`` defaults to the longest query
+        (a host sync unless every request is a decode), ``max_seqlen_k`` to the page-table capacity. With
+        ``out=`` (from :meth:`allocate`) the batch is written into those buffers and views of them returned.
         """
-        _check_page_size(page_size)
-        _require(isinstance(req_to_token, torch.Tensor) and req_to_token.dim() == 2,
-                 "req_to_token must be a 2-D tensor [pool_size, max_context_len]")
-        _check_1d("req_pool_indices", req_pool_indices)
-        bs = req_pool_indices.numel()
-        _check_1d("seq_lens", seq_lens, bs)
-        _require((extend_prefix_lens is None) == (extend_seq_lens is None),
-                 "extend_prefix_lens and extend_seq_lens must be given together (or both omitted for decode)")
-        device = req_to_token.device
-        seqlens_k = seq_lens.to(device=device, dtype=torch.int32)
-        if extend_seq_lens is None:
-            q_lens = torch.ones(bs, dtype=torch.int32, device=device)
-            prefix = seqlens_k - 1
-            if max_seqlen_q is None:
-                max_seqlen_q = 1
-        else:
-            _check_1d("extend_seq_lens", extend_seq_lens, bs)
-            _check_1d("extend_prefix_lens", extend_prefix_lens, bs)
-            q_lens = extend_seq_lens.to(device=device, dtype=torch.int32)
-            prefix = extend_prefix_lens.to(device=device, dtype=torch.int32)
-
-        max_pages = -(-req_to_token.shape[1] // page_size)
-        rows = req_to_token.index_select(0, req_pool_indices.to(device=device, dtype=torch.long))
-        first_pos = torch.arange(max_pages, device=device) * page_size
-        pages = rows.index_select(1, first_pos).to(torch.int32)
-        if page_size > 1:
-            pages = torch.div(pages, page_size, rounding_mode="floor")
-
-        if out_cache_loc is None:
-            # The new tokens sit at positions prefix .. prefix + q_len - 1 of their request.
-            cu = _cumsum0(q_lens)
-            tok_req = torch.repeat_interleave(torch.arange(bs, device=device), q_lens.long())
-            tok_pos = prefix.long()[tok_req] + (torch.arange(tok_req.numel(), device=device) - cu.long()[tok_req])
-            slots = rows[tok_req, tok_pos].long()
-        else:
-            _check_1d("out_cache_loc", out_cache_loc)
-            slots = out_cache_loc.to(device=device, dtype=torch.int64)
-        return cls._finish(q_lens, seqlens_k, prefix, pages, slots, page_size, max_seqlen_q, max_seqlen_k, out)
-
-    @classmethod
-    def from_vllm(
-        cls,
-        *,
-        block_table: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        page_size: int,
-        max_seqlen_q: Optional[int] = None,
-        max_seqlen_k: Optional[int] = None,
-        out: Optional["PagedKVMeta"] = None,
-    ) -> "PagedKVMeta":
-        """From vLLM's ``CommonAttentionMetadata`` view (``block_table_tensor``, ``query_start_loc``,
-        ``seq_lens``, ``slot_mapping``; ``page_size`` = the kernel block size)."""
-        _check_page_size(page_size)
-        _require(isinstance(block_table, torch.Tensor) and block_table.dim() == 2,
-                 "block_table must be a 2-D tensor [num_reqs, max_blocks]")
-        bs = seq_lens.numel()
-        _check_1d("seq_lens", seq_lens, bs)
-        _check_1d("query_start_loc", query_start_loc, bs + 1)
-        _check_1d("slot_mapping", slot_mapping)
-        _require(block_table.shape[0] >= bs, f"block_table has {block_table.shape[0]} rows for {bs} requests")
-        device = block_table.device
-        qsl = query_start_loc.to(device=device, dtype=torch.int32)
-        q_lens = qsl[1:] - qsl[:-1]
-        seqlens_k = seq_lens.to(device=device, dtype=torch.int32)
-        prefix = seqlens_k - q_lens
-        pages = block_table[:bs].to(torch.int32)
-        slots = slot_mapping.to(device=device, dtype=torch.int64)
-        return cls._finish(q_lens, seqlens_k, prefix, pages, slots, page_size, max_seqlen_q, max_seqlen_k, out)
-
-    # ------------------------------------------------------------------ shared tail
-    @classmethod
-    def _finish(cls, q_lens, seqlens_k, prefix, pages, slots, page_size, max_seqlen_q, max_seqlen_k, out):
+        q_lens, prefix, pages, slots = query_lens, prefix_lens, page_table, slot_mapping
         bs = seqlens_k.numel()
         num_tokens = slots.numel()
         # Pages past each request's last one are zeroed so that both engines' views agree exactly
@@ -247,17 +181,17 @@ class PagedKVMeta:
             max_seqlen_q = 1 if num_tokens == bs else int(q_lens.max().item()) if bs else 0
         if max_seqlen_k is None:
             max_seqlen_k = (out.max_pages if out is not None else pages.shape[1]) * page_size
-        cu = _cumsum0(q_lens)
+        cu = cumsum0(q_lens)
         if out is None:
             return cls(cu_seqlens_q=cu, seqlens_k=seqlens_k, prefix_lens=prefix, page_table=pages.contiguous(),
                        slot_mapping=slots, page_size=page_size, max_seqlen_q=int(max_seqlen_q),
                        max_seqlen_k=int(max_seqlen_k))
-        _require(out.page_size == page_size, f"out= buffers were allocated for page_size {out.page_size}, "
+        require(out.page_size == page_size, f"out= buffers were allocated for page_size {out.page_size}, "
                                              f"batch has {page_size}")
-        _require(bs <= out.batch_size, f"batch of {bs} exceeds the out= capacity of {out.batch_size}")
-        _require(num_tokens <= out.num_tokens, f"{num_tokens} tokens exceed the out= capacity of {out.num_tokens}")
-        _require(pages.shape[1] <= out.max_pages,
-                 f"the page table has {pages.shape[1]} columns; the out= buffers hold {out.max_pages}")
+        require(bs <= out.batch_size, f"batch of {bs} exceeds the out= capacity of {out.batch_size}")
+        require(num_tokens <= out.num_tokens, f"{num_tokens} tokens exceed the out= capacity of {out.num_tokens}")
+        require(pages.shape[1] <= out.max_pages,
+                f"the page table has {pages.shape[1]} columns; the out= buffers hold {out.max_pages}")
         out.cu_seqlens_q[: bs + 1].copy_(cu)
         out.seqlens_k[:bs].copy_(seqlens_k)
         out.prefix_lens[:bs].copy_(prefix)
@@ -278,25 +212,25 @@ class PagedKVMeta:
     def validate(self) -> None:
         """Host-side consistency check (syncs; for tests and debugging, not the hot path)."""
         q_lens = self.query_lens()
-        _require(int(self.cu_seqlens_q[0]) == 0, "cu_seqlens_q[0] must be 0")
-        _require(bool((q_lens >= 0).all()), "cu_seqlens_q must be non-decreasing")
-        _require(int(self.cu_seqlens_q[-1]) == self.num_tokens,
-                 f"cu_seqlens_q[-1]={int(self.cu_seqlens_q[-1])} but slot_mapping has {self.num_tokens} tokens")
-        _require(bool((self.prefix_lens >= 0).all()), "prefix lengths must be >= 0 (seq_lens < query lengths?)")
-        _require(bool((self.prefix_lens + q_lens == self.seqlens_k).all()), "seqlens_k != prefix + query length")
+        require(int(self.cu_seqlens_q[0]) == 0, "cu_seqlens_q[0] must be 0")
+        require(bool((q_lens >= 0).all()), "cu_seqlens_q must be non-decreasing")
+        require(int(self.cu_seqlens_q[-1]) == self.num_tokens,
+                f"cu_seqlens_q[-1]={int(self.cu_seqlens_q[-1])} but slot_mapping has {self.num_tokens} tokens")
+        require(bool((self.prefix_lens >= 0).all()), "prefix lengths must be >= 0 (seq_lens < query lengths?)")
+        require(bool((self.prefix_lens + q_lens == self.seqlens_k).all()), "seqlens_k != prefix + query length")
         if self.batch_size:
-            _require(int(q_lens.max()) <= self.max_seqlen_q, "max_seqlen_q is smaller than a query length")
-            _require(int(self.seqlens_k.max()) <= self.max_seqlen_k, "max_seqlen_k is smaller than a sequence")
-            _require(int(self.seqlens_k.max()) <= self.max_pages * self.page_size,
-                     "a sequence is longer than the page table can address")
+            require(int(q_lens.max()) <= self.max_seqlen_q, "max_seqlen_q is smaller than a query length")
+            require(int(self.seqlens_k.max()) <= self.max_seqlen_k, "max_seqlen_k is smaller than a sequence")
+            require(int(self.seqlens_k.max()) <= self.max_pages * self.page_size,
+                    "a sequence is longer than the page table can address")
 
 
-def _check_page_size(page_size) -> None:
-    _require(isinstance(page_size, int) and page_size >= 1,
-             f"page_size must be a positive int, got {page_size!r}")
+def check_page_size(page_size) -> None:
+    require(isinstance(page_size, int) and page_size >= 1,
+            f"page_size must be a positive int, got {page_size!r}")
 
 
-def _cumsum0(lens: torch.Tensor) -> torch.Tensor:
+def cumsum0(lens: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
     out[1:] = torch.cumsum(lens, 0, dtype=torch.int32)
     return out
