@@ -9,7 +9,8 @@ output allocation) and then "launches" a kernel that does nothing. Three batches
 decode and a mixed batch (leading decodes split off). The compile target is ``sm_90a`` (the Hopper plan:
 ping-pong candidates, dependent launch), whatever the machine.
 
-Each row gives the median over batches of calls of the time per call (``launcher_us``), the same less the
+Each row gives the median over batches of calls of the time per call (``launcher_us``; ``launcher_min_us``:
+the fastest batch, the least disturbed by other work on the machine), the median less the
 time of calling the no-op with the launch's arguments (``above_launch_us``), and the cost of the tiling
 choice alone (``plan_us``). Modes: ``cached`` (what serving sees after the first call of a shape class) and,
 where the launcher has plan caches, ``cold`` (the plan caches cleared before every call: the work the
@@ -99,7 +100,8 @@ def _clear_plan_caches():
     return getattr(impl, "clear_plan_caches", None)
 
 
-def _median_us(fn, calls: int, per_batch: int = 50) -> float:
+def _times_us(fn, calls: int, per_batch: int = 50) -> list[float]:
+    """Time per call of each batch of ``per_batch`` calls (after up to 200 warm-up calls)."""
     for _ in range(min(200, calls)):
         fn()
     times = []
@@ -108,7 +110,11 @@ def _median_us(fn, calls: int, per_batch: int = 50) -> float:
         for _ in range(per_batch):
             fn()
         times.append((time.perf_counter_ns() - t0) / per_batch / 1000)
-    return statistics.median(times)
+    return times
+
+
+def _median_us(fn, calls: int) -> float:
+    return statistics.median(_times_us(fn, calls))
 
 
 def _plan(name: str):
@@ -148,9 +154,11 @@ def measure(calls: int) -> list[dict]:
 
             modes.append(("cold", cold_launch, cold_plan))
         for mode, fn, plan in modes:
-            total = _median_us(fn, calls)
+            times = _times_us(fn, calls)
+            total = statistics.median(times)
             rows.append({"case": name, "mode": mode, "kernel_launches": len(recorded),
-                         "launcher_us": round(total, 2), "above_launch_us": round(total - launch_only, 2),
+                         "launcher_us": round(total, 2), "launcher_min_us": round(min(times), 2),
+                         "above_launch_us": round(total - launch_only, 2),
                          "plan_us": round(_median_us(plan, calls), 2)})
             print(f"{name:8s} {mode:8s} launches={len(recorded)} launcher={total:7.2f} us  "
                   f"above launch={total - launch_only:7.2f} us  plan={rows[-1]['plan_us']:6.2f} us", flush=True)
