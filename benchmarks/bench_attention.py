@@ -12,12 +12,10 @@ Rooflines: prefill against a measured bf16 matmul rate, decode against measured 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime as _dt
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -29,8 +27,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from musa_attn_backend import config  # noqa: E402
 from musa_attn_backend.kernels import paged_attention  # noqa: E402
-from musa_attn_backend.kernels.attention import NEW_KV_PREFILL_ENV  # noqa: E402
 from musa_attn_backend.metadata import PagedKVMeta  # noqa: E402
 
 
@@ -176,19 +174,6 @@ def flex_paged_prefill(q, k_cache, v_cache, table, causal, compiled=True):
     return lambda: fn(qt, kt, vt, block_mask=block, enable_gqa=True)
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_sizes=(1, 128), peers=True):
     """One row per (causal, length, page size). ``ours_contiguous_ms``: the same kernel and page size with the
     request's pages in order (the paged-vs-contiguous ratio). ``ours_new_kv_ms``: the same prefill with its keys
@@ -218,7 +203,7 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                                   for x in (k, v))
                         fresh = dataclasses.replace(meta, new_kv_only=True)
                         try:
-                            with _env(NEW_KV_PREFILL_ENV, "1"):
+                            with config.override(new_kv_prefill=True):
                                 res["ours_new_kv", ps] = bench_ms(lambda: paged_attention(
                                     q, k, v, fresh, causal=causal, new_kv=(nk, nv), impl="tilelang"))
                         except Exception as e:  # report, keep the run
@@ -381,8 +366,8 @@ def git_commit() -> str:
     stamp = HERE.parent / ".commit"
     if stamp.exists() and stamp.read_text().strip():
         return stamp.read_text().strip()
-    if os.environ.get("MUSA_ATTN_COMMIT"):
-        return os.environ["MUSA_ATTN_COMMIT"]
+    if config.settings().commit:
+        return config.settings().commit
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
                                        stderr=subprocess.DEVNULL).strip()

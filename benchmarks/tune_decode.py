@@ -88,6 +88,7 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from bench_attention import bench_ms, paged_cache, git_commit, write_run
     from musa_attn_backend._tilelang import tilelang_version
+    from musa_attn_backend.config import settings
     from musa_attn_backend.kernels import paged_attention
     from musa_attn_backend.kernels.attention import tilelang_impl as I
     from musa_attn_backend.metadata import PagedKVMeta
@@ -145,8 +146,8 @@ def main(argv=None):
                     forced.update(splits=s, cfg=dcfg(t))
                     ms = bench_ms(lambda: paged_attention(q, k, v, meta, impl="tilelang"))
                     row = dict(batch=b, ctx=ctx, page_size=ps, block_N=t[0], num_stages=t[1], slot_tiles=t[2],
-                               full_runs=bool(t[3:] and t[3]), pdl=I.dependent_launch_enabled(),
-                               chunked_combine=I.chunked_combine_enabled(),
+                               full_runs=bool(t[3:] and t[3]), pdl=settings().pdl,
+                               chunked_combine=settings().chunked_combine,
                                splits=s, ours_ms=ms, tbps=kv_bytes / ms / 1e9, default_splits=default_splits)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

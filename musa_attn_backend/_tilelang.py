@@ -11,6 +11,7 @@ import torch
 from filelock import FileLock
 
 from .cache import cache_dir, configure_tilelang_env
+from .config import kernel_settings
 from .platform import get_platform
 
 configure_tilelang_env()
@@ -49,7 +50,10 @@ def kernel_digest(full_key) -> str:
 
 
 def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass_configs=None):
-    """Compile ``build()`` (a ``@T.prim_func``) once per (key, target, TileLang version).
+    """Compile ``build()`` (a ``@T.prim_func``) once per (key, target, pass configs, TileLang version, kernel
+    settings). The kernel settings (``config.kernel_settings``: the switches that change which kernels are
+    built) are in the key even where ``key`` already names their effect, so a build a switch changes can never
+    load a kernel compiled under another value.
 
     In a process: a dict. Across processes: TileLang's on-disk cache inside our cache directory, guarded by
     a per-kernel file lock so that processes starting at once compile each kernel once (the others wait,
@@ -57,7 +61,8 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
     warmup`` counts the markers to report what was already warm).
     """
     target = target if target is not None else get_platform().tilelang_target()
-    full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version())
+    full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version(),
+                kernel_settings())
     kernel = _kernels.get(full_key)
     if kernel is not None:
         return kernel

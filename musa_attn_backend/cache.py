@@ -1,6 +1,7 @@
 """Where compiled kernels and tuning results live.
 
-Default ``~/.cache/musa_attn_backend`` (``$XDG_CACHE_HOME`` respected); ``MUSA_ATTN_CACHE_DIR`` overrides.
+Default ``~/.cache/musa_attn_backend`` (``$XDG_CACHE_HOME`` respected); the ``MUSA_ATTN_CACHE_DIR`` setting
+(:mod:`musa_attn_backend.config`) overrides.
 TileLang's own compile cache is pointed inside it (``<cache>/tilelang``) unless ``TILELANG_CACHE_DIR`` is
 already set, so one directory holds everything a serving image needs to ship warm.
 """
@@ -10,14 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CACHE_ENV = "MUSA_ATTN_CACHE_DIR"
+from .config import settings
 
 
 def cache_dir(create: bool = False) -> Path:
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        path = Path(env).expanduser()
-    else:
+    """The cache directory of the current settings (``create``: make it first)."""
+    path = settings().cache_dir
+    if path is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         path = Path(base) / "musa_attn_backend"
     if create:

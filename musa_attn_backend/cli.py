@@ -89,6 +89,9 @@ def collect(require: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
     info["torch_cuda"] = torch.version.cuda
     info["torch_musa"] = _version("torch_musa")
     info["torchada"] = _version("torchada")
+    from . import config
+
+    info["settings"] = config.describe()
     from . import platform as plat
 
     try:
@@ -193,6 +196,7 @@ def print_report(info: dict, problems: list[str]) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    _print_settings(info["settings"])
     for note in p.get("notes") or []:
         print(f"note: {note}")
     if problems:
@@ -203,12 +207,34 @@ def print_report(info: dict, problems: list[str]) -> None:
         print("\nstatus: OK")
 
 
+def _print_settings(rows: list[dict]) -> None:
+    """The effective settings: one line per switch (value, default, where the value came from)."""
+    print("\nsettings (* = changes which kernels are built; warmup and the server must agree on these):")
+    table = [(r["env"] + (" *" if r["kernels"] else ""), r["value"], f"default {r['default']}",
+              "overridden" if r["source"] != "default" else "", f"({r['source']})" if r["source"] != "default"
+              else "") for r in rows]
+    widths = [max(len(t[i]) for t in table) for i in range(3)]
+    for name, value, default, over, source in table:
+        print(f"  {name:<{widths[0]}}  {value:<{widths[1]}}  {default:<{widths[2]}}  {over} {source}".rstrip())
+
+
 def cmd_doctor(args) -> int:
     require = tuple(x for x in (args.require or "").split(",") if x)
     unknown = [x for x in require if x not in ENGINES]
     if unknown:
         print(f"musa-attn doctor: --require takes {', '.join(ENGINES)}; got {', '.join(unknown)}", file=sys.stderr)
         return 2
+    from .config import SettingsError, refresh
+
+    # the environment as it is now; every other report depends on it, so a bad value is the one problem reported
+    try:
+        refresh()
+    except SettingsError as e:
+        if args.json:
+            print(json.dumps({"settings": None, "problems": [str(e)]}, indent=2))
+        else:
+            print(f"musa-attn doctor: {e}")
+        return 1
     info, problems = collect(require)
     if args.json:
         print(json.dumps({**info, "problems": problems}, indent=2, default=str))
@@ -235,13 +261,14 @@ def cmd_demo(args) -> int:
 def cmd_warmup(args) -> int:
     import time
 
-    from . import warmup
+    from . import config, warmup
 
     if args.target:
-        os.environ["MUSA_ATTN_TARGET"] = args.target  # inherited by the worker processes
-    from .platform import get_platform, reset
+        # also in the environment, for any process started from here that reads it
+        os.environ[config.BY_FIELD["target"].env] = args.target
+    config.refresh()
+    from .platform import get_platform
 
-    reset()
     platform = get_platform()
     if not platform.target_kind:
         print("musa-attn warmup: no GPU to compile for here; pass --target sm_90a (or mp_31)", file=sys.stderr)
@@ -260,8 +287,10 @@ def cmd_warmup(args) -> int:
     t0 = time.perf_counter()
     warmup.run(jobs, workers=args.jobs, progress=not args.quiet)
     after = len(list(markers.glob("*.done")))
+    record = warmup.record_settings(platform)
     print(f"warmup: done in {time.perf_counter() - t0:.1f}s; {after - before} compiled now, "
-          f"{len(jobs) - (after - before)} already in the cache")
+          f"{len(jobs) - (after - before)} already in the cache; kernel settings "
+          f"{' '.join(f'{k}={v}' for k, v in config.kernel_settings())} recorded in {record}")
     return 0
 
 

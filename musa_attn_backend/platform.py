@@ -4,7 +4,7 @@ Every decision that differs between NVIDIA (CUDA), Moore Threads (MUSA) and a pl
 module, so kernel code branches on capability flags (``fp8``, ``bulk_copy``, ``warpgroup_mma``) and never
 on vendor names.
 
-Detection order: the ``MUSA_ATTN_TARGET`` environment variable (a compile-target override, e.g.
+Detection order: the ``MUSA_ATTN_TARGET`` setting (:mod:`musa_attn_backend.config`; a compile-target override, e.g.
 ``sm_90a`` to build Hopper kernels on a machine without a GPU), then MUSA (``torch_musa`` importable with a
 device present and a TileLang build that knows the ``musa`` target), then CUDA, then CPU.
 
@@ -18,14 +18,15 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-TARGET_ENV = "MUSA_ATTN_TARGET"
+from . import config
+
+TARGET_ENV = config.BY_FIELD["target"].env
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
 # the capability flags a Platform carries (kernels branch on these, never on the device name)
@@ -283,7 +284,7 @@ def detect() -> Platform:
         detected = _detect_cuda()
     else:
         detected = Platform(kind="cpu", target_kind=None, arch=None)
-    override = os.environ.get(TARGET_ENV, "").strip()
+    override = config.settings().target
     if override:
         return _from_override(override, detected)
     return detected
@@ -291,12 +292,17 @@ def detect() -> Platform:
 
 @functools.lru_cache(maxsize=None)
 def get_platform() -> Platform:
-    """The platform of this process (detected once; :func:`reset` clears it for tests)."""
+    """The platform of this process (detected once; :func:`reset`, ``config.refresh`` and ``config.override``
+    clear it)."""
     return detect()
 
 
+config.on_change(get_platform.cache_clear)
+
+
 def reset() -> None:
-    get_platform.cache_clear()
+    """Detect the platform again on next use, and empty every cache derived from it (tiling plans)."""
+    config.clear_derived_caches()
 
 
 def device_kind_of(tensor: torch.Tensor) -> str:

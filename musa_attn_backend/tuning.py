@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Optional
 from filelock import FileLock
 
 from .cache import cache_dir
+from .config import clear_derived_caches
 
 _lock = threading.Lock()
 _loaded: dict[Path, dict] = {}
@@ -55,7 +56,7 @@ def table_path(platform=None, tilelang_version: Optional[str] = None) -> Path:
 
 @functools.lru_cache(maxsize=16)
 def _table_name(platform, tilelang_version: str) -> str:
-    # cached: prefill_config looks the table up on every launch
+    # cached: every shape class a launcher plans looks its table up
     target = platform.tilelang_target() if platform.target_kind else "none"
     return f"{_slug(platform.device_name)}--{_slug(repr(target))}--tilelang-{_slug(tilelang_version)}.json"
 
@@ -76,12 +77,16 @@ def _read(path: Path) -> dict:
 
 
 def load(path: Optional[Path] = None, *, refresh: bool = False) -> dict:
-    """The table as ``{op: {shape_key: entry}}``, read once per process (``refresh`` re-reads it)."""
+    """The table as ``{op: {shape_key: entry}}``, read once per process (``refresh`` re-reads it, and empties
+    the tiling plans made from the old contents)."""
     path = path or table_path()
     with _lock:
         if refresh or path not in _loaded:
             _loaded[path] = _read(path).get("entries", {})
-        return _loaded[path]
+        table = _loaded[path]
+    if refresh:
+        clear_derived_caches()
+    return table
 
 
 def lookup(op: str, key: str, path: Optional[Path] = None) -> Optional[dict]:
@@ -108,6 +113,7 @@ def record(op: str, key: str, config: dict, ms: float, *, path: Optional[Path] =
         os.replace(tmp, path)
     with _lock:
         _loaded.pop(path, None)
+    clear_derived_caches()  # the launchers' tiling plans may have been made from the old entry
     return path
 
 

@@ -5,19 +5,37 @@ cache layout) and the dtypes, :func:`plan` lists the kernels serving will launch
 (with and without split-KV, and for speculative verify lengths), the split combine and the KV write.
 :func:`run` compiles them in parallel worker processes into the on-disk kernel cache, so a serving image
 can ship warm and nothing is compiled on the serving hot path (the first call only loads the kernel).
+
+Which kernels a model needs also depends on the kernel settings (``config.kernel_settings``: the switches
+marked ``kernels`` in :mod:`musa_attn_backend.config`): the plan is made and compiled under the settings of
+the process that runs it (its workers inherit them), and :func:`record_settings` writes them into the cache
+directory (``warmup-settings.json``, one entry per compile target). A server calls
+:func:`check_warmup_settings` once at start-up; where its kernel settings differ from the recorded ones it logs
+a warning naming each switch and both values, since the kernels those select were not warmed up and would be
+compiled on the serving hot path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import logging
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
+
+from filelock import FileLock
+
+from . import config
+
+logger = logging.getLogger("musa_attn_backend")
+RECORD_NAME = "warmup-settings.json"
 
 ENGINES = ("sglang", "vllm")
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -159,9 +177,11 @@ def run(jobs: Iterable[Job], *, workers: int = 0, progress: bool = True) -> list
         except ImportError:
             bar = None
     done: list[tuple[Job, float]] = []
-    # spawn, not fork: the parent may hold an initialised CUDA context
+    # spawn, not fork: the parent may hold an initialised CUDA context. The workers compile under this
+    # process's settings (overrides included), not under whatever their environment says.
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)) or 1, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)) or 1, mp_context=ctx,
+                             initializer=_use_settings, initargs=(config.settings(),)) as pool:
         futures = [pool.submit(_compile, j) for j in jobs]
         for fut in as_completed(futures):
             job, secs = fut.result()
@@ -174,6 +194,109 @@ def run(jobs: Iterable[Job], *, workers: int = 0, progress: bool = True) -> list
     if bar is not None:
         bar.close()
     return done
+
+
+def _use_settings(current: config.Settings) -> None:
+    """Worker start-up: the parent's settings in place of the environment's."""
+    config.install(current, source="parent process")
+
+
+def _target_key(platform) -> str:
+    """The record's key for a platform: its TileLang compile target, as the compile-cache keys spell it."""
+    return repr(platform.tilelang_target())
+
+
+def record_path() -> Path:
+    """Where ``musa-attn warmup`` records the kernel settings it compiled with."""
+    from .cache import cache_dir
+
+    return cache_dir() / RECORD_NAME
+
+
+def record_settings(platform=None) -> Path:
+    """Record the current kernel settings as those the kernels of ``platform``'s target (default: this
+    process's) were compiled with: a locked read-modify-write of the record, written to a temporary file and
+    renamed over it."""
+    from ._tilelang import tilelang_version
+    from .platform import get_platform
+
+    platform = platform or get_platform()
+    path = record_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        data = _read_record(path)
+        data.setdefault("targets", {})[_target_key(platform)] = {
+            "settings": dict(config.kernel_settings()), "tilelang": tilelang_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        data["format"] = 1
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    return path
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"the warmup record {path} is unreadable ({type(e).__name__}: {e}); delete it and "
+                           "rerun `musa-attn warmup`") from e
+    if not isinstance(data, dict) or not isinstance(data.get("targets", {}), dict):
+        raise RuntimeError(f"the warmup record {path} is not a musa-attn warmup record; delete it and rerun "
+                           "`musa-attn warmup`")
+    return data
+
+
+def settings_differences(platform=None) -> Optional[list[tuple[str, str, str]]]:
+    """``(switch, value here, value at warmup)`` for each kernel setting that differs from what ``musa-attn
+    warmup`` recorded for ``platform``'s target (default: this process's), or None where nothing was
+    recorded for it."""
+    from .platform import get_platform
+
+    platform = platform or get_platform()
+    entry = _read_record(record_path()).get("targets", {}).get(_target_key(platform))
+    if not isinstance(entry, dict) or not isinstance(entry.get("settings"), dict):
+        return None
+    recorded = entry["settings"]
+    return [(env, value, str(recorded.get(env, "(not recorded)"))) for env, value in config.kernel_settings()
+            if recorded.get(env) != value]
+
+
+_checked: set = set()
+_checked_lock = threading.Lock()
+
+
+def check_warmup_settings(device=None) -> list[tuple[str, str, str]]:
+    """Server start-up check (the SGLang and vLLM backends call it): warn, once per process and settings,
+    where this process's kernel settings differ from those ``musa-attn warmup`` recorded in the cache
+    directory for this target, naming each switch and both values. Returns the differences (empty: none, or
+    nothing to compare: a CPU ``device``, no compile target here, or no warmup recorded for it; the last is
+    logged at info level)."""
+    from .platform import get_platform
+
+    platform = get_platform()
+    if (device is not None and getattr(device, "type", device) == "cpu") or not platform.target_kind:
+        return []  # the reference ops: nothing is compiled
+    key = (config.settings(), _target_key(platform))
+    with _checked_lock:
+        if key in _checked:
+            return []
+        _checked.add(key)
+    diffs = settings_differences(platform)
+    if diffs is None:
+        logger.info("musa_attn_backend: no `musa-attn warmup` recorded in %s for target %s: kernels compile on "
+                    "first use", record_path(), _target_key(platform))
+        return []
+    if diffs:
+        logger.warning(
+            "musa_attn_backend: kernel settings differ from those `musa-attn warmup` compiled with (%s, target "
+            "%s): %s. The kernels these select are not in the warm cache and compile on first use, on the "
+            "serving hot path; rerun warmup with the same settings, or start the server with the warmup's.",
+            record_path(), _target_key(platform),
+            "; ".join(f"{env}={here} here, {then} at warmup" for env, here, then in diffs))
+    return diffs
 
 
 def load_config(path: str) -> dict:

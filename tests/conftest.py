@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -30,10 +31,22 @@ def gpu_device() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_platform(monkeypatch):
-    """Each test sees the platform detected under its own environment."""
-    from musa_attn_backend import platform
+def _fresh_settings(monkeypatch):
+    """Each test starts from the settings of the environment, read again, and the platform detected under
+    them (settings are read once per process: a test changes them with ``use_settings``, not the
+    environment)."""
+    from musa_attn_backend import config
 
-    platform.reset()
+    config.refresh()
     yield
-    platform.reset()
+    config.clear_derived_caches()
+
+
+@pytest.fixture
+def use_settings():
+    """``use_settings(pdl=False, target="sm_90a", ...)``: those settings (``config.override``) from this call
+    to the end of the test; later calls change more of them."""
+    from musa_attn_backend import config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(config.override(**fields))

@@ -148,11 +148,11 @@ def test_a_failing_backend_is_recorded_and_the_row_still_times_ours(bench, kit):
     assert row["ours_ms"] > 0 and row["peers"] == {} and row["ratio"] is None and row["max_abs_diff"] is None
 
 
-def test_commit_prefers_the_stamp_file(bench, tmp_path, monkeypatch):
+def test_commit_prefers_the_stamp_file(bench, tmp_path, monkeypatch, use_settings):
     import bench_attention
 
     monkeypatch.setattr(bench_attention, "HERE", tmp_path / "benchmarks")
-    monkeypatch.delenv("MUSA_ATTN_COMMIT", raising=False)
+    use_settings(commit=None)
     (tmp_path / ".commit").write_text("abc1234+wip\n")
     assert bench.git_commit() == "abc1234+wip"
     (tmp_path / ".commit").unlink()

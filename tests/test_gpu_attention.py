@@ -21,8 +21,8 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(tilelang_impl, "POISON", True)
+def _poison(use_settings):
+    use_settings(poison=True)
 
 
 def _compare(batch, hq, hkv, d, dtype, device, *, dv=None, causal=True, fp8=False, seed=0, **opts):
@@ -110,13 +110,13 @@ def test_decode_long_and_wide(gpu_device, page_size, batch_size, max_len):
     _compare(b, 32, 8, 128, torch.bfloat16, gpu_device)
 
 
-@pytest.mark.parametrize("chunked", ["1", "0"])
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("batch_size,max_len,sinks", [(1, 32768, False), (3, 9000, True), (5, 700, False)])
-def test_decode_chunked_combine(gpu_device, monkeypatch, batch_size, max_len, sinks, chunked):
+def test_decode_chunked_combine(gpu_device, use_settings, batch_size, max_len, sinks, chunked):
     """The split-KV combine reading 8 splits at a time (the default) and one by one
     (``MUSA_ATTN_CHUNKED_COMBINE=0``): split counts that are and are not multiples of 8 (the wave model gives
     1-64 here), with and without sinks."""
-    monkeypatch.setenv("MUSA_ATTN_CHUNKED_COMBINE", chunked)
+    use_settings(chunked_combine=chunked)
     b = _batch(7 + batch_size, gpu_device, batch_size=batch_size, page_size=16, max_seq_len=max_len, decode=True)
     opts = dict(sinks=torch.randn(32, device=gpu_device)) if sinks else {}
     _compare(b, 32, 8, 128, torch.bfloat16, gpu_device, **opts)
@@ -161,11 +161,11 @@ def test_long_extends_tma_tiles(gpu_device, page_size, causal):
 
 @pytest.mark.parametrize("variant", ["causal", "non_causal", "softcap", "sinks", "fp16", "hd64", "mqa"])
 @pytest.mark.parametrize("page_size", [16, 64, 256])
-def test_prefill_every_tiling(gpu_device, page_size, variant, monkeypatch):
+def test_prefill_every_tiling(gpu_device, page_size, variant, use_settings):
     """Every prefill tiling this platform offers for the pages (ping-pong with TMA tiles or with a gathering
     producer, whole-tile TMA and row gathers at each tile width, the ones ``musa-attn tune`` picks from; plus the
     ping-pong kernel with TMA copies of page chunks), on one ragged extend batch with odd lengths."""
-    monkeypatch.delenv("MUSA_ATTN_PINGPONG_GATHER", raising=False)  # the default: gathering ping-pong offered
+    use_settings(pingpong_gather=True)  # the default: gathering ping-pong offered
     hq, hkv, d, dtype = 16, 4, 128, torch.bfloat16
     opts, causal = {}, variant != "non_causal"
     if variant == "softcap":
@@ -185,7 +185,7 @@ def test_prefill_every_tiling(gpu_device, page_size, variant, monkeypatch):
     meta = b.meta()
     ref, ref_lse = paged_attention(q, k_cache, v_cache, meta, causal=causal, return_lse=True, impl="reference",
                                    **opts)
-    monkeypatch.delenv("MUSA_ATTN_TMA_CHUNKS", raising=False)  # the default: page-chunk TMA tiles offered
+    use_settings(tma_chunks=True)  # the default: page-chunk TMA tiles offered
     cfgs = tilelang_impl.prefill_candidates(d, d, False, page_size, False)
     plat = tilelang_impl.get_platform()
     assert any(c.tma and not c.tma_rows for c in cfgs) == (plat.bulk_copy and page_size % 64 == 0)
@@ -213,7 +213,7 @@ def test_tilelang_rejects_unsupported(gpu_device):
 @pytest.mark.parametrize("page_size,d,variant", [(1, 128, "causal"), (16, 128, "non_causal"), (1, 64, "softcap"),
                                                  (16, 128, "sinks"), (1, 128, "fused_mqa"), (64, 128, "decodes"),
                                                  (1, 256, "causal")])
-def test_prefill_from_new_kv(gpu_device, monkeypatch, page_size, d, variant):
+def test_prefill_from_new_kv(gpu_device, use_settings, page_size, d, variant):
     """The default new-K/V prefill: a batch without cached prefixes (``new_kv_only``; after leading decodes
     with ``decodes``) reads its keys from the new K/V rows, whatever the page size. With the new K/V equal to
     what the cache holds the result is the reference's; with them perturbed it follows them (the new rows were
@@ -221,8 +221,7 @@ def test_prefill_from_new_kv(gpu_device, monkeypatch, page_size, d, variant):
     dim 256 takes the TMA-tile kernel without ping-pong (the MUSA path's kernel)."""
     import dataclasses
 
-    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL", raising=False)  # the default
-    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
+    use_settings(new_kv_prefill=True, split_mixed=True)  # the defaults
     hq, hkv, dtype, causal, opts = 16, 4, torch.bfloat16, variant != "non_causal", {}
     if variant == "softcap":
         opts["logit_softcap"] = 30.0

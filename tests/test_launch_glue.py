@@ -145,10 +145,10 @@ def test_unsupported_cache_layouts_are_refused_before_launch(rec):
     assert rec.calls == []  # nothing was compiled or launched
 
 
-def test_forced_prefill_tiling_must_be_valid(rec, monkeypatch):
+def test_forced_prefill_tiling_must_be_valid(rec, use_settings):
     """``prefill_cfg`` (the tuner's override) is checked against the tilings valid for the batch: whole-tile
     copies on 16-token pages would read the wrong rows."""
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    use_settings(target="sm_90a")
     q, kc, vc, meta, _ = _case(False, 2, 50)
     tma = attn_impl.PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=256, tma=True)
     with pytest.raises(ValueError, match="prefill_cfg .* is not valid .* page size 16"):
@@ -159,11 +159,11 @@ def test_forced_prefill_tiling_must_be_valid(rec, monkeypatch):
 
 
 @pytest.mark.parametrize("max_len,expect", [(100, ["decode", "prefill"]), (4000, ["decode", "combine", "prefill"])])
-def test_mixed_split_launches_match_signatures(rec, monkeypatch, max_len, expect):
+def test_mixed_split_launches_match_signatures(rec, use_settings, max_len, expect):
     """The two launches of a split mixed batch (MUSA_ATTN_SPLIT_MIXED) against the real kernel signatures."""
     import dataclasses
 
-    monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", "1")
+    use_settings(split_mixed=True)
     b = random_batch(random.Random(1), batch_size=5, page_size=16, max_seq_len=max_len,
                      query_lens=[1, 1, 1, 30, 12])
     kc, vc, _, _ = b.make_kv(2, 64, torch.bfloat16)

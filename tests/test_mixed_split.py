@@ -67,10 +67,10 @@ def _new_kv_stand_in(spec, launches, causal):
 
 
 @pytest.fixture()
-def stand_ins(monkeypatch):
+def stand_ins(monkeypatch, use_settings):
     launches = []
     state = {}
-    monkeypatch.setattr(tilelang_impl, "POISON", True)
+    use_settings(poison=True)
     monkeypatch.setattr(tilelang_impl, "num_splits_for", lambda *a, **k: 1)
     monkeypatch.setattr(tilelang_impl, "prefill_kernel",
                         lambda spec, causal, page_size, cfg=None, target=None, ragged=False:
@@ -96,20 +96,20 @@ def _run(state, num_decodes, query_lens, prefix_lens, causal=True):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
-def test_mixed_batch_splits_into_decode_and_prefill_launches(stand_ins, monkeypatch):
+def test_mixed_batch_splits_into_decode_and_prefill_launches(stand_ins, use_settings):
     launches, state = stand_ins
-    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)  # the default
+    use_settings(split_mixed=True)  # the default
     _run(state, 4, [1, 1, 1, 1, 37, 120, 5], [30, 200, 0, 64, 0, 100, 7])
     # 4 decode requests over the first 4 rows of q; 3 prefill requests over the whole q
     assert launches == [("decode1", 4, 4, 1), ("prefill", 3, 166, 120)]
 
 
-@pytest.mark.parametrize("flag,num_decodes,causal", [("0", 4, True), ("1", 0, True), ("1", 4, False)])
-def test_one_prefill_launch_otherwise(stand_ins, monkeypatch, flag, num_decodes, causal):
+@pytest.mark.parametrize("flag,num_decodes,causal", [(False, 4, True), (True, 0, True), (True, 4, False)])
+def test_one_prefill_launch_otherwise(stand_ins, use_settings, flag, num_decodes, causal):
     """Turned off (``MUSA_ATTN_SPLIT_MIXED=0``), no count of leading decodes, or not causal: the whole batch in
     one prefill launch."""
     launches, state = stand_ins
-    monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
+    use_settings(split_mixed=flag)
     _run(state, num_decodes, [1, 1, 1, 1, 37, 120, 5], [30, 200, 0, 64, 0, 100, 7], causal=causal)
     assert [kind for kind, *_ in launches] == ["prefill"]
 
@@ -127,11 +127,11 @@ def test_requests_view_keeps_absolute_rows():
         meta.requests(3, 3)
 
 
-def test_split_metadata_built_once_per_batch(stand_ins, monkeypatch):
+def test_split_metadata_built_once_per_batch(stand_ins, monkeypatch, use_settings):
     """Every layer of a step runs on the same metadata: the two sub-batches are built on the first layer call and
     reused, not rebuilt (device copies) on each; a new batch (``dataclasses.replace``) builds its own."""
     launches, state = stand_ins
-    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
+    use_settings(split_mixed=True)
     built = []
     real = PagedKVMeta.requests
     monkeypatch.setattr(PagedKVMeta, "requests", lambda self, *a, **k: built.append(a) or real(self, *a, **k))
@@ -179,14 +179,12 @@ def _new_kv_case(num_decodes, query_lens, prefix_lens, *, new_kv_only=True, fuse
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_new_kv_prefill_reads_the_new_rows(stand_ins, monkeypatch, fused):
+def test_new_kv_prefill_reads_the_new_rows(stand_ins, use_settings, fused):
     """``MUSA_ATTN_NEW_KV_PREFILL=1`` on a Hopper target: a batch without cached prefixes (``new_kv_only``) runs
     the prefill kernel on the new K/V rows (3-D, or 2-D strided views of a fused projection); after leading
     decodes, those go to the decode kernel on the cache and only the rest reads the new rows."""
     launches, state = stand_ins
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
-    monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
+    use_settings(target="sm_90a", new_kv_prefill=True, split_mixed=True)
     for nd, qlens, plens in ((0, [37, 120, 5], [0, 0, 0]), (2, [1, 1, 37, 130], [30, 99, 0, 0])):
         launches.clear()
         q, k, v, k2, v2, meta, new_kv = _new_kv_case(nd, qlens, plens, fused=fused)
@@ -202,13 +200,12 @@ def test_new_kv_prefill_reads_the_new_rows(stand_ins, monkeypatch, fused):
 
 
 @pytest.mark.parametrize("case", ["not_flagged", "opted_out", "window", "dtype", "no_bulk_copy"])
-def test_new_kv_prefill_falls_back_to_the_cache(stand_ins, monkeypatch, case):
+def test_new_kv_prefill_falls_back_to_the_cache(stand_ins, use_settings, case):
     """The cache path where the new K/V may not stand in for it: the batch not flagged (not known to be free of
     cached prefixes), the switch off, a window (no whole-tile TMA kernel), new K/V of another dtype than the cache,
     or a platform without bulk copies (sm_80)."""
     launches, state = stand_ins
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80" if case == "no_bulk_copy" else "sm_90a")
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "0" if case == "opted_out" else "1")
+    use_settings(target="sm_80" if case == "no_bulk_copy" else "sm_90a", new_kv_prefill=case != "opted_out")
     q, k, v, _, _, meta, new_kv = _new_kv_case(0, [37, 120, 5], [0, 0, 0], new_kv_only=case != "not_flagged",
                                                dtype=torch.float16 if case == "dtype" else torch.bfloat16)
     state["k"], state["v"] = k, v
@@ -253,16 +250,15 @@ def test_new_kv_rows_take_only_what_fits():
     assert rows((k, k.transpose(1, 2).contiguous().transpose(1, 2)), 10, 2, 64, 64, torch.bfloat16, "t") is None
 
 
-def test_new_kv_only_batch_with_leading_decodes_unsplit_reads_the_cache(stand_ins, monkeypatch):
+def test_new_kv_only_batch_with_leading_decodes_unsplit_reads_the_cache(stand_ins, use_settings):
     """``new_kv_only`` covers only the requests after the leading decodes: where the batch is not split (not
     causal here, or ``MUSA_ATTN_SPLIT_MIXED=0``) the one prefill launch holds the decodes too, whose keys include
     a cached prefix, so it reads the cache."""
     launches, state = stand_ins
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "1")
-    for split, causal in (("1", False), ("0", True)):
+    use_settings(target="sm_90a", new_kv_prefill=True)
+    for split, causal in ((True, False), (False, True)):
         launches.clear()
-        monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", split)
+        use_settings(split_mixed=split)
         q, k, v, _, _, meta, new_kv = _new_kv_case(2, [1, 1, 37, 130], [30, 99, 0, 0])
         state["k"], state["v"] = k, v
         out = tilelang_impl.paged_attention_tilelang(q, k, v, meta, causal=causal, new_kv=new_kv)

@@ -9,8 +9,8 @@ from musa_attn_backend.kernels._common import resolve_impl
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU detection")
-def test_cpu_detected_without_gpu(monkeypatch):
-    monkeypatch.delenv(platform.TARGET_ENV, raising=False)
+def test_cpu_detected_without_gpu(use_settings):
+    use_settings(target=None)
     p = platform.get_platform()
     assert p.kind == "cpu" and p.torch_device == "cpu"
     assert p.target_kind is None and not p.has_gpu
@@ -33,8 +33,8 @@ def test_cpu_detected_without_gpu(monkeypatch):
         ("MP_22", "musa", "mp_22", False, False, False),
     ],
 )
-def test_env_override(monkeypatch, value, kind, arch, fp8, bulk, wg):
-    monkeypatch.setenv(platform.TARGET_ENV, value)
+def test_env_override(use_settings, value, kind, arch, fp8, bulk, wg):
+    use_settings(target=value)
     p = platform.get_platform()
     assert (p.target_kind, p.arch, p.fp8, p.bulk_copy, p.warpgroup_mma) == (kind, arch, fp8, bulk, wg)
     # programmatic dependent launch: CUDA sm_90+ (the same archs as TMA here), not MUSA
@@ -49,14 +49,14 @@ def test_env_override(monkeypatch, value, kind, arch, fp8, bulk, wg):
 
 
 @pytest.mark.parametrize("value", ["hopper", "sm_x", "musa:mp3", "rocm:gfx942"])
-def test_env_override_rejects_garbage(monkeypatch, value):
-    monkeypatch.setenv(platform.TARGET_ENV, value)
+def test_env_override_rejects_garbage(use_settings, value):
+    use_settings(target=value)
     with pytest.raises(ValueError, match="MUSA_ATTN_TARGET"):
         platform.get_platform()
 
 
-def test_env_override_cpu_disables_compilation(monkeypatch):
-    monkeypatch.setenv(platform.TARGET_ENV, "cpu")
+def test_env_override_cpu_disables_compilation(use_settings):
+    use_settings(target="cpu")
     p = platform.get_platform()
     assert p.target_kind is None
     with pytest.raises(RuntimeError):
@@ -68,7 +68,7 @@ class _Props:
         self.major, self.minor, self.name, self.multi_processor_count = major, minor, name, sms
 
 
-def _fake_musa(monkeypatch, major, minor, name, tilelang_musa=True):
+def _fake_musa(monkeypatch, use_settings, major, minor, name, tilelang_musa=True):
     fake_torch_musa = types.ModuleType("torch_musa")
     monkeypatch.setitem(sys.modules, "torch_musa", fake_torch_musa)
     monkeypatch.setattr(platform.importlib.util, "find_spec",
@@ -78,11 +78,11 @@ def _fake_musa(monkeypatch, major, minor, name, tilelang_musa=True):
                                  get_device_properties=lambda i: _Props(major, minor, name, 56))
     monkeypatch.setattr(torch, "musa", musa, raising=False)
     monkeypatch.setattr(platform, "tilelang_supports_musa", lambda: tilelang_musa)
-    monkeypatch.delenv(platform.TARGET_ENV, raising=False)
+    use_settings(target=None)  # detected, not overridden
 
 
-def test_simulated_musa_s5000(monkeypatch):
-    _fake_musa(monkeypatch, 3, 1, "MTT S5000")
+def test_simulated_musa_s5000(monkeypatch, use_settings):
+    _fake_musa(monkeypatch, use_settings, 3, 1, "MTT S5000")
     p = platform.get_platform()
     assert p.kind == "musa" and p.torch_device == "musa" and p.has_gpu
     assert (p.arch, p.capability, p.sm_count) == ("mp_31", (3, 1), 56)
@@ -91,14 +91,14 @@ def test_simulated_musa_s5000(monkeypatch):
     assert "MTT S5000" in p.describe()
 
 
-def test_simulated_musa_s4000_has_no_fp8(monkeypatch):
-    _fake_musa(monkeypatch, 2, 2, "MTT S4000")
+def test_simulated_musa_s4000_has_no_fp8(monkeypatch, use_settings):
+    _fake_musa(monkeypatch, use_settings, 2, 2, "MTT S4000")
     p = platform.get_platform()
     assert p.arch == "mp_22" and not (p.fp8 or p.bulk_copy or p.warpgroup_mma)
 
 
-def test_simulated_musa_without_tilelang_musa(monkeypatch):
-    _fake_musa(monkeypatch, 3, 1, "MTT S5000", tilelang_musa=False)
+def test_simulated_musa_without_tilelang_musa(monkeypatch, use_settings):
+    _fake_musa(monkeypatch, use_settings, 3, 1, "MTT S5000", tilelang_musa=False)
     p = platform.get_platform()
     assert p.kind == "musa" and p.target_kind is None
     assert any("tilelang-musa" in n for n in p.notes)
@@ -106,14 +106,14 @@ def test_simulated_musa_without_tilelang_musa(monkeypatch):
         p.tilelang_target()
 
 
-def test_simulated_musa_wins_over_env_free_cuda_check(monkeypatch):
-    _fake_musa(monkeypatch, 3, 1, "MTT S5000")
+def test_simulated_musa_wins_over_env_free_cuda_check(monkeypatch, use_settings):
+    _fake_musa(monkeypatch, use_settings, 3, 1, "MTT S5000")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # torchada may make this True on MUSA
     assert platform.get_platform().kind == "musa"
 
 
-def test_simulated_cuda_h200(monkeypatch):
-    monkeypatch.delenv(platform.TARGET_ENV, raising=False)
+def test_simulated_cuda_h200(monkeypatch, use_settings):
+    use_settings(target=None)
     monkeypatch.setattr(platform, "musa_runtime_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

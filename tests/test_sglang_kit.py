@@ -260,12 +260,12 @@ def test_extend_without_prefixes_hands_over_new_kv(monkeypatch, name, flagged):
 
 
 @pytest.mark.gpu
-def test_kit_extend_new_kv_prefill_gpu(monkeypatch, gpu_device):
+def test_kit_extend_new_kv_prefill_gpu(monkeypatch, use_settings, gpu_device):
     """On the GPU, by default: a prefill without cached prefixes at page 1 runs the TMA
     ping-pong kernel on the new K/V rows (SGLang's k / v views), and matches the kit's reference."""
     from musa_attn_backend.kernels.attention import tilelang_impl
 
-    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL", raising=False)  # the default
+    use_settings(new_kv_prefill=True)  # the default
     ragged = []
     real = tilelang_impl.prefill_kernel
     monkeypatch.setattr(tilelang_impl, "prefill_kernel",

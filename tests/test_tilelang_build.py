@@ -135,7 +135,7 @@ def test_prefill_pingpong_gather_compiles_for_sm90a(d, causal):
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
+def test_decode_and_combine_compile_for_sm90a(pdl, use_settings):
     """The split-KV decode kernel and its combine, as the launcher builds them for sm_90a: the row copies of a
     tile follow each other with no block barrier between them (the resolved rows live in static shared memory,
     apart from the tiles), and the combine is a programmatic dependent launch of the decode (the decode
@@ -144,8 +144,7 @@ def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
-    if not pdl:
-        monkeypatch.setenv("MUSA_ATTN_PDL", "0")
+    use_settings(pdl=pdl)
     lay = (2 * 128, 2 * 128, 128)
     spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
     src = ti.decode_kernel(spec, ti.decode_config(1, 4), True, target=HOPPER).get_kernel_source()
@@ -159,15 +158,15 @@ def test_decode_and_combine_compile_for_sm90a(pdl, monkeypatch):
         assert comb.index("cudaGridDependencySynchronize") < comb.index("L_part[")
     # the default combine: LSEs at once, partials 8 splits at a time; MUSA_ATTN_CHUNKED_COMBINE=0: one by one
     assert "lse_s[" in comb and re.search(r"for \(int j\w* = 0; j\w* < 8; \+\+j\w*\)", comb)
-    monkeypatch.setenv("MUSA_ATTN_CHUNKED_COMBINE", "0")
+    use_settings(chunked_combine=False)
     serial = ti.combine_kernel(spec, target=HOPPER).get_kernel_source()
     assert "lse_s[" not in serial and ("cudaGridDependencySynchronize();" in serial) == pdl
-    monkeypatch.delenv("MUSA_ATTN_CHUNKED_COMBINE")
+    use_settings(chunked_combine=True)
     unsplit = ti.decode_kernel(spec, ti.decode_config(1, 4), False, target=HOPPER).get_kernel_source()
     assert "cudaTriggerProgrammaticLaunchCompletion" not in unsplit  # nothing depends on it
 
 
-def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
+def test_prefill_pingpong_page_chunks_compile_for_sm90a(use_settings):
     """The ping-pong prefill with TMA copies of page chunks (for pages of 16 tokens a tuning candidate; the
     default for 64 with 64-row chunks): per 128-key tile the producer takes 8 cache rows (read from the page
     table for 4 tiles at once, one per lane) before the stage is free, then issues 16-row boxes (one per 64-column swizzle block) into the tile's rows,
@@ -175,7 +174,7 @@ def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    use_settings(target="sm_90a")
     lay = (2 * 2 * 128, 2 * 2 * 128, 128)  # vLLM's K|V rows: K and V share a row, V 128 elements in
     spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
     cfg = next(c for c in ti.prefill_candidates(128, 128, page_size=16) if c.tma_rows and c.num_stages == 2)
@@ -196,7 +195,7 @@ def test_prefill_pingpong_page_chunks_compile_for_sm90a(monkeypatch):
     assert src.count("page_table[") == 1 and re.search(r"if \(\(k % 16\) == 0\)", src)  # 2 chunks / tile
 
 
-def test_prefill_new_kv_compiles_for_sm90a(monkeypatch):
+def test_prefill_new_kv_compiles_for_sm90a(use_settings):
     """The prefill reading the batch's new K/V rows instead of the cache, for batches without cached prefixes
     (default; ``MUSA_ATTN_NEW_KV_PREFILL=0`` turns it off): the TMA ping-pong kernel of pages of 128, its K/V
     tiles copied from row ``cu_seqlens_q[b] + 128 k`` of the new K/V (SGLang's strided views of a fused QKV
@@ -206,10 +205,9 @@ def test_prefill_new_kv_compiles_for_sm90a(monkeypatch):
 
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "0")
+    use_settings(target="sm_90a", new_kv_prefill=False)
     assert ti.new_kv_prefill_config(128, 128) is None  # switched off
-    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL")  # the default
+    use_settings(new_kv_prefill=True)  # the default
     cfg = ti.new_kv_prefill_config(128, 128)
     assert cfg == ti.prefill_config(128, 128, page_size=128) and cfg.tma and cfg.pingpong and not cfg.tma_rows
     assert ti.new_kv_prefill_config(128, 128, has_window=True) is None
@@ -231,13 +229,8 @@ def test_prefill_new_kv_compiles_for_sm90a(monkeypatch):
     assert "page_table[" not in src and "tma_load" in src and "cp_async" not in src
     loads = re.findall(r"tma_load\([KV]C_desc, [^;]*;", src)  # 4 boxes of 64 columns each for K and V
     assert len(loads) == 8 and all(x.endswith(", ((k * 64) + q0));") for x in loads), loads
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_31")
-    from musa_attn_backend import platform
-
-    platform.reset()
+    use_settings(target="mp_31")
     musa = ti.new_kv_prefill_config(128, 128)
     assert musa is not None and musa.tma and not musa.pingpong
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80")
-    platform.reset()
+    use_settings(target="sm_80")
     assert ti.new_kv_prefill_config(128, 128) is None  # no bulk copies: the cache path
-    platform.reset()

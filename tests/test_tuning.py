@@ -12,8 +12,8 @@ from musa_attn_backend.platform import get_platform
 
 
 @pytest.fixture()
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MUSA_ATTN_CACHE_DIR", str(tmp_path))
+def cache(tmp_path, use_settings):
+    use_settings(cache_dir=tmp_path)
     tuning._loaded.clear()
     yield tmp_path
     tuning._loaded.clear()
@@ -49,7 +49,7 @@ def _writer(args):
     cache_dir, worker = args
     import os
 
-    os.environ["MUSA_ATTN_CACHE_DIR"] = cache_dir
+    os.environ["MUSA_ATTN_CACHE_DIR"] = cache_dir  # a fresh process: read on its first use of the settings
     from musa_attn_backend import tuning as t
 
     for i in range(15):
@@ -64,10 +64,10 @@ def test_concurrent_writers_lose_nothing(cache):
     assert len(entries) == 60 and entries["w3-k14"]["config"] == {"i": 14}
 
 
-def test_prefill_config_follows_a_valid_entry_and_ignores_others(cache, monkeypatch):
+def test_prefill_config_follows_a_valid_entry_and_ignores_others(cache, use_settings):
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")  # a platform with TMA, so both load paths are candidates
+    use_settings(target="sm_90a")  # a platform with TMA, so both load paths are candidates
     default = ti.prefill_config(128, 128, page_size=128)
     assert default.tma and default.block_N == 128
     key = ti.prefill_shape_class(128, 128, False, 128, False)
@@ -86,13 +86,12 @@ def test_prefill_config_follows_a_valid_entry_and_ignores_others(cache, monkeypa
     assert all(c.num_stages == 1 and not c.tma for c in ti.prefill_candidates(128, 128, True, 128))
 
 
-def test_prefill_defaults_per_platform(cache, monkeypatch):
+def test_prefill_defaults_per_platform(cache, use_settings):
     """Hopper (sm_90a): the ping-pong kernel wherever pages hold whole key tiles and the head dim is 64/128;
     MUSA MP31: TMA tiles without it (its warp-specialisation lowering is unverified); row gathers otherwise."""
-    from musa_attn_backend import platform
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    use_settings(target="sm_90a")
     # three K/V stages where they fit the SM's 228 KB and were measured faster (hd 128, 128-key tiles: 224 KB);
     # two stay a candidate there, and elsewhere the default with three as a candidate
     assert ti.prefill_config(128, 128, page_size=128) == ti.PrefillConfig(128, 128, 3, 384, True, True)
@@ -127,22 +126,19 @@ def test_prefill_defaults_per_platform(cache, monkeypatch):
     assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=8))
     assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=256))
     assert not any(c.tma_rows for c in ti.prefill_candidates(256, 256, page_size=64))  # no ping-pong at hd 256
-    monkeypatch.setenv("MUSA_ATTN_TMA_CHUNKS", "0")  # takes them out: 64-key whole-page tiles at page 64
+    use_settings(tma_chunks=False)  # MUSA_ATTN_TMA_CHUNKS=0 takes them out: 64-key whole-page tiles at page 64
     assert not any(c.tma_rows for c in ti.prefill_candidates(128, 128, page_size=64))
     assert ti.prefill_config(128, 128, page_size=64) == ti.PrefillConfig(128, 64, 2, 384, True, True)
-    monkeypatch.delenv("MUSA_ATTN_TMA_CHUNKS")
+    use_settings(tma_chunks=True)
     # MUSA_ATTN_PINGPONG_GATHER=0 takes it out: the row-gather kernel again
-    monkeypatch.setenv("MUSA_ATTN_PINGPONG_GATHER", "0")
+    use_settings(pingpong_gather=False)
     assert not any(c.pingpong and not c.tma for c in ti.prefill_candidates(128, 128, page_size=16))
     assert ti.prefill_config(128, 128, page_size=1) == ti.PrefillConfig(128, 128, 2, 256, False)
     assert ti.prefill_config(128, 128, page_size=16) == ti.PrefillConfig(128, 128, 2, 256, False)
-    monkeypatch.delenv("MUSA_ATTN_PINGPONG_GATHER")
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_31")
-    platform.reset()
+    use_settings(pingpong_gather=True, target="mp_31")
     musa = ti.prefill_config(128, 128, page_size=128)
     assert musa.tma and not musa.pingpong
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_80")
-    platform.reset()
+    use_settings(target="sm_80")
     assert not ti.prefill_config(128, 128, page_size=128).tma
 
 

@@ -180,15 +180,14 @@ def test_impl_writes_vllm_output_in_place(monkeypatch):
 @pytest.mark.parametrize("split", [False, True], ids=["one_launch", "split_mixed"])
 @pytest.mark.parametrize("hq,hkv,block", [(32, 8, 16), (32, 8, 128), (8, 1, 64), (16, 16, 1)])
 @pytest.mark.parametrize("opts", [{}, {"sliding_window": 100}, {"logits_soft_cap": 30.0}, {"sinks": True}])
-def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, split, monkeypatch):
+def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, split, monkeypatch, use_settings):
     """vLLM's real builder/impl classes on the GPU: the TileLang kernels (KV write, decode, prefill incl. the
     whole-page copy path at block 128) on a mixed batch with long prefixes, bf16, vs float32 math; the mixed
     batch in one prefill launch (``MUSA_ATTN_SPLIT_MIXED=0``), or (the default) its leading decodes in a decode
     launch."""
     from musa_attn_backend.kernels.attention import tilelang_impl
 
-    monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", "1" if split else "0")
-    monkeypatch.setattr(tilelang_impl, "POISON", True)
+    use_settings(split_mixed=split, poison=True)
     calls = []
     real = tilelang_impl.paged_attention_tilelang
     monkeypatch.setattr(tilelang_impl, "paged_attention_tilelang", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -200,13 +199,12 @@ def test_builder_and_impl_on_gpu_run_tilelang(gpu_device, hq, hkv, block, opts, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block,decodes", [(16, False), (1, True), (64, False)])
-def test_builder_and_impl_new_kv_prefill_on_gpu(gpu_device, monkeypatch, block, decodes):
+def test_builder_and_impl_new_kv_prefill_on_gpu(gpu_device, monkeypatch, use_settings, block, decodes):
     """The default new-K/V prefill: a prefill batch without cached prefixes (after leading decodes with
     ``decodes``) reads the key / value vLLM hands the impl instead of the blocks, and matches float32 math."""
     from musa_attn_backend.kernels.attention import tilelang_impl
 
-    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL", raising=False)  # the default
-    monkeypatch.setattr(tilelang_impl, "POISON", True)
+    use_settings(new_kv_prefill=True, poison=True)  # (the default, and NaN-poisoned outputs)
     ragged = []
     real = tilelang_impl.prefill_kernel
     monkeypatch.setattr(tilelang_impl, "prefill_kernel",
@@ -218,7 +216,7 @@ def test_builder_and_impl_new_kv_prefill_on_gpu(gpu_device, monkeypatch, block, 
     assert ragged == [True], ragged
 
 
-def test_builder_counts_leading_decodes_when_splitting(monkeypatch):
+def test_builder_counts_leading_decodes_when_splitting(use_settings):
     """By default (and with ``MUSA_ATTN_SPLIT_MIXED=1``) the builder asks vLLM to put decodes first and records
     how many lead the batch (from the host copy of query_start_loc); with ``MUSA_ATTN_SPLIT_MIXED=0``, neither."""
     from vllm.config import VllmConfig
@@ -229,10 +227,8 @@ def test_builder_counts_leading_decodes_when_splitting(monkeypatch):
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     cases = [((1, 1, 1, 37, 20), 3), ((5, 1, 1), 0), ((1, 1, 3, 1), 2), ((2, 2), 0)]
     for flag in (None, "1", "0"):
-        if flag is None:
-            monkeypatch.delenv("MUSA_ATTN_SPLIT_MIXED", raising=False)
-        else:
-            monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
+        if flag is not None:
+            use_settings(split_mixed=flag == "1")
         builder = TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], VllmConfig(), torch.device("cpu"))
         assert builder.reorder_batch_threshold == (None if flag == "0" else 1)
         for qlens, leading in cases:
@@ -241,7 +237,7 @@ def test_builder_counts_leading_decodes_when_splitting(monkeypatch):
             assert builder.build(0, _common_metadata(batch)).meta.num_decodes == (0 if flag == "0" else leading)
 
 
-def test_builder_flags_batches_without_cached_prefixes(monkeypatch):
+def test_builder_flags_batches_without_cached_prefixes(use_settings):
     """``new_kv_only``: no request after the leading decodes (all requests, when the builder does not split
     mixed batches) has a cached prefix, from the host copies of query_start_loc and seq_lens (vLLM's
     ``seq_lens_cpu_upper_bound``, exact for prefill rows); unknown without them; never for pure decode batches."""
@@ -257,7 +253,7 @@ def test_builder_flags_batches_without_cached_prefixes(monkeypatch):
              ((1, 1, 37, 20), (5, 9, 0, 3), False, False), ((37, 20), (0, 4), False, False),
              ((1, 1), (5, 9), False, False), ((1, 30), (0, 0), True, True)]
     for flag in ("1", "0"):
-        monkeypatch.setenv("MUSA_ATTN_SPLIT_MIXED", flag)
+        use_settings(split_mixed=flag == "1")
         builder = TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], VllmConfig(), torch.device("cpu"))
         for qlens, plens, split_yes, one_launch_yes in cases:
             batch = random_batch(random.Random(len(qlens)), batch_size=len(qlens), page_size=16, max_seq_len=90,
@@ -268,36 +264,36 @@ def test_builder_flags_batches_without_cached_prefixes(monkeypatch):
             assert not builder.build(0, dc.replace(cm, seq_lens_cpu_upper_bound=None)).meta.new_kv_only
 
 
-def _decode_builder(block, hkv, d, dtype, device, monkeypatch, graphs=True):
+def _decode_builder(block, hkv, d, dtype, device, use_settings, graphs=True):
     from vllm.config import VllmConfig
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from musa_attn_backend.vllm import backend as vb
 
-    monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "1" if graphs else "0")
+    use_settings(vllm_cuda_graphs=graphs)
     cfg = VllmConfig()
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=dtype)
     return vb.TileLangMusaBackend.get_builder_cls()(spec, ["layer.0"], cfg, torch.device(device)), cfg
 
 
-def test_cuda_graph_support_declared_with_opt_out(monkeypatch):
+def test_cuda_graph_support_declared_with_opt_out(use_settings):
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from musa_attn_backend.vllm import backend as vb
 
     cls = vb.TileLangMusaBackend.get_builder_cls()
-    monkeypatch.delenv(vb.CUDA_GRAPHS_ENV, raising=False)
+    use_settings(vllm_cuda_graphs=True)  # the default
     assert cls.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    monkeypatch.setenv(vb.CUDA_GRAPHS_ENV, "0")
+    use_settings(vllm_cuda_graphs=False)  # MUSA_ATTN_VLLM_CUDA_GRAPHS=0
     assert cls.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
 
 
-def test_decode_batches_reuse_persistent_buffers_under_full_graphs(monkeypatch):
+def test_decode_batches_reuse_persistent_buffers_under_full_graphs(use_settings):
     """Under full CUDA graphs every pure-decode batch is built into the same buffers (a captured graph reads
     each replay's metadata there), with the key bound at the block-table capacity; other batches are not."""
-    builder, _ = _decode_builder(16, 2, 64, torch.float32, "cpu", monkeypatch)
+    builder, _ = _decode_builder(16, 2, 64, torch.float32, "cpu", use_settings)
     metas = []
     for seed in (1, 2):
         batch = random_batch(random.Random(seed), batch_size=6, page_size=16, max_seq_len=200, decode=True)
@@ -314,14 +310,14 @@ def test_decode_batches_reuse_persistent_buffers_under_full_graphs(monkeypatch):
     mixed = random_batch(random.Random(3), batch_size=3, page_size=16, max_seq_len=200, query_lens=[1, 5, 1],
                          prefix_lens=[10, 0, 30])
     assert builder.build(0, _common_metadata(mixed)).meta.seqlens_k.data_ptr() != metas[0].seqlens_k.data_ptr()
-    monkeypatch.setenv("MUSA_ATTN_VLLM_CUDA_GRAPHS", "0")  # opted out: every batch gets its own tensors
-    plain, _ = _decode_builder(16, 2, 64, torch.float32, "cpu", monkeypatch, graphs=False)
+    # opted out (MUSA_ATTN_VLLM_CUDA_GRAPHS=0): every batch gets its own tensors
+    plain, _ = _decode_builder(16, 2, 64, torch.float32, "cpu", use_settings, graphs=False)
     batch = random_batch(random.Random(1), batch_size=6, page_size=16, max_seq_len=200, decode=True)
     assert plain.build(0, _common_metadata(batch)).meta.max_seqlen_k == max(batch.seq_lens)
 
 
 @pytest.mark.gpu
-def test_impl_decode_under_cuda_graph_capture_and_replay(gpu_device, monkeypatch):
+def test_impl_decode_under_cuda_graph_capture_and_replay(gpu_device, monkeypatch, use_settings):
     """vLLM's builder + impl decode captured in a CUDA graph, then replayed after building *other* decode
     batches (new lengths, block tables, queries, one padded request): equal to eager runs of the same batches."""
     from vllm.config import set_current_vllm_config
@@ -329,7 +325,7 @@ def test_impl_decode_under_cuda_graph_capture_and_replay(gpu_device, monkeypatch
     from musa_attn_backend.vllm.backend import TileLangMusaBackend
 
     hq, hkv, d, block, bs = 32, 8, 128, 16, 8
-    builder, cfg = _decode_builder(block, hkv, d, torch.bfloat16, gpu_device, monkeypatch)
+    builder, cfg = _decode_builder(block, hkv, d, torch.bfloat16, gpu_device, use_settings)
     with set_current_vllm_config(cfg):
         impl = TileLangMusaBackend.get_impl_cls()(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=hkv)
     num_blocks, width = 600, 256

@@ -47,20 +47,20 @@ def test_plan_lists_each_kernel_serving_needs():
     assert all(j.args[0].kv_dtype == "float8_e4m3" for j in fp8 if j.kind != "write_kv")
 
 
-def test_plan_adds_the_new_kv_prefill(monkeypatch):
+def test_plan_adds_the_new_kv_prefill(use_settings):
     """On a Hopper target (unless ``MUSA_ATTN_NEW_KV_PREFILL=0``), the prefill reading the new K/V of batches without
     cached prefixes is warmed up too, for the two layouts the engines hand over (views of a fused QKV
     projection, K/V of their own); not for FP8 caches, windowed layers, or with the switch off."""
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
-    monkeypatch.setenv("MUSA_ATTN_TARGET", "sm_90a")
+    use_settings(target="sm_90a")
     llama = warmup.from_hf_config(LLAMA, tp=2)
     def new_kv_jobs(jobs):
         return [j for j in jobs if j.kind == "prefill" and len(j.args) > 3]
 
-    monkeypatch.setenv("MUSA_ATTN_NEW_KV_PREFILL", "0")
+    use_settings(new_kv_prefill=False)
     assert not new_kv_jobs(warmup.plan(llama))  # switched off
-    monkeypatch.delenv("MUSA_ATTN_NEW_KV_PREFILL")  # on by default
+    use_settings(new_kv_prefill=True)  # on by default
     new = new_kv_jobs(warmup.plan(llama, engine="vllm"))
     assert len(new) == 2 and all(j.args[4] == ti.new_kv_prefill_config(128, 128) and j.args[5] for j in new)
     # the layouts are those of the engines' tensors: k / v split off a fused projection, or contiguous
@@ -109,7 +109,7 @@ def test_warmup_compiles_for_sm90a_then_hits_the_cache(tmp_path):
 def test_warmup_needs_a_target(monkeypatch, capsys):
     from musa_attn_backend import cli
 
-    monkeypatch.delenv("MUSA_ATTN_TARGET", raising=False)
+    monkeypatch.delenv("MUSA_ATTN_TARGET", raising=False)  # the command reads the environment again
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: warmup has a target")
     assert cli.main(["warmup", "--heads", "4", "--kv-heads", "1", "--head-dim", "64"]) == 2

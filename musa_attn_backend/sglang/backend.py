@@ -142,3 +142,6 @@ def _check_environment(device: torch.device) -> None:
         from .. import _tilelang  # noqa: F401
     except Exception as e:  # a broken TileLang install
         raise RuntimeError(f"tilelang_musa: TileLang does not import ({type(e).__name__}: {e})") from e
+    from ..warmup import check_warmup_settings
+
+    check_warmup_settings(device)  # warns where the kernel switches differ from warmup's

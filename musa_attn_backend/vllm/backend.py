@@ -15,7 +15,6 @@ declares ``NEVER`` instead.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -31,18 +30,13 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from ..config import settings
 from ..kernels import paged_attention, write_kv
-from ..kernels.attention import split_mixed_batches
 from ..metadata import PagedKVMeta
 from ..metadata import vllm as vllm_meta
 
 NAME = "TILELANG_MUSA"
 FP8_KV = ("fp8", "fp8_e4m3")
-CUDA_GRAPHS_ENV = "MUSA_ATTN_VLLM_CUDA_GRAPHS"
-
-
-def _graphs_enabled() -> bool:
-    return os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
 
 
 @dataclass
@@ -108,15 +102,19 @@ class TileLangMusaMetadataBuilder(AttentionMetadataBuilder[TileLangMusaMetadata]
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if _graphs_enabled() else AttentionCGSupport.NEVER
+        return (AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if settings().vllm_cuda_graphs
+                else AttentionCGSupport.NEVER)
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from ..warmup import check_warmup_settings
+
+        check_warmup_settings(torch.device(device))  # warns where the kernel switches differ from warmup's
         self.block_size = kv_cache_spec.block_size
         mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-        self.full_graphs = _graphs_enabled() and mode is not None and mode.has_full_cudagraphs()
+        self.full_graphs = settings().vllm_cuda_graphs and mode is not None and mode.has_full_cudagraphs()
         self._graph_meta: Optional[PagedKVMeta] = None
-        self.split_mixed = split_mixed_batches()
+        self.split_mixed = settings().split_mixed
         if self.split_mixed:
             self.reorder_batch_threshold = 1  # vLLM puts single-token (decode) requests first
 

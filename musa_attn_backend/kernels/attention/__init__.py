@@ -6,7 +6,6 @@ GPU or the PyTorch reference (:mod:`.reference`) where asked or where no GPU hol
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Union
 
 import torch
@@ -14,69 +13,6 @@ import torch
 from ...metadata import PagedKVMeta
 from .._common import FP8_E4M3, check, check_same_device, check_scale, resolve_impl
 from .reference import paged_attention_reference
-
-SPLIT_MIXED_ENV = "MUSA_ATTN_SPLIT_MIXED"
-PINGPONG_GATHER_ENV = "MUSA_ATTN_PINGPONG_GATHER"
-PDL_ENV = "MUSA_ATTN_PDL"
-TMA_CHUNKS_ENV = "MUSA_ATTN_TMA_CHUNKS"
-CHUNKED_COMBINE_ENV = "MUSA_ATTN_CHUNKED_COMBINE"
-NEW_KV_PREFILL_ENV = "MUSA_ATTN_NEW_KV_PREFILL"
-
-
-def _enabled(env: str) -> bool:
-    return os.environ.get(env, "1") != "0"
-
-
-def split_mixed_batches() -> bool:
-    """Whether a mixed batch whose metadata counts its leading decodes (``PagedKVMeta.num_decodes``) runs them
-    with the decode kernel and the rest with the prefill kernel on the GPU (default; ``MUSA_ATTN_SPLIT_MIXED=0``
-    turns it off, and the whole batch takes the prefill kernel). Measured on the H200 through vLLM's builder and
-    impl: a batch of 16 decodes at 4k + 2 x 512 new tokens went from 0.87x to 2.38x ``TRITON_ATTN``
-    (vllm-backend-20261129T193053Z -> -205215Z)."""
-    return _enabled(SPLIT_MIXED_ENV)
-
-
-def pingpong_gather_enabled() -> bool:
-    """Whether the ping-pong prefill kernel with a gathering (``cp.async``) producer, for pages of any size, is a
-    prefill candidate, ahead of the row-gather kernel (default; ``MUSA_ATTN_PINGPONG_GATHER=0`` removes it).
-    Measured on the H200 at page 1, causal 4k / 8k / 16k: 334 / 401 / 429 TFLOP/s against 238 / 291 / 330 for
-    the row-gather kernel (tune-prefill-20261129T205442Z)."""
-    return _enabled(PINGPONG_GATHER_ENV)
-
-
-def dependent_launch_enabled() -> bool:
-    """Whether the split-KV combine kernel is launched as a programmatic dependent of the decode kernel where the
-    target has it (CUDA sm_90+), so its launch overlaps the decode's last wave (default; ``MUSA_ATTN_PDL=0``
-    turns it off). Measured on the H200, batch 1 at 4k / 16k keys: 16.8 / 31.5 us instead of 18.9 / 32.6 us;
-    larger batches unchanged within 1% (tune-decode-20261129T224737Z vs -224817Z)."""
-    return _enabled(PDL_ENV)
-
-
-def tma_chunks_enabled() -> bool:
-    """Whether the ping-pong prefill with TMA copies of page chunks (16/32/64 rows, each through the page table)
-    is a candidate for pages of a multiple of 16 tokens that hold no whole key tile (default; the default
-    kernel for pages of 64, a tuning candidate for 16 and 32; ``MUSA_ATTN_TMA_CHUNKS=0`` removes it)."""
-    return _enabled(TMA_CHUNKS_ENV)
-
-
-def chunked_combine_enabled() -> bool:
-    """Whether the split-KV combine reads the partial LSEs at once and the partial outputs 8 splits at a time
-    (their loads in flight together) rather than one split after another, each a dependent L2 round trip
-    (default; ``MUSA_ATTN_CHUNKED_COMBINE=0`` turns it off). Measured on the H200 (hd 128, 32/8 heads, page 1):
-    batch 1 at 4k / 32k keys 15.2 -> 14.4 us and 54.9 -> 52.7 us, batch 8 at 4k 51.2 -> 48.3 us, batch 32
-    within 0.2% (tune-decode-20261130T005144Z vs -005211Z)."""
-    return _enabled(CHUNKED_COMBINE_ENV)
-
-
-def new_kv_prefill_enabled() -> bool:
-    """Whether a prefill whose requests have no cached prefix reads the batch's new K/V (``new_kv`` of
-    :func:`paged_attention`, contiguous per request) with whole-tile TMA copies instead of the paged cache,
-    whatever the page size (SGLang's page 1, vLLM's 16 would otherwise take the gathering producer). Default;
-    ``MUSA_ATTN_NEW_KV_PREFILL=0`` turns it off. Measured on the H200 (hd 128, 32/8 heads, one request, bf16),
-    causal 4k / 8k / 16k: 503 / 618 / 608 TFLOP/s against 372 / 440 / 461 from the page-1 cache (the gathering
-    producer) and 477 / 588 / 582 from pages of 128; 1.01-1.05x cuDNN at 8k-16k (attention-20261130T020748Z)."""
-    return _enabled(NEW_KV_PREFILL_ENV)
-
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_paged_attention_args"]
 
@@ -198,7 +134,7 @@ def paged_attention(
             ``[num_tokens, num_kv_heads * head_dim]``, any row stride) packed like ``q``, exactly as written into
             the cache. Where ``meta.new_kv_only`` says that no request (after the leading decodes) has a cached
             prefix, the GPU prefill may read them instead of the cache: the same values, in whole contiguous
-            tiles whatever the page size (default, :func:`new_kv_prefill_enabled`). Ignored by the reference,
+            tiles whatever the page size (default; ``MUSA_ATTN_NEW_KV_PREFILL=0``: off). Ignored by the reference,
             for FP8 caches and where their dtype differs from the cache's.
         out: optional ``[num_tokens, num_q_heads, v_head_dim]`` tensor of ``q``'s dtype on ``q``'s device,
             contiguous, to write the result into (an engine's preallocated output); it is the returned tensor.

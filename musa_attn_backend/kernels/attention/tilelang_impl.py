@@ -1,10 +1,17 @@
-"""Launch the TileLang paged-attention kernels: pick prefill or split-KV decode, tiles and split count."""
+"""Launch the TileLang paged-attention kernels: pick prefill or split-KV decode, tiles and split count.
+
+The choices depend only on a batch's shape class, the settings, the platform and the tuning table, so they
+are planned once and kept (the plan caches below: tilings, split counts, kernel handles): a launch of a shape
+class seen before builds no candidate list and reads no file. :func:`clear_plan_caches` empties them; it runs
+whenever the settings (``config.refresh`` / ``config.override``), the platform (``platform.reset``) or the
+tuning table (``tuning.record`` / ``tuning.load(refresh=True)``) change.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,25 +19,60 @@ import torch
 
 from ... import tuning
 from ..._tilelang import compile_cached, tl, tl_dtype
+from ...config import on_change, settings
 from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
 from ...platform import get_platform, target_features
 from .._common import check, constant_vector, per_kv_head
-from . import (chunked_combine_enabled, dependent_launch_enabled, new_kv_prefill_enabled, pingpong_gather_enabled,
-               split_mixed_batches, tma_chunks_enabled)
 from . import tilelang_kernel as K
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 DECODE_MAX_Q = 8  # longest per-request query the split-KV decode kernel takes (speculative verify)
 MAX_SPLITS = 64
-# Debug aid (tests turn it on): fill outputs and split-KV partials with NaN before the kernels run, so an
-# element a kernel fails to write shows up instead of holding stale memory.
-POISON = os.environ.get("MUSA_ATTN_POISON", "") == "1"
+
+_plan_caches: list = []
+_kernels: dict = {}  # (getter, arguments) -> compiled kernel, for launches on this platform's target
+
+
+def _planned(fn):
+    """``fn`` (a pure function of its arguments, the settings, the platform and the tuning table) computed once
+    per distinct arguments until :func:`clear_plan_caches`."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+    _plan_caches.append(cached)
+    return cached
+
+
+def _kernel_handle(getter):
+    """``getter`` (``prefill_kernel``, ...) with its kernels kept per arguments when built for this platform's
+    target (``target=None``), so a launch skips the compile-cache key and lookup; until
+    :func:`clear_plan_caches`."""
+    @functools.wraps(getter)
+    def get(*args, **kwargs):
+        if kwargs.get("target") is not None:
+            return getter(*args, **kwargs)
+        key = (getter, args, tuple(kwargs.items()))
+        kernel = _kernels.get(key)
+        if kernel is None:
+            kernel = _kernels[key] = getter(*args, **kwargs)
+        return kernel
+    return get
+
+
+def clear_plan_caches() -> None:
+    """Empty the plan caches and kernel handles: the next launch of every shape class plans again."""
+    for cached in _plan_caches:
+        cached.cache_clear()
+    _kernels.clear()
+
+
+on_change(clear_plan_caches)
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
-    if POISON:
+    # MUSA_ATTN_POISON (a debug aid the tests turn on): NaN, so an element no kernel writes shows up instead of
+    # holding stale memory
+    if settings().poison:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -68,13 +110,19 @@ class DecodeConfig:
     full_runs: bool = False
 
 
+_supported: set = set()  # (q dtype, head dims) that passed check_tilelang_supported
+
+
 def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     op = "paged_attention(impl='tilelang')"
-    check(q.dtype in SUPPORTED_Q_DTYPES, f"{op}: q dtype must be float16 or bfloat16, got {q.dtype}")
     d, dv = q.shape[2], v_cache.shape[3]
+    if (q.dtype, d, dv) in _supported:
+        return
+    check(q.dtype in SUPPORTED_Q_DTYPES, f"{op}: q dtype must be float16 or bfloat16, got {q.dtype}")
     for name, dim in (("head_dim", d), ("v head_dim", dv)):
         check(dim % 16 == 0 and 16 <= dim <= MAX_HEAD_DIM,
               f"{op}: {name} must be a multiple of 16 in [16, {MAX_HEAD_DIM}] (64, 96, 128, 256, ...), got {dim}")
+    _supported.add((q.dtype, d, dv))
     # cache layout checks: cache_rows, called before any launch
 
 
@@ -106,7 +154,13 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
                        has_window: bool = False) -> list[PrefillConfig]:
     """Every prefill tiling valid for this shape class on this platform (what ``musa-attn tune`` tries), the
     default first."""
+    return list(_prefill_candidates(d, dv, is_fp8, page_size, has_window))
+
+
+@_planned
+def _prefill_candidates(d: int, dv: int, is_fp8: bool, page_size: int, has_window: bool) -> tuple:
     plat = get_platform()
+    opts = settings()
     tma_ok = plat.bulk_copy and not is_fp8 and not has_window
     pingpong_ok = tma_ok and plat.warp_specialized and d == dv and d in (64, 128)
     widths = sorted({_prefill_tile(d, dv), 64}, reverse=True)
@@ -119,7 +173,7 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
     # candidates only, last
     chunk = next((r for r in (64, 32, 16) if page_size % r == 0), 0)
     chunked = []
-    if pingpong_ok and tma_chunks_enabled() and page_size % 128 and chunk:
+    if pingpong_ok and opts.tma_chunks and page_size % 128 and chunk:
         chunked = [PrefillConfig(block_M=128, block_N=128, num_stages=stages, threads=384, tma=True, pingpong=True,
                                  tma_rows=chunk)
                    for stages in ((3, 2) if d == dv == 128 else (2, 3))
@@ -136,15 +190,16 @@ def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1
                 if stages == 2 or pingpong_smem_fits(d, dv, bn, stages, plat.smem_per_sm):
                     out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=384, tma=True,
                                              pingpong=True))
-    if pingpong_ok and pingpong_gather_enabled():
+    if pingpong_ok and opts.pingpong_gather:
         out.append(PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=False, pingpong=True))
     for bn in widths:
         for tma in ((True, False) if tma_ok and page_size % bn == 0 else (False,)):
             for stages in ((2,) if tma else (1,) if is_fp8 else (2, 1)):
                 out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=256, tma=tma))
-    return out + (chunked if chunk != 64 else [])
+    return tuple(out + (chunked if chunk != 64 else []))
 
 
+@_planned
 def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                    has_window: bool = False) -> PrefillConfig:
     """Prefill tiling: the tuning table's choice for this shape class on this device (``musa-attn tune``) if
@@ -159,7 +214,7 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
     451-461 / 567-580 / 580-586 with three; without fast math 331 / 472 / 514; with 64-key tiles 309 / 391 / 424;
     ping-pong with a gathering producer (page 1 and 16) 357 / 428 / 464 (326 / 394 / 430 with TileLang's bounds
     checks); TMA tiles with TileLang's warp specialisation 267 / 380 / 458; row gathers 238 / 291 / 330."""
-    valid = prefill_candidates(d, dv, is_fp8, page_size, has_window)
+    valid = _prefill_candidates(d, dv, is_fp8, page_size, has_window)
     tuned = tuning.lookup("prefill", prefill_shape_class(d, dv, is_fp8, page_size, has_window))
     if tuned:
         try:
@@ -173,6 +228,7 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
     return valid[0] if valid[0].pingpong else next((c for c in valid if c.tma and not c.tma_rows), valid[0])
 
 
+@_planned
 def decode_config(max_q: int, group: int, is_fp8: bool = False, dv: int = 128) -> Optional[DecodeConfig]:
     """A decode tiling for ``max_q`` tokens x ``group`` heads per KV head, or None (use prefill)."""
     if max_q > DECODE_MAX_Q:
@@ -190,6 +246,7 @@ def decode_config(max_q: int, group: int, is_fp8: bool = False, dv: int = 128) -
     return None
 
 
+@_planned
 def decode_ctas_per_sm(dcfg: DecodeConfig, d: int, dv: int, is_fp8: bool, smem_per_sm: int) -> int:
     """How many decode blocks of this tiling one SM holds at once (shared memory, registers, threads): an
     estimate from the tile buffers, for sizing the split-KV grid."""
@@ -207,6 +264,7 @@ def decode_ctas_per_sm(dcfg: DecodeConfig, d: int, dv: int, is_fp8: bool, smem_p
 SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the split counts measured (tune_decode.py)
 
 
+@_planned
 def num_splits_for(batch: int, num_kv_heads: int, max_seqlen_k: int, block_N: int, sm_count: int,
                    ctas_per_sm: int = 1) -> int:
     """Split count for split-KV decode, from a wave model: ``n = batch x kv heads x splits`` blocks run in
@@ -257,6 +315,14 @@ class AttnSpec:
         return self.hq // self.hkv
 
 
+# the spec of a launch (the same object for the same arguments: one per shape class), and one with other K/V
+# row layouts (the new-K/V prefill's)
+_attn_spec = _planned(AttnSpec)
+_with_layouts = _planned(lambda spec, k_layout, v_layout: dataclasses.replace(spec, k_layout=k_layout,
+                                                                              v_layout=v_layout))
+
+
+@_kernel_handle
 def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None,
                    cfg: Optional[PrefillConfig] = None, ragged: bool = False):
     """The prefill/extend kernel for ``spec`` (``cfg``: a tiling, default :func:`prefill_config`). ``ragged``:
@@ -288,12 +354,13 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
         cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma, ragged), target=target)
 
 
+@_planned
 def new_kv_prefill_config(d: int, dv: int, has_window: bool = False) -> Optional[PrefillConfig]:
     """The tiling for a prefill that reads the batch's new K/V rows (contiguous per request) instead of the
     paged cache: the whole-tile TMA tiling of pages of 128 (tuned or default; on Hopper the ping-pong kernel,
     on MUSA MP31 TME tiles) where this platform has bulk copies for these head dims, else None (the cache
     path)."""
-    if has_window or not new_kv_prefill_enabled():
+    if has_window or not settings().new_kv_prefill:
         return None
     cfg = prefill_config(d, dv, False, 128, False)
     return cfg if cfg.tma and not cfg.tma_rows else None
@@ -308,7 +375,8 @@ def _new_kv_rows(new_kv, nt: int, hkv: int, d: int, dv: int, dtype: torch.dtype,
     for x, w in zip(new_kv, (d, dv)):
         if x is None or x.dtype != dtype or x.shape[0] < nt or (x.dim() == 2 and x.shape[1] != hkv * w):
             return None
-        x = x[:nt].reshape(nt, hkv, w) if x.dim() == 2 else x[:nt]
+        x = x if x.shape[0] == nt else x[:nt]  # (a slice is a new view: only where rows are left over)
+        x = x.reshape(nt, hkv, w) if x.dim() == 2 else x
         if tuple(x.shape) != (nt, hkv, w) or x.stride(-1) != 1:
             return None
         s0, s1, _ = x.stride()
@@ -324,7 +392,7 @@ def _pdl(target) -> bool:
     """Programmatic dependent launch between the split-KV decode and its combine kernel: where the compile
     target has it (CUDA sm_90+; ``target``: None for this platform's, or a ``{"kind", "arch"}`` dict) and
     ``MUSA_ATTN_PDL`` allows it."""
-    if not dependent_launch_enabled():
+    if not settings().pdl:
         return False
     if target is None:
         return get_platform().dependent_launch
@@ -332,6 +400,7 @@ def _pdl(target) -> bool:
             and target_features(target["kind"], str(target.get("arch")))["dependent_launch"])
 
 
+@_kernel_handle
 def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
     pdl = split and _pdl(target)
     return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ()), lambda: K.build_decode(
@@ -341,10 +410,11 @@ def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
         target=target)
 
 
+@_kernel_handle
 def combine_kernel(spec: AttnSpec, target=None):
     pdl = _pdl(target)
-    # the split loop in chunks of 8 with their loads in flight together (default; see chunked_combine_enabled)
-    max_splits = MAX_SPLITS if chunked_combine_enabled() else 0
+    # the split loop in chunks of 8 with their loads in flight together (default; MUSA_ATTN_CHUNKED_COMBINE)
+    max_splits = MAX_SPLITS if settings().chunked_combine else 0
     return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks) + (("pdl",) if pdl else ())
                           + ((("splits", max_splits),) if max_splits else ()),
                           lambda: K.build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks, pdl=pdl,
@@ -365,8 +435,8 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
     op = "paged_attention(impl='tilelang')"
     k_rows, k_layout = cache_rows(k_cache, "k_cache", op=op)
     v_rows, v_layout = cache_rows(v_cache, "v_cache", op=op)
-    spec = AttnSpec(hq, hkv, d, dv, tl_dtype(q.dtype), tl_dtype(k_cache.dtype), sliding_window is not None,
-                    logit_softcap is not None, sinks is not None, k_layout, v_layout)
+    spec = _attn_spec(hq, hkv, d, dv, tl_dtype(q.dtype), tl_dtype(k_cache.dtype), sliding_window is not None,
+                      logit_softcap is not None, sinks is not None, k_layout, v_layout)
     if prefill_cfg is not None:
         valid = prefill_candidates(d, dv, spec.is_fp8, meta.page_size, spec.has_window)
         check(prefill_cfg in valid, f"{op}: prefill_cfg {prefill_cfg} is not valid for head dims {d}/{dv}, page size "
@@ -401,7 +471,7 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
         # the flag covers the requests after the leading decodes: a batch that still holds them (not split,
         # e.g. not causal) reads the cache
         if nkv is not None and m.new_kv_only and m.num_decodes == 0:
-            nspec = dataclasses.replace(spec, k_layout=nkv[2], v_layout=nkv[3])
+            nspec = _with_layouts(spec, nkv[2], nkv[3])
             prefill_kernel(nspec, causal, m.page_size, cfg=ncfg, ragged=True)(
                 *args(m, q, nkv[:2]), int(m.max_seqlen_q), out, lse)
         else:
@@ -420,7 +490,7 @@ def paged_attention_tilelang(q, k_cache, v_cache, meta, *, causal=True, sm_scale
             combine_kernel(spec)(o_part, l_part, scalars[0], oo, ll)
 
     dcfg = decode_config(meta.max_seqlen_q, spec.group, spec.is_fp8, spec.dv) if causal else None
-    nd = meta.num_decodes if causal and prefill_cfg is None and split_mixed_batches() else 0
+    nd = meta.num_decodes if causal and prefill_cfg is None and settings().split_mixed else 0
     one = decode_config(1, spec.group, spec.is_fp8, spec.dv) if 0 < nd < meta.batch_size else None
     if dcfg is not None and prefill_cfg is None:
         run_decode(meta, dcfg, q, out, lse)

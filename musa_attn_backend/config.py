@@ -1,0 +1,253 @@
+"""Every ``MUSA_ATTN_*`` switch, declared once, and the settings object the package reads them through.
+
+The environment is read once per process, on the first call of :func:`settings`, into a frozen
+:class:`Settings`; nothing else in the package reads ``MUSA_ATTN_*`` variables. :func:`refresh` reads the
+environment again (for a process that changes it, e.g. the CLI setting ``MUSA_ATTN_TARGET`` for its worker
+processes) and :func:`override` swaps in other values for the duration of a ``with`` block (tests). Both
+empty the caches of values derived from the settings (the detected platform, the launchers' tiling plans;
+:func:`on_change` registers them), so a launch after either sees the new values.
+
+Boolean switches take ``1``/``0`` (also ``true``/``false``, ``yes``/``no``, ``on``/``off``, any case); an
+unset or empty variable means the default. Any other value raises :class:`SettingsError` naming the variable
+and what it accepts, on the first read: a typo never silently selects a default.
+
+Switches marked ``kernels`` change which kernels are built for a model. They are part of every compile-cache
+key (:func:`kernel_settings`), ``musa-attn warmup`` compiles under them and records them next to the kernels,
+and a server started with other values says which (:func:`musa_attn_backend.warmup.check_warmup_settings`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+
+class SettingsError(ValueError):
+    """A ``MUSA_ATTN_*`` variable (or an :func:`override` argument) with a value it does not accept."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One setting: its :class:`Settings` field, environment variable, kind (``bool``, ``text`` or ``path``),
+    default, whether it changes which kernels are built, and what it does."""
+
+    field: str
+    env: str
+    kind: str
+    default: Any
+    kernels: bool
+    meaning: str
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch("split_mixed", "MUSA_ATTN_SPLIT_MIXED", "bool", True, False,
+           "a mixed batch whose metadata counts its leading decodes runs them with the decode kernel and the rest "
+           "with the prefill kernel (0: the whole batch takes the prefill kernel; warmup builds both either way)"),
+    Switch("pingpong_gather", "MUSA_ATTN_PINGPONG_GATHER", "bool", True, True,
+           "the ping-pong prefill with a gathering (cp.async) producer, for pages of any size, is a prefill "
+           "candidate ahead of the row-gather kernel (0: removed)"),
+    Switch("pdl", "MUSA_ATTN_PDL", "bool", True, True,
+           "the split-KV combine is a programmatic dependent launch of the decode kernel where the target has it "
+           "(CUDA sm_90+), so its launch overlaps the decode's last wave (0: an ordinary launch)"),
+    Switch("tma_chunks", "MUSA_ATTN_TMA_CHUNKS", "bool", True, True,
+           "the ping-pong prefill with TMA copies of page chunks (16/32/64 rows) is a candidate for pages of a "
+           "multiple of 16 that hold no whole key tile: the default kernel for pages of 64 (0: removed)"),
+    Switch("chunked_combine", "MUSA_ATTN_CHUNKED_COMBINE", "bool", True, True,
+           "the split-KV combine reads the partial LSEs at once and the partial outputs 8 splits at a time, their "
+           "loads in flight together (0: one split after another)"),
+    Switch("new_kv_prefill", "MUSA_ATTN_NEW_KV_PREFILL", "bool", True, True,
+           "a prefill whose requests have no cached prefix reads the batch's new K/V with whole-tile TMA copies "
+           "instead of the paged cache, whatever the page size (0: the cache path)"),
+    Switch("target", "MUSA_ATTN_TARGET", "text", None, True,
+           "compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
+           "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)"),
+    Switch("cache_dir", "MUSA_ATTN_CACHE_DIR", "path", None, False,
+           "the kernel cache, tuning tables and warmup record (unset: $XDG_CACHE_HOME/musa_attn_backend, "
+           "else ~/.cache/musa_attn_backend)"),
+    Switch("poison", "MUSA_ATTN_POISON", "bool", False, False,
+           "fill outputs and split-KV partials with NaN before the kernels run, so an element no kernel writes "
+           "shows up (a debug aid; the tests turn it on)"),
+    Switch("vllm_cuda_graphs", "MUSA_ATTN_VLLM_CUDA_GRAPHS", "bool", True, False,
+           "the vLLM builder declares UNIFORM_SINGLE_TOKEN_DECODE and builds pure-decode batches into persistent "
+           "buffers under full CUDA graphs (0: declares NEVER)"),
+    Switch("commit", "MUSA_ATTN_COMMIT", "text", None, False,
+           "the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)"),
+)
+BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective value of every switch (see :data:`SWITCHES` for their meaning)."""
+
+    split_mixed: bool = True
+    pingpong_gather: bool = True
+    pdl: bool = True
+    tma_chunks: bool = True
+    chunked_combine: bool = True
+    new_kv_prefill: bool = True
+    target: Optional[str] = None
+    cache_dir: Optional[Path] = None
+    poison: bool = False
+    vllm_cuda_graphs: bool = True
+    commit: Optional[str] = None
+
+
+# the declarations and the dataclass must name the same fields with the same defaults
+assert [f.name for f in dataclasses.fields(Settings)] == [s.field for s in SWITCHES]
+assert all(f.default == BY_FIELD[f.name].default for f in dataclasses.fields(Settings))
+
+
+def text(switch: Switch, value: Any) -> str:
+    """``value`` as the environment variable would spell it (``1``/``0`` for booleans, ``(unset)`` for None)."""
+    if value is None:
+        return "(unset)"
+    if switch.kind == "bool":
+        return "1" if value else "0"
+    return str(value)
+
+
+def parse(switch: Switch, raw: str) -> Any:
+    """The value of ``switch`` spelled ``raw`` in the environment (empty: the default); raises SettingsError."""
+    value = raw.strip()
+    if not value:
+        return switch.default
+    if switch.kind == "bool":
+        low = value.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise SettingsError(f"{switch.env}={raw!r} is not understood: use 1 or 0 (also true/false, yes/no, on/off), "
+                            f"or leave it unset for the default ({text(switch, switch.default)})")
+    if switch.kind == "path":
+        return Path(value).expanduser()
+    return value
+
+
+def _coerce(switch: Switch, value: Any) -> Any:
+    """An :func:`override` argument, checked against the switch's kind."""
+    if switch.kind == "bool":
+        if not isinstance(value, bool):
+            raise SettingsError(f"override({switch.field}=...): {switch.env} takes True or False, got {value!r}")
+        return value
+    if value is None:
+        return None
+    if switch.kind == "path" and isinstance(value, (str, Path)):
+        return Path(value).expanduser()
+    if switch.kind == "text" and isinstance(value, str) and value.strip():
+        return value.strip()
+    raise SettingsError(f"override({switch.field}=...): {switch.env} takes "
+                        f"{'a path' if switch.kind == 'path' else 'a non-empty string'} or None, got {value!r}")
+
+
+_lock = threading.RLock()
+_current: Optional[Settings] = None
+_sources: dict[str, str] = {}  # field -> "default" | "environment" | "override"
+_derived: list[Callable[[], None]] = []
+
+
+def read_environment(environ=None) -> tuple[Settings, dict[str, str]]:
+    """The settings ``environ`` (default ``os.environ``) spells, and where each value came from."""
+    environ = os.environ if environ is None else environ
+    values, sources = {}, {}
+    for s in SWITCHES:
+        raw = environ.get(s.env)
+        if raw is None or not raw.strip():
+            values[s.field], sources[s.field] = s.default, "default"
+        else:
+            values[s.field], sources[s.field] = parse(s, raw), "environment"
+    return Settings(**values), sources
+
+
+def settings() -> Settings:
+    """The settings of this process: the environment as read on the first call (or since :func:`refresh`),
+    or what :func:`override` put in place."""
+    current = _current
+    return current if current is not None else refresh()
+
+
+def on_change(clear: Callable[[], None]) -> Callable[[], None]:
+    """Register ``clear`` to empty a cache of values derived from the settings, the platform or the tuning
+    table; :func:`clear_derived_caches` (run by :func:`refresh` and :func:`override`) calls it."""
+    with _lock:
+        _derived.append(clear)
+    return clear
+
+
+def clear_derived_caches() -> None:
+    """Empty every cache registered with :func:`on_change` (the next launch plans again)."""
+    with _lock:
+        hooks = list(_derived)
+    for clear in hooks:
+        clear()
+
+
+def _install(new: Settings, sources: dict[str, str]) -> None:
+    global _current, _sources
+    with _lock:
+        _current, _sources = new, dict(sources)
+    clear_derived_caches()
+
+
+def install(new: Settings, *, source: str = "override") -> None:
+    """Put ``new`` in place of the current settings until the next :func:`refresh` (e.g. a worker process
+    taking its parent's; every value reported as coming from ``source``)."""
+    if not isinstance(new, Settings):
+        raise SettingsError(f"install: expected a Settings, got {type(new).__name__}")
+    _install(new, {s.field: source for s in SWITCHES})
+
+
+def refresh() -> Settings:
+    """Read the environment again (dropping any :func:`override` in force) and return the new settings."""
+    new, sources = read_environment()
+    _install(new, sources)
+    return new
+
+
+@contextlib.contextmanager
+def override(**fields: Any) -> Iterator[Settings]:
+    """``with override(pdl=False, target="sm_90a"): ...``: these values instead of the current ones until the
+    block ends, then the previous settings again (derived caches emptied at both ends). Raises SettingsError
+    for an unknown field or a value of the wrong kind."""
+    unknown = sorted(set(fields) - set(BY_FIELD))
+    if unknown:
+        raise SettingsError(f"override: unknown setting(s) {', '.join(unknown)}; settings are "
+                            f"{', '.join(BY_FIELD)}")
+    base = settings()
+    with _lock:
+        previous = (_current, dict(_sources))
+    new = dataclasses.replace(base, **{k: _coerce(BY_FIELD[k], v) for k, v in fields.items()})
+    _install(new, {**previous[1], **{k: "override" for k in fields}})
+    try:
+        yield new
+    finally:
+        _install(*previous)
+
+
+def kernel_settings(current: Optional[Settings] = None) -> tuple[tuple[str, str], ...]:
+    """``(env name, value)`` of the switches that change which kernels are built, as part of compile-cache
+    keys and the warmup record. Without the target: that enters resolved (the compile target of the device or
+    of ``MUSA_ATTN_TARGET``), so kernels warmed up with ``--target sm_90a`` serve a device detected as
+    sm_90a."""
+    current = current or settings()
+    return tuple((s.env, text(s, getattr(current, s.field))) for s in SWITCHES if s.kernels and s.field != "target")
+
+
+def describe() -> list[dict]:
+    """One row per switch: env name, value, default, where the value came from, whether it changes kernels,
+    and its meaning (``musa-attn doctor`` prints these)."""
+    current = settings()
+    with _lock:
+        sources = dict(_sources)
+    return [{"env": s.env, "value": text(s, getattr(current, s.field)), "default": text(s, s.default),
+             "source": sources.get(s.field, "default"), "kernels": s.kernels, "meaning": s.meaning}
+            for s in SWITCHES]
