@@ -251,3 +251,11 @@ def describe() -> list[dict]:
     return [{"env": s.env, "value": text(s, getattr(current, s.field)), "default": text(s, s.default),
              "source": sources.get(s.field, "default"), "kernels": s.kernels, "meaning": s.meaning}
             for s in SWITCHES]
+
+
+def markdown_table() -> str:
+    """The README's table of switches: variable, default, whether it changes kernels, meaning."""
+    rows = ["| variable | default | kernels | meaning |", "|---|---|---|---|"]
+    for s in SWITCHES:
+        rows.append(f"| `{s.env}` | {text(s, s.default)} | {'yes' if s.kernels else ''} | {s.meaning} |")
+    return "\n".join(rows)
