@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -12,28 +12,31 @@ FP8_E4M3 = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 
 
-def check(cond: bool, msg: str) -> None:
-    """Raise ``ValueError(msg)`` unless ``cond`` (every argument check goes through here)."""
+def check(cond: bool, msg: Union[str, Callable[[], str]]) -> None:
+    """Raise ``ValueError(msg)`` unless ``cond`` (every argument check goes through here). ``msg`` may be a
+    callable that builds the message: checks run on every launch, and formatting shapes and dtypes into
+    messages nobody reads would cost more than the checks themselves."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def resolve_impl(impl: str, device: torch.device, op: str) -> str:
     """``auto`` → ``tilelang`` on a GPU tensor, ``reference`` on a CPU tensor."""
-    check(impl in IMPLS, f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    check(impl in IMPLS, lambda: f"{op}: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         return "reference" if device.type == "cpu" else "tilelang"
     if impl == "tilelang":
         check(device.type != "cpu",
-              f"{op}: impl='tilelang' needs the tensors on a CUDA or MUSA device, they are on {device}")
+              lambda: f"{op}: impl='tilelang' needs the tensors on a CUDA or MUSA device, they are on {device}")
     return impl
 
 
 def check_same_device(op: str, **tensors: Optional[torch.Tensor]) -> torch.device:
     devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     first = next(iter(devices.values()))
-    bad = {n: str(d) for n, d in devices.items() if d != first}
-    check(not bad, f"{op}: all tensors must be on one device; got {{{', '.join(f'{n}: {d}' for n, d in devices.items())}}}")
+    check(all(d == first for d in devices.values()),
+          lambda: f"{op}: all tensors must be on one device; got "
+                  f"{{{', '.join(f'{n}: {d}' for n, d in devices.items())}}}")
     return first
 
 
@@ -42,11 +45,12 @@ def check_scale(op: str, name: str, scale: Optional[Union[float, torch.Tensor]],
         return
     if isinstance(scale, torch.Tensor):
         check(scale.numel() in (1, num_kv_heads),
-              f"{op}: {name} must be a scalar (per-tensor) or have {num_kv_heads} elements (per KV head), "
+              lambda: f"{op}: {name} must be a scalar (per-tensor) or have {num_kv_heads} elements (per KV head), "
               f"got shape {tuple(scale.shape)}")
-        check(scale.is_floating_point(), f"{op}: {name} must be a floating tensor, got {scale.dtype}")
+        check(scale.is_floating_point(), lambda: f"{op}: {name} must be a floating tensor, got {scale.dtype}")
     else:
-        check(isinstance(scale, (int, float)) and scale > 0, f"{op}: {name} must be a positive number, got {scale!r}")
+        check(isinstance(scale, (int, float)) and scale > 0,
+              lambda: f"{op}: {name} must be a positive number, got {scale!r}")
 
 
 _CONSTANTS: dict = {}

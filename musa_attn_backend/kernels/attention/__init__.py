@@ -25,68 +25,71 @@ def check_paged_attention_args(q, k_cache, v_cache, meta, *, sm_scale=None, slid
     """Shape, dtype and option checks common to every implementation (raises ``ValueError``)."""
     op = "paged_attention"
     check(isinstance(q, torch.Tensor) and q.dim() == 3,
-          f"{op}: q must be a 3-D tensor [num_tokens, num_q_heads, head_dim], got "
+          lambda: f"{op}: q must be a 3-D tensor [num_tokens, num_q_heads, head_dim], got "
           f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    check(q.dtype in Q_DTYPES, f"{op}: q dtype must be one of float16, bfloat16, float32; got {q.dtype}")
+    check(q.dtype in Q_DTYPES, lambda: f"{op}: q dtype must be one of float16, bfloat16, float32; got {q.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check(isinstance(c, torch.Tensor) and c.dim() == 4,
-              f"{op}: {name} must be a 4-D tensor [num_pages, page_size, num_kv_heads, head_dim]")
-    check(isinstance(meta, PagedKVMeta), f"{op}: meta must be a PagedKVMeta, got {type(meta).__name__}")
+              lambda: f"{op}: {name} must be a 4-D tensor [num_pages, page_size, num_kv_heads, head_dim]")
+    check(isinstance(meta, PagedKVMeta), lambda: f"{op}: meta must be a PagedKVMeta, got {type(meta).__name__}")
     check_same_device(op, q=q, k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table)
     num_tokens, hq, d = q.shape
     pages, page_size, hkv, dk = k_cache.shape
     check(tuple(v_cache.shape[:3]) == (pages, page_size, hkv),
-          f"{op}: v_cache shape {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} "
+          lambda: f"{op}: v_cache shape {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} "
           "in pages, page size or KV heads")
-    check(dk == d, f"{op}: head_dim of q ({d}) and k_cache ({dk}) differ")
-    check(page_size == meta.page_size, f"{op}: k_cache page size {page_size} != meta.page_size {meta.page_size}")
+    check(dk == d, lambda: f"{op}: head_dim of q ({d}) and k_cache ({dk}) differ")
+    check(page_size == meta.page_size,
+          lambda: f"{op}: k_cache page size {page_size} != meta.page_size {meta.page_size}")
     check(hkv >= 1 and hq % hkv == 0,
-          f"{op}: num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (MHA, GQA or MQA)")
-    check(num_tokens == meta.num_tokens, f"{op}: q has {num_tokens} tokens, meta describes {meta.num_tokens}")
-    check(k_cache.dtype == v_cache.dtype, f"{op}: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ")
+          lambda: f"{op}: num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (MHA, GQA or MQA)")
+    check(num_tokens == meta.num_tokens, lambda: f"{op}: q has {num_tokens} tokens, meta describes {meta.num_tokens}")
+    check(k_cache.dtype == v_cache.dtype,
+          lambda: f"{op}: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ")
     check(k_cache.dtype in (q.dtype, FP8_E4M3),
-          f"{op}: KV cache dtype must be q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}")
+          lambda: f"{op}: KV cache dtype must be q's dtype ({q.dtype}) or float8_e4m3fn, got {k_cache.dtype}")
     if k_cache.dtype != FP8_E4M3:
         check(k_scale is None and v_scale is None,
-              f"{op}: k_scale/v_scale apply only to an FP8 (float8_e4m3fn) KV cache, the cache is {k_cache.dtype}")
+              lambda: f"{op}: k_scale/v_scale apply only to an FP8 (float8_e4m3fn) KV cache, "
+              f"the cache is {k_cache.dtype}")
     check_scale(op, "k_scale", k_scale, hkv)
     check_scale(op, "v_scale", v_scale, hkv)
     check(sm_scale is None or (isinstance(sm_scale, (int, float)) and sm_scale > 0),
-          f"{op}: sm_scale must be a positive number or None, got {sm_scale!r}")
+          lambda: f"{op}: sm_scale must be a positive number or None, got {sm_scale!r}")
     check(sliding_window is None or (isinstance(sliding_window, int) and not isinstance(sliding_window, bool)),
-          f"{op}: sliding_window must be an int (keys to the left of the query; < 0 = off) or None, "
+          lambda: f"{op}: sliding_window must be an int (keys to the left of the query; < 0 = off) or None, "
           f"got {sliding_window!r}")
     check(logit_softcap is None or (isinstance(logit_softcap, (int, float)) and logit_softcap >= 0),
-          f"{op}: logit_softcap must be a non-negative number or None (0 = off), got {logit_softcap!r}")
+          lambda: f"{op}: logit_softcap must be a non-negative number or None (0 = off), got {logit_softcap!r}")
     if sinks is not None:
         check(isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.numel() == hq,
-              f"{op}: sinks must be a 1-D tensor with one logit per query head ({hq}), got "
+              lambda: f"{op}: sinks must be a 1-D tensor with one logit per query head ({hq}), got "
               f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
-        check(sinks.device == q.device, f"{op}: sinks are on {sinks.device}, q on {q.device}")
+        check(sinks.device == q.device, lambda: f"{op}: sinks are on {sinks.device}, q on {q.device}")
     if new_kv is not None:
         check(isinstance(new_kv, (tuple, list)) and len(new_kv) == 2
               and all(isinstance(x, torch.Tensor) for x in new_kv),
-              f"{op}: new_kv must be a (k, v) pair of tensors, got {type(new_kv).__name__}")
+              lambda: f"{op}: new_kv must be a (k, v) pair of tensors, got {type(new_kv).__name__}")
         for name, x in zip(("new_kv[0] (k)", "new_kv[1] (v)"), new_kv):
             check(x.dim() in (2, 3) and x.shape[0] >= num_tokens,
-                  f"{op}: {name} must be [num_tokens, num_kv_heads, head_dim] or [num_tokens, num_kv_heads * "
+                  lambda: f"{op}: {name} must be [num_tokens, num_kv_heads, head_dim] or [num_tokens, num_kv_heads * "
                   f"head_dim] with at least {num_tokens} rows, got {tuple(x.shape)}")
-            check(x.device == q.device, f"{op}: {name} is on {x.device}, q on {q.device}")
+            check(x.device == q.device, lambda: f"{op}: {name} is on {x.device}, q on {q.device}")
     if out is not None:
         want = (num_tokens, hq, v_cache.shape[3])
-        check(isinstance(out, torch.Tensor), f"{op}: out must be a torch.Tensor, got {type(out).__name__}")
-        check(tuple(out.shape) == want, f"{op}: out must have shape [num_tokens, num_q_heads, v_head_dim] = "
+        check(isinstance(out, torch.Tensor), lambda: f"{op}: out must be a torch.Tensor, got {type(out).__name__}")
+        check(tuple(out.shape) == want, lambda: f"{op}: out must have shape [num_tokens, num_q_heads, v_head_dim] = "
                                         f"{list(want)}, got {list(out.shape)}")
-        check(out.dtype == q.dtype, f"{op}: out dtype must be q's ({q.dtype}), got {out.dtype}")
-        check(out.device == q.device, f"{op}: out is on {out.device}, q on {q.device}")
+        check(out.dtype == q.dtype, lambda: f"{op}: out dtype must be q's ({q.dtype}), got {out.dtype}")
+        check(out.device == q.device, lambda: f"{op}: out is on {out.device}, q on {q.device}")
         # The kernels store rows of [num_tokens, num_q_heads, v_head_dim] at row-major offsets; a strided view
         # would need a copy afterwards, which out= exists to avoid.
-        check(out.is_contiguous(), f"{op}: out must be contiguous (row-major [num_tokens, num_q_heads, "
+        check(out.is_contiguous(), lambda: f"{op}: out must be contiguous (row-major [num_tokens, num_q_heads, "
                                    f"v_head_dim]), got strides {out.stride()}")
         # the kernels read q while they write out: the two must not share memory
         q_end, o_end = q.data_ptr() + _span(q), out.data_ptr() + _span(out)
         check(out.numel() == 0 or q.numel() == 0 or o_end <= q.data_ptr() or q_end <= out.data_ptr(),
-              f"{op}: out overlaps q's memory; pass a separate output tensor")
+              lambda: f"{op}: out overlaps q's memory; pass a separate output tensor")
 
 
 def _span(t: torch.Tensor) -> int:

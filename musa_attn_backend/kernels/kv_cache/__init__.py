@@ -18,33 +18,35 @@ def check_write_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_sc
     op = "write_kv"
     for name, t in (("k", k), ("v", v)):
         check(isinstance(t, torch.Tensor) and t.dim() == 3,
-              f"{op}: {name} must be a 3-D tensor [num_tokens, num_kv_heads, head_dim]")
+              lambda: f"{op}: {name} must be a 3-D tensor [num_tokens, num_kv_heads, head_dim]")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check(isinstance(c, torch.Tensor) and c.dim() == 4,
-              f"{op}: {name} must be a 4-D tensor [num_pages, page_size, num_kv_heads, head_dim]")
-        check(c.dtype in CACHE_DTYPES, f"{op}: {name} dtype must be float16, bfloat16, float32 or "
+              lambda: f"{op}: {name} must be a 4-D tensor [num_pages, page_size, num_kv_heads, head_dim]")
+        check(c.dtype in CACHE_DTYPES, lambda: f"{op}: {name} dtype must be float16, bfloat16, float32 or "
                                        f"float8_e4m3fn, got {c.dtype}")
     check(isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1 and not slot_mapping.is_floating_point(),
-          f"{op}: slot_mapping must be a 1-D integer tensor")
+          lambda: f"{op}: slot_mapping must be a 1-D integer tensor")
     check_same_device(op, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     num_tokens, hkv, d = k.shape
-    check(v.shape[:2] == k.shape[:2], f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in tokens or heads")
+    check(v.shape[:2] == k.shape[:2],
+          lambda: f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in tokens or heads")
     check(slot_mapping.numel() == num_tokens,
-          f"{op}: slot_mapping has {slot_mapping.numel()} entries for {num_tokens} tokens")
+          lambda: f"{op}: slot_mapping has {slot_mapping.numel()} entries for {num_tokens} tokens")
     check(tuple(k_cache.shape[1:]) == (k_cache.shape[1], hkv, d),
-          f"{op}: k_cache {tuple(k_cache.shape)} does not hold [*, *, {hkv}, {d}] rows of k")
+          lambda: f"{op}: k_cache {tuple(k_cache.shape)} does not hold [*, *, {hkv}, {d}] rows of k")
     check(tuple(v_cache.shape[2:]) == (hkv, v.shape[2]),
-          f"{op}: v_cache {tuple(v_cache.shape)} does not hold [*, *, {hkv}, {v.shape[2]}] rows of v")
+          lambda: f"{op}: v_cache {tuple(v_cache.shape)} does not hold [*, *, {hkv}, {v.shape[2]}] rows of v")
     check(tuple(k_cache.shape[:2]) == tuple(v_cache.shape[:2]),
-          f"{op}: k_cache and v_cache differ in pages or page size")
-    check(k_cache.dtype == v_cache.dtype, f"{op}: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ")
-    check(k.dtype == v.dtype, f"{op}: k ({k.dtype}) and v ({v.dtype}) differ")
+          lambda: f"{op}: k_cache and v_cache differ in pages or page size")
+    check(k_cache.dtype == v_cache.dtype,
+          lambda: f"{op}: k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ")
+    check(k.dtype == v.dtype, lambda: f"{op}: k ({k.dtype}) and v ({v.dtype}) differ")
     if k_cache.dtype == FP8_E4M3:
-        check(k.dtype != FP8_E4M3, f"{op}: k/v must be unquantised (float16/bfloat16/float32) for an FP8 cache")
+        check(k.dtype != FP8_E4M3, lambda: f"{op}: k/v must be unquantised (float16/bfloat16/float32) for an FP8 cache")
     else:
-        check(k.dtype == k_cache.dtype, f"{op}: k dtype {k.dtype} != cache dtype {k_cache.dtype} "
+        check(k.dtype == k_cache.dtype, lambda: f"{op}: k dtype {k.dtype} != cache dtype {k_cache.dtype} "
                                         "(only an FP8 cache converts on write)")
-        check(k_scale is None and v_scale is None, f"{op}: k_scale/v_scale apply only to an FP8 cache")
+        check(k_scale is None and v_scale is None, lambda: f"{op}: k_scale/v_scale apply only to an FP8 cache")
     check_scale(op, "k_scale", k_scale, hkv)
     check_scale(op, "v_scale", v_scale, hkv)
 
