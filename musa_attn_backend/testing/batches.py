@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .metadata import PagedKVMeta
+from ..metadata import PagedKVMeta
 
 
 @dataclass
