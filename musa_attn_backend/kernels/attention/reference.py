@@ -140,13 +140,12 @@ def _attend_requests(q, k_cache, v_cache, meta: PagedKVMeta, b0: int, b1: int, c
         qb = q.new_zeros((nb, max_q, hq, d), dtype=torch.float32)
         qb[tok_req, tok_row] = q[cu[b0]:cu[b1]].float()
 
-    # One gather of every request's keys 0 .. max_k - 1 through its page table row (advanced indexing on
-    # [pages, offset], so strided cache views work as they are).
+    # One gather of every request's keys 0 .. max_k - 1 through its page table row.
     kpos = torch.arange(max_k, device=device)
     pages = meta.page_table[b0:b1].long()[:, kpos // page_size]  # [nb, max_k]
     offsets = kpos % page_size
-    k = k_cache[pages, offsets].float()  # [nb, max_k, hkv, d]
-    v = v_cache[pages, offsets].float()
+    k = _gather(k_cache, pages, offsets).float()  # [nb, max_k, hkv, d]
+    v = _gather(v_cache, pages, offsets).float()
     if k_scale is not None:
         k = k * k_scale.view(hkv, 1)
     if v_scale is not None:
@@ -192,3 +191,15 @@ def _attend_requests(q, k_cache, v_cache, meta: PagedKVMeta, b0: int, b1: int, c
     if uniform:
         return out.reshape(rows, hq, dv), lse.reshape(rows, hq)
     return out[tok_req, tok_row], lse[tok_req, tok_row]
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``cache[pages, offsets]`` (``[nb, n, H, D]``): one ``index_select`` of slots where pages and offsets form
+    one flat slot axis (SGLang's pool), else advanced indexing (strided views such as vLLM's K and V)."""
+    num_pages, page_size = cache.shape[:2]
+    if cache.stride(0) == page_size * cache.stride(1):
+        slots = (pages * page_size + offsets).view(-1)
+        flat = cache.as_strided((num_pages * page_size, *cache.shape[2:]), cache.stride()[1:],
+                                cache.storage_offset())
+        return flat.index_select(0, slots).view(*pages.shape, *cache.shape[2:])
+    return cache[pages, offsets]
