@@ -2,8 +2,10 @@
 
 The server finds ``tilelang_musa`` only through our installed entry point. CPU serving needs
 ``SGLANG_USE_CPU_ENGINE=1 --device cpu``, an explicit ``--max-total-tokens`` (else the KV pool is sized from
-host RAM) and the import-only ``sgl_kernel`` shim in ``sgl_kernel_shim/`` (see its docstring). The whole
-process tree runs in its own session and is killed on exit, whatever happened.
+host RAM) and the import-only ``sgl_kernel`` shim in ``sgl_kernel_shim/`` (see its docstring). Servers run
+with ``--sleep-on-idle``: an idle scheduler otherwise polls and keeps a core busy, which on a small machine
+slows whatever runs beside it (another server, the tests). The whole process tree runs in its own session and
+is killed on exit, whatever happened.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def post(url: str, payload: dict, timeout: float = 120.0) -> dict:
         return json.loads(r.read())
 
 
-@contextmanager
-def sglang_server(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int = 16,
-                  max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=()):
+def _start(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int, max_total_tokens: int,
+           extra=()) -> tuple[subprocess.Popen, str]:
+    """Launch one server in its own session; returns the process and its base URL (not yet ready)."""
     port = free_port()
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGL_KERNEL_SHIM_LOG=str(shim_log),
                PYTHONPATH=os.pathsep.join([str(SHIM)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -44,27 +46,56 @@ def sglang_server(model: Path, backend: str, *, log: Path, shim_log: Path, page_
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
            "--attention-backend", backend, "--max-total-tokens", str(max_total_tokens), "--page-size",
            str(page_size), "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-cuda-graph", "--skip-server-warmup", "--random-seed", "0", *extra]
+           "--disable-cuda-graph", "--skip-server-warmup", "--random-seed", "0", "--sleep-on-idle", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_ready(proc: subprocess.Popen, base: str, backend: str, log: Path, deadline: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{backend} server exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"{backend} server not ready in time:\n{_tail(log)}")
+        time.sleep(1.0)
+
+
+@contextmanager
+def sglang_server(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int = 16,
+                  max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=()):
+    proc, base = _start(model, backend, log=log, shim_log=shim_log, page_size=page_size,
+                        max_total_tokens=max_total_tokens, extra=extra)
     try:
-        deadline = time.time() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{backend} server exited with {proc.returncode}:\n{_tail(log)}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"{backend} server not ready after {startup_timeout:.0f}s:\n{_tail(log)}")
-            time.sleep(1.0)
+        _wait_ready(proc, base, backend, log, time.time() + startup_timeout)
         yield base
     finally:
         _kill_tree(proc)
+
+
+@contextmanager
+def sglang_servers(model: Path, backends, *, work: Path, shim_log: Path, page_size: int = 16,
+                   max_total_tokens: int = 8192, startup_timeout: float = 300.0):
+    """One server per backend, all started at once (they load side by side) and all up together; yields
+    ``{backend: base URL}``. Logs go to ``work/<backend>.log``."""
+    procs = {}
+    try:
+        for b in backends:
+            procs[b] = _start(model, b, log=work / f"{b}.log", shim_log=shim_log, page_size=page_size,
+                              max_total_tokens=max_total_tokens)
+        deadline = time.time() + startup_timeout
+        for b, (proc, base) in procs.items():
+            _wait_ready(proc, base, b, work / f"{b}.log", deadline)
+        yield {b: base for b, (_, base) in procs.items()}
+    finally:
+        for proc, _ in procs.values():
+            _kill_tree(proc)
 
 
 def _tail(path: Path, n: int = 40) -> str:
