@@ -12,8 +12,7 @@ import functools
 from typing import Any
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, SoftmaxState, attention_macros, page_row, query_tile_macro, rows_tensor,
-                        slot_row, visible)
+from .tl_common import ACC, LOG2E, attention_macros, page_row, query_tile_macro, rows_tensor, slot_row, visible
 
 # Named barriers (id 0 is __syncthreads; TileLang's own partial syncs are not used by its consumer code, which
 # only touches registers, and shared memory through TMA and WGMMA)

@@ -151,6 +151,8 @@ def query_tile_macro(G: int, BM: int, causal: bool):
 
 
 class AttentionMacros(NamedTuple):
+    """The macros of :func:`attention_macros`."""
+
     alloc_state: Any
     resolve_slots: Any
     load_kv: Any
