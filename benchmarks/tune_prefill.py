@@ -34,25 +34,21 @@ HQ, HKV, D = 32, 8, 128
 # same with 3 stages (Q + 3 x (K + V) tiles + rows: 231 KB of the 227 KiB a block may have, so it may not launch);
 # pingpong_gather_ns: the gathering producer without TileLang's bounds checks (TL_DISABLE_SAFE_MEMORY_ACCESS: its
 # rows are clamped into the sequence and its stores guarded by hand, so the checks are redundant), fewer producer
-# instructions per row copy; pingpong_fm_persist: TMA tiles, fast math, a persistent schedule (one block per SM
-# walks the query tiles, longest first; the producer loads the next tile's Q and K/V while the consumers finish)
-# *_ns on a TMA kind: the same without TileLang's bounds checks (the producer's page-table reads are in bounds,
-# TMA clips rows past the tensor in hardware, the output stores are guarded by hand)
+# instructions per row copy; *_ns on a TMA kind: the same without TileLang's bounds checks (the producer's
+# page-table reads are in bounds, TMA clips rows past the tensor in hardware, the output stores are guarded by hand)
 # pingpong_fm_r<N>: TMA tiles copied in N-row chunks of a page, each through the page table (pages that are a
 # multiple of N tokens but hold no whole key tile, e.g. vLLM's 16)
 KINDS = ("gather", "tma", "pingpong", "pingpong_fm", "pingpong_gather", "pingpong_fm3", "pingpong_gather3",
-         "pingpong_gather_ns", "pingpong_fm_persist", "pingpong_fm_ns", "pingpong_fm3_ns", "pingpong_gather3_ns",
-         "pingpong_fm3_persist", "pingpong_fm_r16", "pingpong_fm3_r16", "pingpong_fm_r32", "pingpong_fm_r64",
-         "pingpong_fm3_r32", "pingpong_fm3_r64")
-SMS = 132  # H200 / H100 SXM: the persistent kind's block count
+         "pingpong_gather_ns", "pingpong_fm_ns", "pingpong_fm3_ns", "pingpong_gather3_ns", "pingpong_fm_r16",
+         "pingpong_fm3_r16", "pingpong_fm_r32", "pingpong_fm_r64", "pingpong_fm3_r32", "pingpong_fm3_r64")
 GATHERING = ("gather", "pingpong_gather", "pingpong_gather3", "pingpong_gather_ns", "pingpong_gather3_ns")
 
 
 def candidates(page_sizes, kinds=KINDS):
     grid = [("gather", 128), ("gather", 64), ("tma", 128), ("tma", 64), ("pingpong", 128), ("pingpong", 64),
             ("pingpong_fm", 128), ("pingpong_fm", 64), ("pingpong_gather", 128), ("pingpong_fm3", 128), ("pingpong_gather3", 128),
-            ("pingpong_gather_ns", 128), ("pingpong_fm_persist", 128), ("pingpong_fm_ns", 128),
-            ("pingpong_fm3_ns", 128), ("pingpong_gather3_ns", 128), ("pingpong_fm3_persist", 128),
+            ("pingpong_gather_ns", 128), ("pingpong_fm_ns", 128), ("pingpong_fm3_ns", 128),
+            ("pingpong_gather3_ns", 128),
             ("pingpong_fm_r16", 128), ("pingpong_fm3_r16", 128), ("pingpong_fm_r32", 128), ("pingpong_fm_r64", 128),
             ("pingpong_fm3_r32", 128), ("pingpong_fm3_r64", 128)]
     out = []
@@ -68,8 +64,6 @@ def candidates(page_sizes, kinds=KINDS):
                      fast_math=kind.startswith(("pingpong_fm", "pingpong_gather")), pages=pages)
             if kind.endswith("_ns"):
                 c["nosafe"] = True
-            if kind.endswith("_persist"):
-                c["persist"] = SMS
             if rows:
                 c["tma_rows"] = rows
             out.append(c)
@@ -77,15 +71,15 @@ def candidates(page_sizes, kinds=KINDS):
 
 
 def build(cand, causal):
-    from musa_attn_backend.kernels.attention import tilelang_kernel as K
+    from musa_attn_backend.kernels.attention.prefill_kernel import build_prefill
+    from musa_attn_backend.kernels.attention.prefill_pingpong_kernel import build_prefill_pingpong
     lay = (HKV * D, HKV * D, D)
     if cand["pingpong"]:
-        return K.build_prefill_pingpong.__wrapped__(HQ, HKV, D, D, "bfloat16", causal, False, False, lay, lay,
-                                                    cand["block_N"], cand["num_stages"], gather=not cand["tma"],
-                                                    persistent_ctas=cand.get("persist", 0),
-                                                    tma_rows=cand.get("tma_rows", 0))
-    return K.build_prefill.__wrapped__(HQ, HKV, D, D, "bfloat16", "bfloat16", causal, False, False, False, False,
-                                       lay, lay, 128, cand["block_N"], cand["num_stages"], 256, cand["tma"])
+        return build_prefill_pingpong.__wrapped__(HQ, HKV, D, D, "bfloat16", causal, False, False, lay, lay,
+                                                  cand["block_N"], cand["num_stages"], gather=not cand["tma"],
+                                                  tma_rows=cand.get("tma_rows", 0))
+    return build_prefill.__wrapped__(HQ, HKV, D, D, "bfloat16", "bfloat16", causal, False, False, False, False,
+                                     lay, lay, 128, cand["block_N"], cand["num_stages"], 256, cand["tma"])
 
 
 def key(cand, causal):

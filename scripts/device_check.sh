@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (after `source .device/env.sh`): GPU tests, then a benchmark. Logs go to $OUT.
-#   scripts/device_check.sh [tests|tests-1|tests-2|tests-new-kv|bench|quick-bench|all] [pytest args...]
+#   scripts/device_check.sh <family> [pytest args...]   family: a folder of tests/ (attention, kv_cache, tuning,
+#   metadata, sglang, vllm, tools), kernels (attention + kv_cache + tools) or engines (sglang + vllm)
+#   scripts/device_check.sh bench|quick-bench [bench args...]
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -21,31 +23,27 @@ for group, eps in proj.get("entry-points", {}).items():
 (d / "entry_points.txt").write_text("\n".join(lines) + "\n")
 PY
 export PYTHONPATH=$ep:$PYTHONPATH
-what=${1:-all}; shift || true
+what=${1:-help}; shift || true
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__, torch.cuda.get_device_name())"
-# The whole GPU suite no longer fits one 600 s device call: tests-1 (the kernel-tiling sweep, compile-heavy) and
-# tests-2 (everything else) split it. -v logs each test's outcome as it finishes, so a run cut off by the time
-# limit still says which tests passed.
+# One test family per call: each family's GPU tests fit one 600 s device call. -v logs each test's outcome as it
+# finishes, so a run cut off by the time limit still says which tests passed.
 gpu_tests() {
-  python3 -m pytest -m gpu "$@" -v -n "${JOBS:-12}" -p no:cacheprovider -rs 2>&1 | tee "$out/gpu_tests.log" \
+  python3 -m pytest -m gpu "$@" -v -n "${JOBS:-12}" -p no:cacheprovider -rs 2>&1 | tee -a "$out/gpu_tests.log" \
     | grep -v " PASSED " | tail -40
-  echo "passed: $(grep -c ' PASSED ' "$out/gpu_tests.log")"
+  echo "passed so far: $(grep -c ' PASSED ' "$out/gpu_tests.log")"
 }
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  gpu_tests ${TESTS:-tests} "$@"
-fi
-if [ "$what" = tests-1 ]; then
-  gpu_tests tests/test_gpu_attention.py -k "every_tiling or chunked_combine" "$@"
-fi
-if [ "$what" = tests-new-kv ]; then  # the new-K/V prefill's GPU tests (kernel, SGLang kit, vLLM builder/impl)
-  gpu_tests tests -k "new_kv" "$@"
-fi
-if [ "$what" = tests-2 ]; then
-  gpu_tests tests -k "not every_tiling and not chunked_combine" "$@"
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 benchmarks/bench_attention.py --out "$out" 2>&1 | tee "$out/bench.log" | tail -60
-fi
-if [ "$what" = quick-bench ]; then
-  python3 benchmarks/bench_attention.py --quick --out "$out" 2>&1 | tee "$out/bench.log" | tail -40
-fi
+case "$what" in
+  attention|kv_cache|tuning|metadata|sglang|vllm|tools)
+    gpu_tests "tests/$what" "$@" ;;
+  kernels)  # the families that need only .device/tl (the engine families need .device/fw too)
+    gpu_tests tests/attention tests/kv_cache tests/tools "$@" ;;
+  engines)
+    gpu_tests tests/sglang tests/vllm "$@" ;;
+  bench)
+    python3 benchmarks/bench_attention.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | tail -60 ;;
+  quick-bench)
+    python3 benchmarks/bench_attention.py --quick --out "$out" "$@" 2>&1 | tee "$out/bench.log" | tail -40 ;;
+  *)
+    echo "usage: scripts/device_check.sh {attention|kv_cache|tuning|metadata|sglang|vllm|tools|kernels|engines|bench|quick-bench} [args]"
+    exit 2 ;;
+esac

@@ -49,7 +49,7 @@ def test_prefill_tma_tiles_compile_for_sm90a(block_n):
     """The whole-page prefill path (pages of 64+ tokens) lowers its tile loads to TMA on Hopper."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend._tilelang import compile_cached
-    from musa_attn_backend.kernels.attention.tilelang_kernel import build_prefill
+    from musa_attn_backend.kernels.attention.prefill_kernel import build_prefill
 
     lay = (2 * 128, 2 * 128, 128)  # 2 KV heads, head dim 128, SGLang pool rows
     key = ("test_prefill_tma", block_n)
@@ -67,7 +67,7 @@ def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
     of the previous tile stays in flight during the softmax), turns taken through named barriers."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend._tilelang import compile_cached
-    from musa_attn_backend.kernels.attention.tilelang_kernel import build_prefill_pingpong
+    from musa_attn_backend.kernels.attention.prefill_pingpong_kernel import build_prefill_pingpong
 
     lay = (2 * 128, 2 * 128, 128)
     key = ("test_prefill_pingpong", block_n, causal, softcap)
@@ -82,34 +82,6 @@ def test_prefill_pingpong_compiles_for_sm90a(block_n, causal, softcap):
     # the page table: read once per 32 tiles, a tile's cache row per lane of the producer warp, handed to the
     # lane issuing the tile's copies by a shuffle (not one dependent read per tile before its copies)
     assert src.count("page_table[") == 1 and re.search(r"if \(\(k % 32\) == 0\)", src) and "__shfl_sync(" in src
-
-
-def test_prefill_pingpong_persistent_compiles_for_sm90a():
-    """The ping-pong prefill on a persistent schedule (a ``tune_prefill.py`` kind; correct on the H200 but 9-30%
-    slower than one block per tile, tune-prefill-20261129T224018Z, so not a default): one block
-    per SM walks the work items; both roles track their tiles' stage and phase across items, the producer waits
-    for the consumers' last Q K^T before it loads the next Q, and the consumers' turn-taking runs on across
-    items (one hand-off before the first item, one final sync)."""
-    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    from musa_attn_backend._tilelang import compile_cached
-    from musa_attn_backend.kernels.attention.tilelang_kernel import build_prefill_pingpong
-
-    lay = (2 * 128, 2 * 128, 128)
-    kernel = compile_cached(("test_prefill_pingpong_persistent",), lambda: build_prefill_pingpong.__wrapped__(
-        8, 2, 128, 128, "bfloat16", True, False, False, lay, lay, 128, 2, persistent_ctas=132), target=HOPPER)
-    src = kernel.get_kernel_source()
-    assert "__launch_bounds__(384" in src and "wait_wgmma<1>" in src
-    assert src.count("/ 132)") >= 3, "producer and both consumer groups walk the work items"
-    assert "q_empty[0].wait(((qi & 1) ^ 1))" in src and src.count("q_empty[0].arrive()") == 2
-    assert "kc = (kc + n_iters)" in src
-    # every Q K^T reads its own stage, the first tile of an item too (it starts at stage kc % 2, not 0: the
-    # H200 check of 6f5b951 failed on that)
-    k_descs = re.findall(r"initialize_wgmma_descriptor<1, 1, 64>\((desc_b\w*), \(&\(\(\(bfloat16_t\*\)K_s\)", src)
-    assert len(k_descs) == 4 and all(re.search(rf"increase_descriptor_offset<int>\({d}, \(+kc", src) for d in k_descs)
-    # group 1 hands group 0 the first turn once, before its item loop (then tile 0's and the loop's turns)
-    first_arrive = src.index("__named_barrier_arrive(5, 256)")
-    loops = [m.start() for m in re.finditer(r"for \(int w", src)]
-    assert src.count("__named_barrier_arrive(5, 256)") == 3 and loops[1] < first_arrive < loops[2]
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False)])

@@ -24,7 +24,11 @@ from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows
 from ...platform import get_platform, target_features
 from .._common import check, constant_vector, per_kv_head
-from . import tilelang_kernel as K
+from .combine_kernel import build_combine
+from .decode_kernel import build_decode
+from .prefill_kernel import build_prefill
+from .prefill_pingpong_kernel import build_prefill_pingpong
+from .tl_common import SLOT_TILES
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -103,7 +107,7 @@ class DecodeConfig:
     # tiles whose cache rows are resolved at once (the pipeline restarts after each run); 0: the copies resolve
     # them inline, one pipeline over all the split's tiles (a tune_decode.py candidate: 3.5x slower on the H200,
     # TileLang makes those copies synchronous; tune-decode-20261129T223507Z)
-    slot_tiles: int = K.SLOT_TILES
+    slot_tiles: int = SLOT_TILES
     # every run's pipeline has the fixed trip count slot_tiles (tiles past the split's end fully masked): what
     # lets TileLang lower 3+ stages (a tune_decode.py candidate; 3 and 4 stages measured 4-41% slower on the
     # H200, fewer blocks per SM; tune-decode-20261129T224737Z)
@@ -344,11 +348,11 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             # 4k / 8k / 16k 357 / 428 / 464 TFLOP/s instead of 326 / 394 / 430 (tune-prefill-20261129T224018Z)
             pc[tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
         return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()),
-                              lambda: K.build_prefill_pingpong(
+                              lambda: build_prefill_pingpong(
             spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
             spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma, tma_rows=cfg.tma_rows,
             ragged=ragged), target=target, pass_configs=pc)
-    return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()), lambda: K.build_prefill(
+    return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()), lambda: build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
         cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma, ragged), target=target)
@@ -403,7 +407,7 @@ def _pdl(target) -> bool:
 @_kernel_handle
 def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
     pdl = split and _pdl(target)
-    return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ()), lambda: K.build_decode(
+    return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ()), lambda: build_decode(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, dcfg.max_q, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, split, spec.k_layout, spec.v_layout,
         dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads, dcfg.slot_tiles, dcfg.full_runs, pdl),
@@ -417,7 +421,7 @@ def combine_kernel(spec: AttnSpec, target=None):
     max_splits = MAX_SPLITS if settings().chunked_combine else 0
     return compile_cached(("combine", spec.hq, spec.dv, spec.q_dtype, spec.has_sinks) + (("pdl",) if pdl else ())
                           + ((("splits", max_splits),) if max_splits else ()),
-                          lambda: K.build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks, pdl=pdl,
+                          lambda: build_combine(spec.hq, spec.dv, spec.q_dtype, spec.has_sinks, pdl=pdl,
                                                   max_splits=max_splits), target=target)
 
 

@@ -1,0 +1,162 @@
+"""TileLang split-KV decode program: one block per (KV split, KV head, request), the rows of a block are the
+(token, query head) pairs of one KV head (conventions: :mod:`.tl_common`)."""
+
+import functools
+
+from ..._tilelang import tl_lang as T
+from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, request_rows, rows_tensor, slot_buffer,
+                        slot_row, visible)
+
+
+@functools.lru_cache(maxsize=None)
+def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str, max_q: int,
+                 has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool, split: bool,
+                 k_layout: tuple, v_layout: tuple,
+                 block_M: int = 64, block_N: int = 64, num_stages: int = 2, threads: int = 128,
+                 slot_tiles: int = SLOT_TILES, full_runs: bool = False, pdl: bool = False):
+    """Split-KV decode (and short causal queries, up to ``max_q`` tokens per request, e.g. speculative verify).
+
+    One block per (KV split, KV head, request); its rows are the ``max_q x G`` (token, query head) pairs that
+    share the KV head, so each K/V tile is read once for the whole group. With ``split`` the block writes a
+    partial (output normalised by its own sum, LSE in log2 units) for :func:`.combine_kernel.build_combine`;
+    without it, the final output. ``slot_tiles``: tiles whose cache rows are resolved together; the copy
+    pipeline restarts after each such run. 0: the copies resolve each row themselves, in one pipeline over all
+    the tiles. ``full_runs``: every run's pipeline has the fixed trip count ``slot_tiles`` (TileLang lowers 3+
+    stages only for a fixed count); tiles past the split's end are fully masked, their rows zero-filled (no
+    memory traffic). ``pdl`` (split only): trigger the dependent launch of the combine kernel (programmatic
+    dependent launch) as the block starts, so the combine's launch overlaps this kernel's last wave.
+    """
+    G = Hq // Hkv
+    rows = max_q * G
+    BM, BN = block_M, block_N
+    assert rows <= BM, f"{max_q} tokens x {G} heads do not fit a {BM}-row tile"
+    NT = T.dynamic("num_tokens")
+    B = T.dynamic("batch")
+    B1 = T.dynamic("batch_plus_1")
+    MP = T.dynamic("max_pages")
+    SPLITS = T.dynamic("num_splits")  # leading dimension of the partials
+    NEG_INF = -T.infinity(ACC)
+    out_dtype = ACC if split else q_dtype
+    # Fewer than 64 rows (e.g. 1 token x 4 heads): 16-row tiles on mma.sync with warps splitting the
+    # columns, instead of 64-row warpgroup MMAs that are mostly padding.
+    small = BM < 64
+    policy = T.GemmWarpPolicy.FullCol if small else T.GemmWarpPolicy.FullRow
+    O_shape = (SPLITS, NT, Hq, DV) if split else (NT, Hq, DV)
+    L_shape = (SPLITS, NT, Hq) if split else (NT, Hq)
+    alloc_state, resolve_slots, load_kv, softmax_step, finish_rows = attention_macros(
+        BM, BN, D, DV, k_layout[2], v_layout[2], is_fp8, q_dtype, slot_tiles)
+
+    @T.macro
+    def tile_step(tiles, state, n0, prefix, sk, window, logit_scale, softcap, scale_log2):
+        """Scores, mask, online softmax and ``P V`` of the key tile from ``n0`` (its K/V rows are in the
+        tiles)."""
+        acc_s = state.acc_s
+        T.clear(acc_s)
+        T.gemm(tiles.Q_s, tiles.K_s, acc_s, transpose_B=True, policy=policy)
+        for r, j in T.Parallel(BM, BN):
+            acc_s[r, j] = T.if_then_else(
+                visible(n0 + j, prefix + r // G, sk, window, True, has_window),
+                softcap * T.tanh(acc_s[r, j] * (logit_scale / softcap)) if has_softcap else acc_s[r, j],
+                NEG_INF)
+        # a split may hold only keys that some rows (earlier tokens, or a window) cannot see
+        softmax_step(state, scale_log2, True)
+        if small:
+            # each warp owns a column slice of the scores; P goes through shared memory to feed the second
+            # product, whose warps own column slices of the output
+            T.copy(state.acc_p, tiles.P_s)
+            T.gemm(tiles.P_s, tiles.V_s, state.acc_o, policy=policy)
+        else:
+            T.gemm(state.acc_p, tiles.V_s, state.acc_o, policy=policy)
+
+    @T.prim_func
+    def decode(
+        Q: T.Tensor((NT, Hq, D), q_dtype),
+        KC: rows_tensor(k_layout[0], k_layout[1], kv_dtype, "k"),
+        VC: rows_tensor(v_layout[0], v_layout[1], kv_dtype, "v"),
+        cu_seqlens_q: T.Tensor((B1,), "int32"),
+        seqlens_k: T.Tensor((B,), "int32"),
+        page_table: T.Tensor((B, MP), "int32"),
+        sinks: T.Tensor((Hq,), "float32"),
+        k_scale: T.Tensor((Hkv,), "float32"),
+        v_scale: T.Tensor((Hkv,), "float32"),
+        sm_scale: T.float32,
+        softcap: T.float32,
+        window: T.int32,
+        page_size: T.int32,
+        num_splits: T.int32,
+        O: T.Tensor(O_shape, out_dtype),
+        LSE: T.Tensor(L_shape, "float32"),
+    ):
+        with T.Kernel(num_splits, Hkv, B, threads=threads) as (bs, bh, bb):
+            if pdl:
+                T.pdl_trigger()
+            Q_s = T.alloc_shared([BM, D], q_dtype)
+            P_s = T.alloc_shared([BM, BN], q_dtype) if small else None
+            K_s = T.alloc_shared([BN, D], q_dtype)
+            V_s = T.alloc_shared([BN, DV], q_dtype)
+            K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
+            V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
+            slot_s = slot_buffer(slot_tiles * BN) if slot_tiles > 0 else None
+            state = alloc_state()
+            tiles = Tiles(Q_s, K_s, V_s, K8_s, V8_s, P_s)
+
+            b = bb
+            kvh = bh
+            q0, qlen, sk, prefix = request_rows(cu_seqlens_q, seqlens_k, b)
+            logit_scale = sm_scale * k_scale[kvh] if is_fp8 else sm_scale
+            scale_log2 = LOG2E if has_softcap else logit_scale * LOG2E
+
+            kv_lo = T.max(prefix - window, 0) if has_window else 0
+            n_lo = kv_lo // BN
+            n_total = T.max(T.ceildiv(sk, BN) - n_lo, 0)
+            per_split = T.ceildiv(n_total, num_splits)
+            it_lo = bs * per_split
+            n_iters = T.max(T.min(per_split, n_total - it_lo), 0)
+
+            # row r: token r // G of this request, query head kvh * G + r % G
+            for r, d in T.Parallel(BM, D):
+                Q_s[r, d] = T.if_then_else(T.And(r < rows, r // G < qlen), Q[q0 + r // G, kvh * G + r % G, d],
+                                           T.Cast(q_dtype, 0))
+            T.fill(state.acc_o, 0)
+            T.fill(state.l_i, 0)
+            T.fill(state.m_i, NEG_INF)
+
+            if slot_tiles > 0:
+                # full runs: the keys of this split end at kv_end, later tiles of its last run are masked and
+                # their rows -1; else each run's pipeline stops at the split's last tile
+                kv_end = T.min(sk, (n_lo + it_lo + n_iters) * BN) if full_runs else sk
+                for c in T.serial(T.ceildiv(n_iters, slot_tiles)):
+                    resolve_slots(slot_s, (n_lo + it_lo + c * slot_tiles) * BN, page_table, b, kv_end, page_size,
+                                  MP)
+                    run = slot_tiles if full_runs else T.min(slot_tiles, n_iters - c * slot_tiles)
+                    for it in T.Pipelined(run, num_stages=num_stages):
+                        n0 = (n_lo + it_lo + c * slot_tiles + it) * BN
+                        load_kv(KC, VC, tiles, lambda j: slot_s[it * BN + j], kvh)
+                        tile_step(tiles, state, n0, prefix, kv_end, window, logit_scale, softcap, scale_log2)
+            else:
+                # rows resolved inline by the copies (one page-table read per row, cached): one pipeline over
+                # all the split's tiles, no restarts
+                for it in T.Pipelined(n_iters, num_stages=num_stages):
+                    n0 = (n_lo + it_lo + it) * BN
+                    load_kv(KC, VC, tiles, lambda j: slot_row(page_table, b, n0 + j, sk, page_size, MP), kvh)
+                    tile_step(tiles, state, n0, prefix, sk, window, logit_scale, softcap, scale_log2)
+
+            finish_rows(state, scale_log2, sinks, lambda r: kvh * G + r % G, has_sinks and not split)
+            out_scale = v_scale[kvh] if is_fp8 else 1.0
+            acc_o, l_i, alpha = state.acc_o, state.l_i, state.alpha  # alpha: the row LSE
+            for r, d in T.Parallel(BM, DV):
+                if r < rows and r // G < qlen:
+                    if split:
+                        O[bs, q0 + r // G, kvh * G + r % G, d] = T.if_then_else(
+                            l_i[r] == 0.0, 0.0, acc_o[r, d] * out_scale / l_i[r])
+                    else:
+                        O[q0 + r // G, kvh * G + r % G, d] = T.Cast(
+                            q_dtype, T.if_then_else(l_i[r] == 0.0, 0.0, acc_o[r, d] * out_scale / l_i[r]))
+            for r in T.Parallel(BM):
+                if r < rows and r // G < qlen:
+                    if split:
+                        LSE[bs, q0 + r // G, kvh * G + r % G] = alpha[r]
+                    else:
+                        LSE[q0 + r // G, kvh * G + r % G] = alpha[r] / LOG2E
+
+    return decode
