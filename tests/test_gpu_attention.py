@@ -213,7 +213,7 @@ def test_tilelang_rejects_unsupported(gpu_device):
 @pytest.mark.parametrize("page_size,d,variant", [(1, 128, "causal"), (16, 128, "non_causal"), (1, 64, "softcap"),
                                                  (16, 128, "sinks"), (1, 128, "fused_mqa"), (64, 128, "decodes"),
                                                  (1, 256, "causal")])
-def test_prefill_from_new_kv(gpu_device, use_settings, page_size, d, variant):
+def test_prefill_from_new_kv(gpu_device, use_settings, monkeypatch, page_size, d, variant):
     """The default new-K/V prefill: a batch without cached prefixes (``new_kv_only``; after leading decodes
     with ``decodes``) reads its keys from the new K/V rows, whatever the page size. With the new K/V equal to
     what the cache holds the result is the reference's; with them perturbed it follows them (the new rows were
