@@ -36,7 +36,7 @@ case "$what" in
   attention|kv_cache|tuning|metadata|sglang|vllm|tools)
     gpu_tests "tests/$what" "$@" ;;
   kernels)  # the families that need only .device/tl (the engine families need .device/fw too)
-    gpu_tests tests/attention tests/kv_cache tests/tools "$@" ;;
+    gpu_tests tests/attention tests/kv_cache tests/tuning tests/tools "$@" ;;
   engines)
     gpu_tests tests/sglang tests/vllm "$@" ;;
   bench)

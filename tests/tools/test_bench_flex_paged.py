@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -38,4 +38,6 @@ def test_flex_paged_prefill_matches_sdpa(causal, page_size):
     vv = v.reshape(-1, hkv, d)[rows[:s]].transpose(0, 1)[None]
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, is_causal=causal,
                                                            enable_gqa=True)[0].transpose(0, 1)
+    # float32 Flex (unfused, on a CPU) against float32 SDPA: 1e-5, tighter than the table's float32 reference
+    # bound (2e-5); kept as it is
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -23,7 +23,7 @@ except Exception as e:  # pragma: no cover - environment without SGLang
     pytest.skip(f"SGLang or its attention test kit does not import ({type(e).__name__}: {e})",
                 allow_module_level=True)
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sglang_backend.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sglang_backend.py"
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable here")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vllm_backend.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_backend.py"
 
 
 def _load():
