@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not insta
 def test_write_kv_kernel_compiles_for_sm90a(heads, dim, dim_v, in_dtype, cache_dtype):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend._tilelang import compile_cached
-    from musa_attn_backend.kernels.kv_cache.tilelang_kernel import build_write_kv
+    from musa_attn_backend.kernels.kv_cache.write_kv_kernel import build_write_kv
 
     key = ("test_write_kv", heads, dim, dim_v, in_dtype, cache_dtype)
     layout_k, layout_v = (heads * dim, heads * dim, dim), (heads * dim_v, heads * dim_v, dim_v)

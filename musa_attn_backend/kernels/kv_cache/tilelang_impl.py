@@ -7,7 +7,7 @@ import torch
 from ..._tilelang import compile_cached, tl_dtype
 from .._common import FP8_E4M3, per_kv_head
 from ...paged_layout import cache_rows
-from .tilelang_kernel import build_write_kv
+from .write_kv_kernel import build_write_kv
 
 
 def write_kv_kernel(hkv: int, d: int, dv: int, in_dtype: str, cache_dtype: str, k_layout: tuple, v_layout: tuple,
