@@ -58,7 +58,7 @@ _CONSTANTS: dict = {}
 
 def constant_vector(kind: str, n: int, device) -> torch.Tensor:
     """Cached all-ones / all-zeros float32 vectors for kernels (no allocation or fill on the hot path)."""
-    key = (kind, n, str(device))
+    key = (kind, n, torch.device(device) if isinstance(device, str) else device)
     t = _CONSTANTS.get(key)
     if t is None:
         t = (torch.ones if kind == "ones" else torch.zeros)(n, dtype=torch.float32, device=device)

@@ -21,7 +21,7 @@ from ... import tuning
 from ..._tilelang import compile_cached, tl, tl_dtype
 from ...config import on_change, settings
 from ...metadata import PagedKVMeta
-from ...paged_layout import cache_rows
+from ...paged_layout import cache_rows, token_rows
 from ...platform import get_platform, target_features
 from .._common import check, constant_vector, per_kv_head
 from .combine_kernel import build_combine
@@ -379,13 +379,14 @@ def _new_kv_rows(new_kv, nt: int, hkv: int, d: int, dv: int, dtype: torch.dtype,
     for x, w in zip(new_kv, (d, dv)):
         if x is None or x.dtype != dtype or x.shape[0] < nt or (x.dim() == 2 and x.shape[1] != hkv * w):
             return None
-        x = x if x.shape[0] == nt else x[:nt]  # (a slice is a new view: only where rows are left over)
-        x = x.reshape(nt, hkv, w) if x.dim() == 2 else x
-        if tuple(x.shape) != (nt, hkv, w) or x.stride(-1) != 1:
+        if x.dim() == 2:  # [tokens, heads * dim], any row stride: heads lie dim elements apart
+            s_tok, s_head, s_dim = x.stride(0), w, x.stride(1)
+        elif tuple(x.shape[1:]) == (hkv, w):
+            s_tok, s_head, s_dim = x.stride()
+        else:
             return None
-        s0, s1, _ = x.stride()
-        try:  # one token per "page": the layout checks of a paged cache apply as they are
-            out.append(cache_rows(x.as_strided((nt, 1, hkv, w), (s0, s0, s1, 1)), "new K/V", op=op))
+        try:  # rows nt.. (left over) are not part of the view; the cache's layout checks apply as they are
+            out.append(token_rows(x, nt, s_tok, s_head, s_dim, hkv, w, "new K/V", op=op))
         except ValueError:
             return None
     (k_rows, k_layout), (v_rows, v_layout) = out
