@@ -54,8 +54,8 @@ _gpu_warm = False
 
 def _warm_gpu(seconds: float = 1.0) -> None:
     """Keep the GPU busy for about ``seconds`` before the first measurement of a run, so its clocks have ramped
-    up: the first rows of attention-20261129T230430Z (batch 1, cuDNN too) timed ~20 µs where later identical
-    launches took 12-14 µs."""
+    up: without it the first rows of a run (ours and the peers alike) time slower than later identical
+    launches."""
     global _gpu_warm
     if _gpu_warm:
         return

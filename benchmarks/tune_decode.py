@@ -26,9 +26,9 @@ sys.path.insert(0, str(HERE.parent))
 
 HQ, HKV, D = 32, 8, 128
 # (block_N, num_stages, slot_tiles); 16-row tiles, 4 warps (1 token x 4 heads per KV head). 3+ stages do not
-# compile on TileLang 0.1.15 (dynamic pipeline wait counts; tune-decode-20261129T210041Z)
-# slot_tiles 0: rows resolved inline by the copies, one pipeline over the split's tiles (no restarts); measured
-# 3.5x slower (tune-decode-20261129T223507Z). A 4th field 1: full runs (fixed pipeline trip count, so 3+ stages)
+# compile on TileLang 0.1.15 with a dynamic trip count (its pipeline wait counts)
+# slot_tiles 0: rows resolved inline by the copies, one pipeline over the split's tiles (no restarts; slower,
+# docs/kernel-choice.md). A 4th field 1: full runs (fixed pipeline trip count, so 3+ stages)
 TILINGS = [(64, 2, 8), (64, 3, 8, 1), (64, 4, 8, 1), (64, 2, 8, 1), (32, 2, 16), (64, 2, 4)]
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

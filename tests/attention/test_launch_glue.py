@@ -99,7 +99,7 @@ def test_write_kv_launch_matches_signature(rec):
 def test_split_count_heuristic():
     f = attn_impl.num_splits_for
     h200 = dict(block_N=64, sm_count=132, ctas_per_sm=3)  # 396 resident blocks (the tune-decode run)
-    # choices measured best on the H200 (tune-decode-20261129T210041Z)
+    # the split counts an H200 sweep measured best (docs/kernel-choice.md: the wave model)
     assert f(batch=64, num_kv_heads=8, max_seqlen_k=4096, **h200) == 3  # 512 blocks = 1.29 waves -> 3.88
     assert f(batch=32, num_kv_heads=8, max_seqlen_k=16384, **h200) == 3
     assert f(batch=8, num_kv_heads=8, max_seqlen_k=32768, **h200) == 6

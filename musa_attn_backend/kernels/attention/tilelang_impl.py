@@ -105,12 +105,12 @@ class DecodeConfig:
     num_stages: int
     threads: int
     # tiles whose cache rows are resolved at once (the pipeline restarts after each run); 0: the copies resolve
-    # them inline, one pipeline over all the split's tiles (a tune_decode.py candidate: 3.5x slower on the H200,
-    # TileLang makes those copies synchronous; tune-decode-20261129T223507Z)
+    # them inline, one pipeline over all the split's tiles (a tune_decode.py candidate only: TileLang makes
+    # those copies synchronous; docs/kernel-choice.md)
     slot_tiles: int = SLOT_TILES
     # every run's pipeline has the fixed trip count slot_tiles (tiles past the split's end fully masked): what
-    # lets TileLang lower 3+ stages (a tune_decode.py candidate; 3 and 4 stages measured 4-41% slower on the
-    # H200, fewer blocks per SM; tune-decode-20261129T224737Z)
+    # lets TileLang lower 3+ stages (a tune_decode.py candidate only: deeper pipelines leave room for fewer
+    # blocks per SM; docs/kernel-choice.md)
     full_runs: bool = False
 
 
@@ -170,11 +170,9 @@ def _prefill_candidates(d: int, dv: int, is_fp8: bool, page_size: int, has_windo
     widths = sorted({_prefill_tile(d, dv), 64}, reverse=True)
     out = []
     # 128-key TMA tiles copied in page chunks (pages of 16s that hold no whole key tile). With 64-row chunks
-    # (page 64) the default, ahead of 64-key whole-page tiles. Page 64, causal 4k / 8k / 16k TFLOP/s: 438 / 555 /
-    # 577 with 3 stages, 416 / 516 / 541 with 2, against 350 / 425 / 466 for the gathering producer and 293 /
-    # 400 / 462 for 64-key whole-page tiles (tune-prefill-20261130T005050Z). With 16/32-row chunks (more,
-    # smaller copies from one producer thread) 245 / 287 / 312 and 347 / 423 / 470 (-003107Z): tuning
-    # candidates only, last
+    # (page 64) the default, ahead of 64-key whole-page tiles (faster than those and than the gathering
+    # producer). With 16/32-row chunks (more, smaller copies from one producer thread, slower than the
+    # gathering producer): tuning candidates only, last. Measurements: docs/kernel-choice.md
     chunk = next((r for r in (64, 32, 16) if page_size % r == 0), 0)
     chunked = []
     if pingpong_ok and opts.tma_chunks and page_size % 128 and chunk:
@@ -186,9 +184,9 @@ def _prefill_candidates(d: int, dv: int, is_fp8: bool, page_size: int, has_windo
         out += chunked
     for bn in widths:
         if pingpong_ok and page_size % bn == 0:
-            # three stages where shared memory holds them (hd 128, 128-key tiles: 224 KB): measured 1-5% faster
-            # than two (tune-prefill-20261129T224018Z), so first there; for the other tilings (not measured)
-            # a tuning candidate after two
+            # three stages where shared memory holds them (hd 128, 128-key tiles: 224 KB), where they were
+            # measured faster than two, so first there; for the other tilings (not measured) a tuning
+            # candidate after two
             three_first = d == dv == 128 and bn == 128
             for stages in ((3, 2) if three_first else (2, 3)):
                 if stages == 2 or pingpong_smem_fits(d, dv, bn, stages, plat.smem_per_sm):
@@ -211,13 +209,8 @@ def prefill_config(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
     the first). On Hopper-class GPUs, for a bf16/fp16 cache without a window and head dim 64/128, that is the
     ping-pong kernel: with TMA tiles where pages hold whole 128-key tiles, from 64-row page chunks where pages
     are a multiple of 64, else with a gathering producer. Else, with a bulk-copy engine (TMA / TME) and the
-    same cache conditions, one block copy per tile; else row gathers (128-key tiles up to head dim 128).
-
-    Measured on the H200 (hd 128, 32/8 heads, causal 4k / 8k / 16k, TFLOP/s; tune-prefill-20261129T191426Z,
-    -192423Z, -205442Z and -224018Z): ping-pong with TMA tiles and fast math 443 / 556 / 579 with two stages,
-    451-461 / 567-580 / 580-586 with three; without fast math 331 / 472 / 514; with 64-key tiles 309 / 391 / 424;
-    ping-pong with a gathering producer (page 1 and 16) 357 / 428 / 464 (326 / 394 / 430 with TileLang's bounds
-    checks); TMA tiles with TileLang's warp specialisation 267 / 380 / 458; row gathers 238 / 291 / 330."""
+    same cache conditions, one block copy per tile; else row gathers (128-key tiles up to head dim 128). The
+    order follows the H200 measurements in docs/kernel-choice.md."""
     valid = _prefill_candidates(d, dv, is_fp8, page_size, has_window)
     tuned = tuning.lookup("prefill", prefill_shape_class(d, dv, is_fp8, page_size, has_window))
     if tuned:
@@ -277,10 +270,9 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seqlen_k: int, block_N: in
     the share of the memory bandwidth each gets) + 1 tile of fixed cost. The fewest splits within 6% of the
     least modelled time win; each split keeps >= 2 tiles.
 
-    Fitted on the H200 (tune-decode-20261129T210041Z: 32/8 heads, hd 128, 3 blocks per SM, batch 1-256 x 4k-32k
-    keys): it picks the best measured split count on 16 of the 18 shapes and is within 7% on the other two. The
-    rule before it (no split once the blocks outnumber the SMs) ran batch 64 as 512 blocks = 1.29 waves, at
-    0.67-0.71x cuDNN; 3 splits (3.88 waves) run at 0.88-0.95x."""
+    The constants were fitted to an H200 sweep of split counts (``benchmarks/tune_decode.py``; the fit and
+    the rule it replaced: docs/kernel-choice.md). Splitting once the blocks outnumber the SMs matters: a
+    part-filled last wave costs a whole one."""
     blocks = max(1, batch * num_kv_heads)
     slots = max(1, sm_count * ctas_per_sm)
     tiles = max(1, math.ceil(max_seqlen_k / block_N))
@@ -336,7 +328,7 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
     assert not ragged or (cfg.tma and not cfg.tma_rows), f"ragged: whole TMA tiles, not {cfg}"
     if cfg.pingpong:
         # fast math (exp2 as one ex2.approx.ftz, no denormal fix-ups): the softmax is what the tensor cores
-        # wait on here; measured 0.85-0.98x -> cuDNN instead of 0.64-0.90x, same error (tune-prefill-20261129T192423Z)
+        # wait on here, and the error stays the same (docs/kernel-choice.md)
         pc = {tl.PassConfigKey.TL_ENABLE_FAST_MATH: True}
         if not cfg.tma:
             # the gathering producer syncs its warp group itself (one named barrier per tile); TileLang's
@@ -344,8 +336,7 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             pc[tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
             # and its bounds checks are redundant: rows are clamped into the sequence, page-table columns
             # into the table, output stores guarded by hand. Without them a 16-byte row copy is 7 PTX
-            # instructions instead of 11, in warps that share issue slots with the softmax: page 1 causal
-            # 4k / 8k / 16k 357 / 428 / 464 TFLOP/s instead of 326 / 394 / 430 (tune-prefill-20261129T224018Z)
+            # instructions instead of 11, in warps that share issue slots with the softmax
             pc[tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
         return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()),
                               lambda: build_prefill_pingpong(
