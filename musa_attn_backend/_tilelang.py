@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator, NamedTuple, Optional
 
 import torch
 from filelock import FileLock
@@ -19,7 +20,7 @@ configure_tilelang_env()
 import tilelang as tl  # noqa: E402
 import tilelang.language as tl_lang  # noqa: E402
 
-__all__ = ["tl", "tl_lang", "tl_dtype", "compile_cached", "tilelang_version"]
+__all__ = ["tl", "tl_lang", "tl_dtype", "compile_cached", "tilelang_version", "intercepting", "lower"]
 
 _TORCH_TO_TL = {
     torch.float16: "float16",
@@ -32,6 +33,9 @@ _TORCH_TO_TL = {
 
 _lock = threading.Lock()
 _kernels: dict[Hashable, Any] = {}
+# (key, build, target, pass_configs) -> result, in place of compiling (see intercepting)
+Handler = Callable[[Hashable, Callable[[], Any], Any, Optional[dict]], Any]
+_handler: Optional[Handler] = None
 
 
 def tilelang_version() -> str:
@@ -61,6 +65,8 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
     warmup`` counts the markers to report what was already warm).
     """
     target = target if target is not None else get_platform().tilelang_target()
+    if _handler is not None:
+        return _handler(key, build, target, pass_configs)
     full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version(),
                 kernel_settings())
     kernel = _kernels.get(full_key)
@@ -73,7 +79,9 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
             root = cache_dir(create=True) / "kernels"
             root.mkdir(exist_ok=True)
             with FileLock(str(root / f"{digest}.lock")):
-                kernel = tl.compile(build(), target=target, pass_configs=pass_configs)
+                func = build()
+                check_portable(key, func, target)
+                kernel = tl.compile(func, target=target, pass_configs=pass_configs)
                 marker = root / f"{digest}.done"
                 if not marker.exists():
                     tmp = root / f".{digest}.{os.getpid()}.tmp"
@@ -82,3 +90,83 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
             _kernels[full_key] = kernel
     return kernel
 
+
+
+def check_portable(key, func, target) -> None:
+    """Raise a ValueError naming the kernel where ``func`` uses what ``target`` cannot lower: a GEMM that reads
+    its A operand from registers on a target whose GEMMs take A from shared memory only (MUSA). Before any
+    lowering, so the error names the program instead of the GEMM lowering's."""
+    from .kernels._tir import register_a_gemms
+    from .platform import features_of
+
+    try:
+        feats = features_of(target)
+    except ValueError:
+        return  # a target this package does not describe: nothing known to check
+    if feats["gemm_a_in_registers"]:
+        return
+    bad = register_a_gemms(func)
+    if bad:
+        raise ValueError(
+            f"kernel {key!r} does not lower for {target!r}: its GEMM(s) read A from registers "
+            f"({', '.join(f'{g.a} ({g.a_scope}) x {g.b}' for g in bad)}), and this target's GEMMs take A from "
+            "shared memory only (platform.gemm_a_in_registers is false); stage the operand through shared memory")
+
+
+@contextlib.contextmanager
+def intercepting(handler: Handler) -> Iterator[None]:
+    """While the block runs, :func:`compile_cached` returns ``handler(key, build, target, pass_configs)`` instead
+    of a compiled kernel: nothing is compiled, loaded or cached. For looking at the programs the launchers
+    would build (their TIR, or their lowering alone: :func:`lower`) without a device compiler. The
+    derived caches (plans, kernel handles) are emptied at both ends, so no handler result outlives the block.
+    One block at a time in a process."""
+    from .config import clear_derived_caches
+
+    global _handler
+    with _lock:
+        if _handler is not None:
+            raise RuntimeError("intercepting: another block is already intercepting compile_cached")
+        _handler = handler
+    clear_derived_caches()
+    try:
+        yield
+    finally:
+        with _lock:
+            _handler = None
+        clear_derived_caches()
+
+
+class LoweredProgram(NamedTuple):
+    """What TileLang's lowering of a program made: the generated device source, and the shared memory one block
+    allocates (the dynamic pool plus static buffers, bytes)."""
+
+    source: str
+    shared_bytes: int
+
+
+def lower(func, target, pass_configs: Optional[dict] = None) -> LoweredProgram:
+    """TileLang's lowering of the prim_func ``func`` for ``target`` (any form TileLang takes), up to the
+    generated device source. Runs no device compiler (nvcc, mcc): this is what tells whether a program lowers
+    for a target on a machine without its toolchain. Raises what the lowering raises."""
+    import functools
+    import importlib
+
+    from tilelang import tvm
+
+    tgt = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    with tvm.transform.PassContext(opt_level=3, config=pass_configs or {}), tgt:
+        artifact = tl.lower(func, target=tgt, enable_host_codegen=False, enable_device_compile=False)
+    shared = 0
+    for _, fn in artifact.device_mod.functions.items():
+        tir = importlib.import_module(type(fn).__module__.rsplit(".", 1)[0])
+        shared += int((fn.attrs or {}).get("dyn_shared_memory_buf", 0))
+        static = {}  # buffer name -> bytes (a buffer is allocated, and may be declared again)
+
+        def visit(node, static=static):
+            buf = getattr(node, "buffer", None)
+            if type(node).__name__ in ("AllocBuffer", "DeclBuffer") and buf is not None and buf.scope() == "shared":
+                static[buf.name] = functools.reduce(lambda n, x: n * int(x), buf.shape, 1) * buf.dtype.bits // 8
+
+        tir.stmt_functor.post_order_visit(fn.body, visit)
+        shared += sum(static.values())
+    return LoweredProgram(artifact.kernel_source, shared)

@@ -3,6 +3,7 @@
     musa-attn doctor [--json] [--require sglang,vllm]   what is installed, found and usable here
     musa-attn demo [--device cpu|cuda|musa] [--dtype bf16|fp16|fp32] [--impl auto|tilelang|reference]
     musa-attn warmup --model-config config.json [--tp N] [--engine sglang|vllm] [--target sm_90a]
+    musa-attn warmup ... --target mp_31 --lower-only [--out DIR]   lowering only: does every kernel lower there
     musa-attn bench [--quick] [--ops prefill,decode] [--out DIR]   (GPU; from a source checkout)
 """
 
@@ -17,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 from . import BACKEND_NAME, __version__
@@ -278,6 +280,12 @@ def cmd_warmup(args) -> int:
         return 2
     jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
                        speculative_tokens=args.speculative_tokens, page_size=args.page_size)
+    if args.lower_only:
+        return _lower_only(jobs, model, args, platform)
+    if args.out:
+        print("musa-attn warmup: --out goes with --lower-only (compiled kernels go into the kernel cache)",
+              file=sys.stderr)
+        return 2
     from .cache import cache_dir
 
     markers = cache_dir(create=True) / "kernels"
@@ -292,6 +300,26 @@ def cmd_warmup(args) -> int:
           f"{len(jobs) - (after - before)} already in the cache; kernel settings "
           f"{' '.join(f'{k}={v}' for k, v in config.kernel_settings())} recorded in {record}")
     return 0
+
+
+def _lower_only(jobs, model, args, platform) -> int:
+    """``warmup --lower-only``: lower every kernel of the plan, write the sources, name each that fails."""
+    import time
+
+    from . import warmup
+
+    out = Path(args.out) if args.out else None
+    print(f"warmup --lower-only: {model} engine={args.engine} target={platform.tilelang_target()} -> {len(jobs)} "
+          f"kernels{f', sources into {out}' if out else ''}")
+    t0 = time.perf_counter()
+    results = warmup.lower_all(jobs, out, workers=args.jobs, progress=not args.quiet)
+    failed = [r for r in results if r.error is not None]
+    for r in failed:
+        print(f"warmup --lower-only: {r.name} does not lower: {r.job.describe()}\n    {r.error}", file=sys.stderr)
+    print(f"warmup --lower-only: {len(results) - len(failed)} of {len(results)} kernels lowered for "
+          f"{platform.tilelang_target()} in {time.perf_counter() - t0:.1f}s" + (f", {len(failed)} did not"
+                                                                                   if failed else ""))
+    return 1 if failed else 0
 
 
 def _model_from_args(args, cmd: str):
@@ -391,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(w)
     w.add_argument("--speculative-tokens", type=int, default=0, help="draft tokens verified per step")
     w.add_argument("--target", help="compile for this target instead of the local GPU (sm_90a, mp_31, ...)")
+    w.add_argument("--lower-only", action="store_true",
+                   help="run only TileLang's lowering (no device compiler, nothing cached): exit 1 naming each kernel "
+                        "that does not lower for the target, and why")
+    w.add_argument("--out", help="with --lower-only: write each kernel's generated device source into this folder")
     w.add_argument("-j", "--jobs", type=int, default=0, help="parallel compiler processes (default: cores, <= 8)")
     w.add_argument("--quiet", action="store_true")
     w.set_defaults(func=cmd_warmup)

@@ -63,6 +63,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("new_kv_prefill", "MUSA_ATTN_NEW_KV_PREFILL", "bool", True, True,
            "a prefill whose requests have no cached prefix reads the batch's new K/V with whole-tile TMA copies "
            "instead of the paged cache, whatever the page size (0: the cache path)"),
+    Switch("shared_p", "MUSA_ATTN_SHARED_P", "bool", False, True,
+           "every attention program stages the softmax probabilities P through shared memory before the P V "
+           "product, as it must where the target's GEMMs take no register operand (MUSA), and the kernel choice "
+           "is the one for such a target: to run and measure MUSA's programs on CUDA (0: only where needed)"),
     Switch("target", "MUSA_ATTN_TARGET", "text", None, True,
            "compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
            "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)"),
@@ -94,6 +98,7 @@ class Settings:
     tma_chunks: bool = True
     chunked_combine: bool = True
     new_kv_prefill: bool = True
+    shared_p: bool = False
     target: Optional[str] = None
     cache_dir: Optional[Path] = None
     poison: bool = False

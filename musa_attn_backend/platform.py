@@ -4,6 +4,12 @@ Every decision that differs between NVIDIA (CUDA), Moore Threads (MUSA) and a pl
 module, so kernel code branches on capability flags (``fp8``, ``bulk_copy``, ``warpgroup_mma``) and never
 on vendor names.
 
+``gemm_a_in_registers`` says whether a tile GEMM may read its A operand from registers (a fragment) with B in
+shared memory, as the ``P V`` product of attention does with the softmax probabilities: CUDA's ``mma.sync``
+and WGMMA can; tilelang-musa lowers MUSA GEMMs (SQMMA, PH1 WMMA, the FMA fallback) only from shared-memory
+A operands, so where the flag is false every attention program stages P through shared memory first. The
+``MUSA_ATTN_SHARED_P`` setting turns the flag off on any target, to run those programs on CUDA.
+
 Detection order: the ``MUSA_ATTN_TARGET`` setting (:mod:`musa_attn_backend.config`; a compile-target override, e.g.
 ``sm_90a`` to build Hopper kernels on a machine without a GPU), then MUSA (``torch_musa`` importable with a
 device present and a TileLang build that knows the ``musa`` target), then CUDA, then CPU.
@@ -30,7 +36,7 @@ TARGET_ENV = config.BY_FIELD["target"].env
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
 # the capability flags a Platform carries (kernels branch on these, never on the device name)
-FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch")
+FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "gemm_a_in_registers")
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -52,7 +58,7 @@ class Platform:
     device_name: str = "cpu"
     capability: Optional[tuple[int, int]] = None
     sm_count: int = 0
-    smem_per_sm: int = 0  # shared memory bytes per SM (0: unknown); sizes the split-KV decode grid
+    smem_per_sm: int = 0  # shared memory bytes per SM (0: unknown); bounds the tilings, sizes the split-KV grid
     fp8: bool = False  # FP8 (e4m3) tensor-core MMA and conversions
     bulk_copy: bool = False  # TMA (NVIDIA) / TME (MUSA) bulk-copy engine
     warpgroup_mma: bool = False  # WGMMA (NVIDIA sm_90a) / SQMMA (MUSA MP31)
@@ -62,6 +68,8 @@ class Platform:
     # programmatic dependent launch (a kernel launched while the one before it finishes, waiting on it in
     # the kernel): CUDA sm_90+
     dependent_launch: bool = False
+    # a tile GEMM may take A from registers with B in shared memory (CUDA); else P goes through shared memory
+    gemm_a_in_registers: bool = False
     source: str = "detected"  # "detected" or "env"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -82,8 +90,7 @@ class Platform:
         if self.target_kind == "cuda":
             return {"kind": "cuda", "arch": self.arch}
         if self.target_kind == "musa":
-            # tilelang-musa takes a TVM target string; mcc gets --cuda-gpu-arch=mp_XY from it.
-            return f"musa -arch={self.arch}"
+            return musa_target(self.arch)
         raise RuntimeError(
             "no TileLang target on this machine (no CUDA or MUSA GPU found); set "
             f"{TARGET_ENV}=sm_90a (or mp_31) to compile kernels without a GPU"
@@ -127,6 +134,7 @@ def _cuda_features(arch: str) -> dict:
         "warpgroup_mma": cc == 90 and m.group(3) == "a",
         "warp_specialized": cc == 90 and m.group(3) == "a",
         "dependent_launch": cc >= 90,
+        "gemm_a_in_registers": True,
     }
 
 
@@ -144,12 +152,70 @@ def _musa_features(arch: str) -> dict:
         # not yet: tilelang-musa's lowering of named barriers and register reallocation is unverified
         "warp_specialized": False,
         "dependent_launch": False,
+        # SQMMA, PH1 WMMA and the FMA fallback of tilelang-musa's GEMM lowering read A from shared memory only
+        "gemm_a_in_registers": False,
     }
 
 
 def target_features(kind: str, arch: str) -> dict:
-    """The capability flags (:data:`FEATURES`) and capability of a compile target, e.g. ("cuda", "sm_90a")."""
-    return _cuda_features(arch) if kind == "cuda" else _musa_features(arch)
+    """The capability flags (:data:`FEATURES`) and capability of a compile target, e.g. ("cuda", "sm_90a"),
+    under the current settings (``MUSA_ATTN_SHARED_P`` turns ``gemm_a_in_registers`` off)."""
+    feats = _cuda_features(arch) if kind == "cuda" else _musa_features(arch)
+    if config.settings().shared_p:
+        feats["gemm_a_in_registers"] = False
+    return feats
+
+
+def parse_target(target) -> tuple[str, str]:
+    """``(kind, arch)`` of a TileLang target in any form this package passes: a ``{"kind", "arch"}`` dict, a
+    TVM target string (``"musa -arch=mp_31"``, ``"cuda -arch=sm_90a"``) or an object with ``kind.name`` and
+    ``arch`` (a TVM ``Target``). Raises ValueError for anything else."""
+    if isinstance(target, dict):
+        kind, arch = target.get("kind"), target.get("arch")
+    elif isinstance(target, str):
+        m = re.fullmatch(r"\s*(\w+)(?:\s+-arch=(\w+))?\s*", target)
+        kind, arch = (m.group(1), m.group(2)) if m else (None, None)
+    else:
+        kind = getattr(getattr(target, "kind", None), "name", None)
+        arch = getattr(target, "arch", None)
+    if kind not in ("cuda", "musa") or not arch:
+        raise ValueError(f"cannot read a CUDA/MUSA kind and arch from the target {target!r}; expected e.g. "
+                         '{"kind": "musa", "arch": "mp_31"} or "musa -arch=mp_31"')
+    return str(kind), str(arch)
+
+
+def features_of(target=None) -> dict:
+    """The capability flags of a compile target (see :func:`parse_target` for its forms; None: this platform's,
+    under the current settings)."""
+    if target is None:
+        plat = get_platform()
+        return {n: getattr(plat, n) for n in FEATURES}
+    feats = target_features(*parse_target(target))
+    return {n: feats[n] for n in FEATURES}
+
+
+@functools.lru_cache(maxsize=None)
+def tvm_parses_target_strings() -> bool:
+    """Whether the installed TileLang's TVM still parses command-line target strings (``"cuda -arch=sm_80"``).
+    TVM 0.25, which TileLang 0.1.12+ (and tilelang-musa 0.1.12+musa.1) build on, takes only the dict form."""
+    from ._tilelang import tl  # noqa: F401  (TileLang's environment set up before its TVM loads)
+    from tilelang import tvm
+
+    try:
+        tvm.target.Target("cuda -arch=sm_80")
+    except Exception:
+        return False
+    return True
+
+
+def musa_target(arch: str):
+    """The ``target=`` of a MUSA arch in the form the installed TileLang takes: the dict
+    ``{"kind": "musa", "arch": "mp_31"}`` where its TVM has no target-string parser, else the string
+    ``"musa -arch=mp_31"`` (what tilelang-musa builds on older TVMs take; mcc gets ``--cuda-gpu-arch`` from
+    the arch either way)."""
+    if tvm_parses_target_strings():
+        return f"musa -arch={arch}"
+    return {"kind": "musa", "arch": arch}
 
 
 def _flags(feats: dict) -> dict:
@@ -191,7 +257,7 @@ def _detect_musa() -> Platform:
     props = musa.get_device_properties(musa.current_device())
     capability = (int(props.major), int(props.minor))
     arch = f"mp_{capability[0]}{capability[1]}"
-    feats = _musa_features(arch)
+    feats = target_features("musa", arch)
     notes = ()
     target_kind = "musa"
     if not tilelang_supports_musa():
@@ -215,7 +281,7 @@ def _detect_cuda() -> Platform:
     props = torch.cuda.get_device_properties(idx)
     capability = (int(props.major), int(props.minor))
     arch = _cuda_arch(capability)
-    feats = _cuda_features(arch)
+    feats = target_features("cuda", arch)
     return Platform(
         kind="cuda",
         target_kind="cuda",
@@ -247,7 +313,7 @@ def _from_override(value: str, detected: Platform) -> Platform:
         if detected.target_kind != kind or not detected.arch:
             raise ValueError(f"{TARGET_ENV}={value!r} names no arch and no {kind} device is present to read it from")
         arch = detected.arch
-    feats = _cuda_features(arch) if kind == "cuda" else _musa_features(arch)
+    feats = target_features(kind, arch)
     same_device = detected.target_kind == kind
     return Platform(
         kind=detected.kind,
@@ -273,7 +339,8 @@ def _default_smem_per_sm(kind: str, arch: str) -> int:
     """Shared memory per SM assumed when the device does not report it or is not present (sizes split-KV)."""
     if kind == "cuda":
         return {"sm_90a": 228, "sm_90": 228, "sm_80": 164, "sm_89": 100, "sm_86": 100}.get(arch, 100) * 1024
-    return 128 * 1024  # MUSA: not measured here; a conservative guess
+    # MUSA: MP31 (S5000) as tilelang-musa's own kernel configs take it (192 KB); others a conservative guess
+    return {"mp_31": 192}.get(arch, 128) * 1024
 
 
 def detect() -> Platform:

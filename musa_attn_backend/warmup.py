@@ -5,6 +5,9 @@ cache layout) and the dtypes, :func:`plan` lists the kernels serving will launch
 (with and without split-KV, and for speculative verify lengths), the split combine and the KV write.
 :func:`run` compiles them in parallel worker processes into the on-disk kernel cache, so a serving image
 can ship warm and nothing is compiled on the serving hot path (the first call only loads the kernel).
+:func:`lower_all` (``musa-attn warmup --lower-only``) runs only TileLang's lowering of the same kernels, for
+any target TileLang knows, and writes their device sources: the portability check of a machine without the
+device compiler.
 
 Which kernels a model needs also depends on the kernel settings (``config.kernel_settings``: the switches
 marked ``kernels`` in :mod:`musa_attn_backend.config`): the plan is made and compiled under the settings of
@@ -150,18 +153,100 @@ def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[st
     return list(dict.fromkeys(jobs))
 
 
-def _compile(job: Job) -> tuple[Job, float]:
-    t0 = time.perf_counter()
+def _build(job: Job):
+    """Make the launcher's kernel for ``job`` (through ``compile_cached``, or what intercepts it)."""
     if job.kind == "write_kv":
         from .kernels.kv_cache.tilelang_impl import write_kv_kernel
 
-        write_kv_kernel(*job.args)
-    else:
-        from .kernels.attention import tilelang_impl as impl
+        return write_kv_kernel(*job.args)
+    from .kernels.attention import tilelang_impl as impl
 
-        {"prefill": impl.prefill_kernel, "decode": impl.decode_kernel, "combine": impl.combine_kernel}[job.kind](
-            *job.args)
+    return {"prefill": impl.prefill_kernel, "decode": impl.decode_kernel, "combine": impl.combine_kernel}[job.kind](
+        *job.args)
+
+
+def _compile(job: Job) -> tuple[Job, float]:
+    t0 = time.perf_counter()
+    _build(job)
     return job, time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The outcome of lowering one job's kernel: the generated device source (where it lowered), or the error."""
+
+    job: Job
+    name: str  # the file stem its source is written under: <kind>-<digest of its compile key>
+    source: Optional[str] = None
+    error: Optional[str] = None
+    seconds: float = 0.0
+
+
+def _lower(job: Job) -> Lowered:
+    """TileLang's lowering of ``job``'s kernel, without a device compiler (see :func:`lower_all`)."""
+    from . import _tilelang
+
+    t0 = time.perf_counter()
+    seen: list = []
+
+    def lower(key, build, target, pass_configs):
+        seen.append(_tilelang.kernel_digest((key, repr(target)))[:12])
+        func = build()
+        _tilelang.check_portable(key, func, target)
+        return _tilelang.lower(func, target, pass_configs).source
+
+    try:
+        with _tilelang.intercepting(lower):
+            source = _build(job)
+        error = None
+    except Exception as e:  # reported per kernel, with its reason
+        source, error = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    name = f"{job.kind}-{seen[0] if seen else 'unbuilt'}"
+    return Lowered(job, name, source, error, time.perf_counter() - t0)
+
+
+def lower_all(jobs: Iterable[Job], out_dir: Optional[Path] = None, *, workers: int = 0,
+              progress: bool = True) -> list[Lowered]:
+    """Run TileLang's lowering, up to device source, for every job's kernel on this process's compile target
+    (``MUSA_ATTN_TARGET``), in ``workers`` processes (0: one per core, at most 8). Needs no device compiler
+    (nvcc, mcc) and no device: with a MUSA-capable TileLang this is the check that every kernel a model uses
+    lowers for MUSA. Nothing enters the kernel cache. With ``out_dir``, each generated source is written to
+    ``<out_dir>/<name>.<cu|mu>`` and an ``index.json`` lists every job, its file or its error."""
+    from .platform import get_platform
+
+    jobs = list(jobs)
+    workers = workers or min(8, os.cpu_count() or 1)
+    ctx = multiprocessing.get_context("spawn")
+    results: list[Lowered] = []
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)) or 1, mp_context=ctx,
+                             initializer=_use_settings, initargs=(config.settings(),)) as pool:
+        futures = [pool.submit(_lower, j) for j in jobs]
+        for fut in as_completed(futures):
+            res = fut.result()
+            results.append(res)
+            if progress:
+                state = "lowered" if res.error is None else f"FAILED: {res.error}"
+                print(f"[{len(results)}/{len(jobs)}] {res.name} {res.job.kind} ({res.seconds:.1f}s) {state}",
+                      flush=True)
+    order = {j: i for i, j in enumerate(jobs)}
+    results.sort(key=lambda r: order[r.job])
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ext = "mu" if get_platform().target_kind == "musa" else "cu"
+        index = []
+        for r in results:
+            entry = {"name": r.name, "kind": r.job.kind, "job": r.job.describe(), "seconds": round(r.seconds, 2)}
+            if r.source is not None:
+                (out_dir / f"{r.name}.{ext}").write_text(r.source)
+                entry["file"] = f"{r.name}.{ext}"
+            else:
+                entry["error"] = r.error
+            index.append(entry)
+        (out_dir / "index.json").write_text(json.dumps(
+            {"target": repr(get_platform().tilelang_target()), "settings": dict(config.kernel_settings()),
+             "kernels": index}, indent=1))
+    return results
 
 
 def run(jobs: Iterable[Job], *, workers: int = 0, progress: bool = True) -> list[tuple[Job, float]]:

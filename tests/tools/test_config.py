@@ -14,10 +14,11 @@ from musa_attn_backend import cli, config, tuning, warmup
 from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
 ENV_NAMES = ["MUSA_ATTN_SPLIT_MIXED", "MUSA_ATTN_PINGPONG_GATHER", "MUSA_ATTN_PDL", "MUSA_ATTN_TMA_CHUNKS",
-             "MUSA_ATTN_CHUNKED_COMBINE", "MUSA_ATTN_NEW_KV_PREFILL", "MUSA_ATTN_TARGET", "MUSA_ATTN_CACHE_DIR",
+             "MUSA_ATTN_CHUNKED_COMBINE", "MUSA_ATTN_NEW_KV_PREFILL", "MUSA_ATTN_SHARED_P", "MUSA_ATTN_TARGET",
+             "MUSA_ATTN_CACHE_DIR",
              "MUSA_ATTN_POISON", "MUSA_ATTN_VLLM_CUDA_GRAPHS", "MUSA_ATTN_COMMIT"]
 KERNEL_SWITCHES = ["MUSA_ATTN_PINGPONG_GATHER", "MUSA_ATTN_PDL", "MUSA_ATTN_TMA_CHUNKS", "MUSA_ATTN_CHUNKED_COMBINE",
-                   "MUSA_ATTN_NEW_KV_PREFILL"]
+                   "MUSA_ATTN_NEW_KV_PREFILL", "MUSA_ATTN_SHARED_P"]
 
 
 def test_every_switch_is_declared_once_with_its_default():
@@ -27,7 +28,7 @@ def test_every_switch_is_declared_once_with_its_default():
     assert defaults == config.Settings()
     assert (defaults.split_mixed, defaults.pingpong_gather, defaults.pdl, defaults.tma_chunks,
             defaults.chunked_combine, defaults.new_kv_prefill, defaults.vllm_cuda_graphs) == (True,) * 7
-    assert not defaults.poison and defaults.target is None and defaults.cache_dir is None and defaults.commit is None
+    assert not defaults.poison and not defaults.shared_p and defaults.target is None and defaults.cache_dir is None and defaults.commit is None
     assert set(sources.values()) == {"default"}
     assert [env for env, _ in config.kernel_settings(defaults)] == KERNEL_SWITCHES
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -39,12 +39,14 @@ def test_env_override(use_settings, value, kind, arch, fp8, bulk, wg):
     assert (p.target_kind, p.arch, p.fp8, p.bulk_copy, p.warpgroup_mma) == (kind, arch, fp8, bulk, wg)
     # programmatic dependent launch: CUDA sm_90+ (the same archs as TMA here), not MUSA
     assert p.dependent_launch == (kind == "cuda" and bulk)
+    # register A operands of tile GEMMs: every CUDA arch, no MUSA one
+    assert p.gemm_a_in_registers == (kind == "cuda")
     assert p.source == "env"
     target = p.tilelang_target()
     if kind == "cuda":
         assert target == {"kind": "cuda", "arch": arch}
-    else:
-        assert target == f"musa -arch={arch}"
+    else:  # the form this TileLang's TVM takes (tests/attention/test_musa_portability.py: both forms)
+        assert target == platform.musa_target(arch)
     assert p.sm_count > 0
 
 
@@ -87,7 +89,7 @@ def test_simulated_musa_s5000(monkeypatch, use_settings):
     assert p.kind == "musa" and p.torch_device == "musa" and p.has_gpu
     assert (p.arch, p.capability, p.sm_count) == ("mp_31", (3, 1), 56)
     assert p.fp8 and p.bulk_copy and p.warpgroup_mma
-    assert p.tilelang_target() == "musa -arch=mp_31"
+    assert platform.parse_target(p.tilelang_target()) == ("musa", "mp_31")
     assert "MTT S5000" in p.describe()
 
 

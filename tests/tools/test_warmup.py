@@ -114,3 +114,60 @@ def test_warmup_needs_a_target(monkeypatch, capsys):
         pytest.skip("a GPU is present: warmup has a target")
     assert cli.main(["warmup", "--heads", "4", "--kv-heads", "1", "--head-dim", "64"]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+def _lower_only(tmp_path, target, *extra, env_extra=None):
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, '
+                   '"num_key_value_heads": 1, "torch_dtype": "bfloat16"}')
+    env = {**os.environ, "MUSA_ATTN_CACHE_DIR": str(tmp_path / "cache"), **(env_extra or {})}
+    cmd = [sys.executable, "-m", "musa_attn_backend.cli", "warmup", "--model-config", str(cfg), "--target", target,
+           "--lower-only", "-j", "2", "--quiet", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
+
+
+def test_warmup_lower_only_for_sm90a_writes_every_source(tmp_path):
+    """``warmup --lower-only``: TileLang's lowering of the seven kernels of the tiny model, with P staged through
+    shared memory as on MUSA (``MUSA_ATTN_SHARED_P=1``); each generated source written under ``--out`` with an
+    index, no device compiler run, nothing put into the kernel cache."""
+    out = tmp_path / "src"
+    res = _lower_only(tmp_path, "sm_90a", "--out", str(out), env_extra={"MUSA_ATTN_SHARED_P": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "7 of 7 kernels lowered" in res.stdout
+    import json
+
+    index = json.loads((out / "index.json").read_text())
+    assert len(index["kernels"]) == 7 and all("file" in k and "error" not in k for k in index["kernels"])
+    assert ["MUSA_ATTN_SHARED_P", "1"] in [list(kv) for kv in index["settings"].items()]
+    sources = {k["kind"]: (out / k["file"]).read_text() for k in index["kernels"]}
+    assert set(sources) == {"prefill", "decode", "combine", "write_kv"}
+    assert all("__global__" in s for s in sources.values())
+    assert "P_s" in sources["prefill"] and "P_s" in sources["decode"]
+    assert not any((tmp_path / "cache").rglob("*.done")) and not any((tmp_path / "cache").rglob("*.cubin"))
+
+
+def test_warmup_lower_only_names_each_kernel_that_does_not_lower(tmp_path):
+    """A target the installed TileLang cannot lower for (MUSA, with this CUDA-only TileLang): exit 1, every
+    kernel named with its reason."""
+    res = _lower_only(tmp_path, "mp_31")
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "0 of 7 kernels lowered" in res.stdout and "7 did not" in res.stdout
+    failures = [line for line in res.stderr.splitlines() if "does not lower:" in line]
+    assert len(failures) == 7 and {f.split()[2].split("-")[0] for f in failures} == {
+        "prefill", "decode", "combine", "write_kv"}
+    assert res.stderr.count("    ") >= 7  # a reason under each
+
+
+def test_lower_only_reports_a_register_operand_for_musa(use_settings):
+    """The lowering-only check refuses, before lowering, a program whose P V product reads P from registers on a
+    MUSA target (the ping-pong prefill forced on it), and says why."""
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    use_settings(target="mp_31")
+    lay = (2 * 128, 2 * 128, 128)
+    spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
+    cfg = ti.PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=True, pingpong=True)
+    res = warmup._lower(warmup.Job("prefill", (spec, True, 128, None, cfg)))
+    assert res.source is None and "keeps P in registers" in res.error
+    res = warmup._lower(warmup.Job("combine", (spec,)))  # no GEMM: lowering is what fails here (no MUSA TileLang)
+    assert res.source is None and res.error and res.name.startswith("combine-")

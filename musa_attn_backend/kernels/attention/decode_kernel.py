@@ -13,7 +13,8 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                  has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool, split: bool,
                  k_layout: tuple, v_layout: tuple,
                  block_M: int = 64, block_N: int = 64, num_stages: int = 2, threads: int = 128,
-                 slot_tiles: int = SLOT_TILES, full_runs: bool = False, pdl: bool = False):
+                 slot_tiles: int = SLOT_TILES, full_runs: bool = False, pdl: bool = False,
+                 shared_p: bool = False):
     """Split-KV decode (and short causal queries, up to ``max_q`` tokens per request, e.g. speculative verify).
 
     One block per (KV split, KV head, request); its rows are the ``max_q x G`` (token, query head) pairs that
@@ -25,6 +26,8 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     stages only for a fixed count); tiles past the split's end are fully masked, their rows zero-filled (no
     memory traffic). ``pdl`` (split only): trigger the dependent launch of the combine kernel (programmatic
     dependent launch) as the block starts, so the combine's launch overlaps this kernel's last wave.
+    ``shared_p``: the probabilities go through a shared tile to the ``P V`` product (targets whose GEMMs take
+    no register A operand; the 16-row tiling always does), else they stay in registers.
     """
     G = Hq // Hkv
     rows = max_q * G
@@ -41,9 +44,12 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     # columns, instead of 64-row warpgroup MMAs that are mostly padding.
     small = BM < 64
     policy = T.GemmWarpPolicy.FullCol if small else T.GemmWarpPolicy.FullRow
+    # each warp of the 16-row tiling owns a column slice of the scores, and of the output in the second product:
+    # P goes through shared memory between them
+    shared_p = shared_p or small
     O_shape = (SPLITS, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (SPLITS, NT, Hq) if split else (NT, Hq)
-    alloc_state, resolve_slots, load_kv, softmax_step, finish_rows = attention_macros(
+    alloc_state, resolve_slots, load_kv, softmax_step, pv_product, finish_rows = attention_macros(
         BM, BN, D, DV, k_layout[2], v_layout[2], is_fp8, q_dtype, slot_tiles)
 
     @T.macro
@@ -59,14 +65,8 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                 softcap * T.tanh(acc_s[r, j] * (logit_scale / softcap)) if has_softcap else acc_s[r, j],
                 NEG_INF)
         # a split may hold only keys that some rows (earlier tokens, or a window) cannot see
-        softmax_step(state, scale_log2, True)
-        if small:
-            # each warp owns a column slice of the scores; P goes through shared memory to feed the second
-            # product, whose warps own column slices of the output
-            T.copy(state.acc_p, tiles.P_s)
-            T.gemm(tiles.P_s, tiles.V_s, state.acc_o, policy=policy)
-        else:
-            T.gemm(state.acc_p, tiles.V_s, state.acc_o, policy=policy)
+        softmax_step(state, scale_log2, True, tiles.P_s)
+        pv_product(state, tiles, policy)
 
     @T.prim_func
     def decode(
@@ -91,7 +91,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             if pdl:
                 T.pdl_trigger()
             Q_s = T.alloc_shared([BM, D], q_dtype)
-            P_s = T.alloc_shared([BM, BN], q_dtype) if small else None
+            P_s = T.alloc_shared([BM, BN], q_dtype) if shared_p else None
             K_s = T.alloc_shared([BN, D], q_dtype)
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None

@@ -13,7 +13,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                   has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool,
                   k_layout: tuple, v_layout: tuple,
                   block_M: int = 128, block_N: int = 128, num_stages: int = 2, threads: int = 256,
-                  tma: bool = False, ragged: bool = False):
+                  tma: bool = False, ragged: bool = False, shared_p: bool = False):
     """Varlen prefill/extend: one block per (query tile of one request, query head).
 
     ``k_layout``/``v_layout`` = (width, row stride, head stride) of the cache row views.
@@ -31,7 +31,9 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
       ``cu_seqlens_q[b] + block_N j ..``, the page table is not read.
 
     The causal / window / sequence-end mask is the initial value of the QK accumulator, and only tiles that
-    cross a boundary compute it; the others start from zero.
+    cross a boundary compute it; the others start from zero. ``shared_p``: the probabilities go through a
+    shared tile to the ``P V`` product (targets whose GEMMs take no register A operand), else they stay in
+    registers.
     """
     G = Hq // Hkv
     BM, BN = block_M, block_N
@@ -46,8 +48,8 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     # Only with a window can a row see no key of a whole tile (otherwise key 0, in the first tile, is
     # visible to every row), so only then does the softmax guard against an all-masked row.
     guard_empty = has_window
-    alloc_state, resolve_slots, load_kv, softmax_step, finish_rows = attention_macros(BM, BN, D, DV, HS_K, HS_V,
-                                                                                      is_fp8, q_dtype)
+    alloc_state, resolve_slots, load_kv, softmax_step, pv_product, finish_rows = attention_macros(
+        BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype)
     query_tile = query_tile_macro(G, BM, causal)
 
     def _tile_crosses(n0, qpos0, sk, window):
@@ -115,9 +117,10 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             V_s = T.alloc_shared([BN, DV], q_dtype)
             K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
+            P_s = T.alloc_shared([BM, BN], q_dtype) if shared_p else None
             slot_s = None if tma else slot_buffer(SLOT_TILES * BN)
             state = alloc_state()
-            tiles = Tiles(Q_s, K_s, V_s, K8_s, V8_s)
+            tiles = Tiles(Q_s, K_s, V_s, K8_s, V8_s, P_s)
 
             t = query_tile(cu_seqlens_q, seqlens_k, max_seqlen_q, bx, by, bz)
             b, h, kvh, q0, qlen, sk, prefix, m0 = t.b, t.h, t.kvh, t.q0, t.qlen, t.sk, t.prefix, t.m0
@@ -139,8 +142,8 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                 for k in T.Pipelined(n_iters, num_stages=num_stages):
                     load_tma(KC, VC, tiles, page_table, b, (n_lo + k) * BN, page_size, kvh, q0)
                     tile_scores(tiles, state.acc_s, (n_lo + k) * BN, prefix + m0, sk, window, logit_scale, softcap)
-                    softmax_step(state, scale_log2, guard_empty)
-                    T.gemm(state.acc_p, V_s, state.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    softmax_step(state, scale_log2, guard_empty, P_s)
+                    pv_product(state, tiles, T.GemmWarpPolicy.FullRow)
             else:
                 for c in T.serial(T.ceildiv(n_iters, SLOT_TILES)):
                     resolve_slots(slot_s, (n_lo + c * SLOT_TILES) * BN, page_table, b, sk, page_size, MP)
@@ -148,8 +151,8 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                         load_kv(KC, VC, tiles, lambda j: slot_s[it * BN + j], kvh)
                         tile_scores(tiles, state.acc_s, (n_lo + c * SLOT_TILES + it) * BN, prefix + m0, sk, window,
                                     logit_scale, softcap)
-                        softmax_step(state, scale_log2, guard_empty)
-                        T.gemm(state.acc_p, V_s, state.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        softmax_step(state, scale_log2, guard_empty, P_s)
+                        pv_product(state, tiles, T.GemmWarpPolicy.FullRow)
 
             finish_rows(state, scale_log2, sinks, lambda i: h, has_sinks)
             out_scale = v_scale[kvh] if is_fp8 else 1.0

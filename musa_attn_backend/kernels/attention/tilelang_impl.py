@@ -22,7 +22,7 @@ from ..._tilelang import compile_cached, tl, tl_dtype
 from ...config import on_change, settings
 from ...metadata import PagedKVMeta
 from ...paged_layout import cache_rows, token_rows
-from ...platform import get_platform, target_features
+from ...platform import features_of, get_platform
 from .._common import check, constant_vector, per_kv_head
 from .combine_kernel import build_combine
 from .decode_kernel import build_decode
@@ -154,6 +154,23 @@ def pingpong_smem_fits(d: int, dv: int, block_N: int, num_stages: int, smem_per_
     return smem_per_sm > 0 and need + 2048 <= smem_per_sm
 
 
+def prefill_smem_bytes(cfg: PrefillConfig, d: int, dv: int, is_fp8: bool, shared_p: bool) -> int:
+    """Shared memory one block of the (not ping-pong) prefill kernel allocates: the query tile, ``num_stages``
+    K and V tiles (FP8: FP8 staging tiles, plus one converted pair), the P tile with ``shared_p``, the
+    resolved rows of the row gathers. Equal to TileLang's layout (0.1.12, sm_90a) for the tilings it was
+    checked on (tests/attention/test_musa_portability.py)."""
+    kv16 = cfg.block_N * (d + dv) * 2
+    tiles = cfg.num_stages * kv16 // 2 + kv16 if is_fp8 else cfg.num_stages * kv16
+    need = cfg.block_M * d * 2 + tiles + (cfg.block_M * cfg.block_N * 2 if shared_p else 0)
+    return need + (0 if cfg.tma else SLOT_TILES * cfg.block_N * 4)
+
+
+def prefill_smem_fits(cfg: PrefillConfig, d: int, dv: int, is_fp8: bool, shared_p: bool, smem_per_sm: int) -> bool:
+    """Whether a prefill tiling fits one block's shared memory on a chip with ``smem_per_sm`` (0: unknown, taken
+    to fit), less 1 KB the driver reserves per block and 1 KB for barriers."""
+    return smem_per_sm <= 0 or prefill_smem_bytes(cfg, d, dv, is_fp8, shared_p) + 2048 <= smem_per_sm
+
+
 def prefill_candidates(d: int, dv: int, is_fp8: bool = False, page_size: int = 1,
                        has_window: bool = False) -> list[PrefillConfig]:
     """Every prefill tiling valid for this shape class on this platform (what ``musa-attn tune`` tries), the
@@ -166,7 +183,8 @@ def _prefill_candidates(d: int, dv: int, is_fp8: bool, page_size: int, has_windo
     plat = get_platform()
     opts = settings()
     tma_ok = plat.bulk_copy and not is_fp8 and not has_window
-    pingpong_ok = tma_ok and plat.warp_specialized and d == dv and d in (64, 128)
+    # the ping-pong consumers keep P in registers for their asynchronous P V products
+    pingpong_ok = tma_ok and plat.warp_specialized and plat.gemm_a_in_registers and d == dv and d in (64, 128)
     widths = sorted({_prefill_tile(d, dv), 64}, reverse=True)
     out = []
     # 128-key TMA tiles copied in page chunks (pages of 16s that hold no whole key tile). With 64-row chunks
@@ -194,11 +212,19 @@ def _prefill_candidates(d: int, dv: int, is_fp8: bool, page_size: int, has_windo
                                              pingpong=True))
     if pingpong_ok and opts.pingpong_gather:
         out.append(PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=False, pingpong=True))
+    # the softmax probabilities go through a shared tile where the GEMMs take no register A (MUSA), which the
+    # tilings must leave room for
+    shared_p = not plat.gemm_a_in_registers
     for bn in widths:
         for tma in ((True, False) if tma_ok and page_size % bn == 0 else (False,)):
             for stages in ((2,) if tma else (1,) if is_fp8 else (2, 1)):
-                out.append(PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=256, tma=tma))
-    return tuple(out + (chunked if chunk != 64 else []))
+                cfg = PrefillConfig(block_M=128, block_N=bn, num_stages=stages, threads=256, tma=tma)
+                if prefill_smem_fits(cfg, d, dv, is_fp8, shared_p, plat.smem_per_sm):
+                    out.append(cfg)
+    out += chunked if chunk != 64 else []
+    check(bool(out), lambda: f"paged_attention: no prefill tiling of head dims {d}/{dv}{' (FP8 cache)' if is_fp8 else ''}"
+                             f" fits the {plat.smem_per_sm // 1024} KB of shared memory of {plat.arch}")
+    return tuple(out)
 
 
 @_planned
@@ -249,7 +275,8 @@ def decode_ctas_per_sm(dcfg: DecodeConfig, d: int, dv: int, is_fp8: bool, smem_p
     estimate from the tile buffers, for sizing the split-KV grid."""
     kv = dcfg.block_N * (d + dv)
     smem = dcfg.num_stages * kv * (1 if is_fp8 else 2) + (kv * 2 if is_fp8 else 0)  # (fp8: + converted tiles)
-    smem += dcfg.block_M * d * 2 + (dcfg.block_M * dcfg.block_N * 2 if dcfg.block_M < 64 else 0)
+    shared_p = dcfg.block_M < 64 or not get_platform().gemm_a_in_registers
+    smem += dcfg.block_M * d * 2 + (dcfg.block_M * dcfg.block_N * 2 if shared_p else 0)
     # resolved rows; reduction scratch; the per-block reserve. Checked against TileLang's layout of the
     # bf16 and FP8 16-row, 64-row and 128-row tilings (0.1.12, sm_90a): within 1 KB.
     smem += dcfg.slot_tiles * dcfg.block_N * 4 + 2048 + 1024
@@ -338,15 +365,19 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             # into the table, output stores guarded by hand. Without them a 16-byte row copy is 7 PTX
             # instructions instead of 11, in warps that share issue slots with the softmax
             pc[tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
+        check(features_of(target)["gemm_a_in_registers"],
+              lambda: f"prefill_kernel: {cfg} keeps P in registers, which this target's GEMMs cannot read")
         return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()),
                               lambda: build_prefill_pingpong(
             spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, causal, spec.has_softcap, spec.has_sinks,
             spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma, tma_rows=cfg.tma_rows,
             ragged=ragged), target=target, pass_configs=pc)
-    return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ()), lambda: build_prefill(
+    shared_p = _shared_p(target)
+    return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ())
+                          + (("shared_p",) if shared_p else ()), lambda: build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
-        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma, ragged), target=target)
+        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma, ragged, shared_p), target=target)
 
 
 @_planned
@@ -386,24 +417,27 @@ def _new_kv_rows(new_kv, nt: int, hkv: int, d: int, dv: int, dtype: torch.dtype,
 
 def _pdl(target) -> bool:
     """Programmatic dependent launch between the split-KV decode and its combine kernel: where the compile
-    target has it (CUDA sm_90+; ``target``: None for this platform's, or a ``{"kind", "arch"}`` dict) and
-    ``MUSA_ATTN_PDL`` allows it."""
-    if not settings().pdl:
-        return False
-    if target is None:
-        return get_platform().dependent_launch
-    return (isinstance(target, dict) and target.get("kind") in ("cuda", "musa")
-            and target_features(target["kind"], str(target.get("arch")))["dependent_launch"])
+    target has it (CUDA sm_90+; ``target``: None for this platform's, or one :func:`platform.parse_target`
+    reads) and ``MUSA_ATTN_PDL`` allows it."""
+    return settings().pdl and features_of(target)["dependent_launch"]
+
+
+def _shared_p(target) -> bool:
+    """Whether the attention programs for ``target`` (None: this platform's) stage P through shared memory:
+    where its GEMMs read no A operand from registers, or ``MUSA_ATTN_SHARED_P`` asks for it."""
+    return not features_of(target)["gemm_a_in_registers"]
 
 
 @_kernel_handle
 def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
     pdl = split and _pdl(target)
-    return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ()), lambda: build_decode(
+    shared_p = _shared_p(target)
+    return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ())
+                          + (("shared_p",) if shared_p else ()), lambda: build_decode(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, dcfg.max_q, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, split, spec.k_layout, spec.v_layout,
-        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads, dcfg.slot_tiles, dcfg.full_runs, pdl),
-        target=target)
+        dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads, dcfg.slot_tiles, dcfg.full_runs, pdl,
+        shared_p), target=target)
 
 
 @_kernel_handle

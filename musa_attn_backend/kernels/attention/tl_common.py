@@ -73,7 +73,9 @@ def slot_buffer(n: int):
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """A block's shared-memory tiles: the query tile, one key and one value tile in the query dtype, their FP8
-    staging tiles (FP8 caches) and the P tile of the decode's 16-row tiling (else None)."""
+    staging tiles (FP8 caches) and the P tile (else None): where the target's GEMMs take no A operand from
+    registers (``platform.gemm_a_in_registers`` false) and in the decode's 16-row tiling, the probabilities
+    go through it to the ``P V`` product."""
 
     Q_s: Any
     K_s: Any
@@ -157,6 +159,7 @@ class AttentionMacros(NamedTuple):
     resolve_slots: Any
     load_kv: Any
     softmax_step: Any
+    pv_product: Any
     finish_rows: Any
 
 
@@ -207,9 +210,10 @@ def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT
             T.copy(tiles.V8_s, tiles.V_s)
 
     @T.macro
-    def softmax_step(state, scale_log2, guard):
-        """Online softmax of the masked scores in ``acc_s`` (P to ``acc_p``, ``acc_o`` rescaled). ``guard``:
-        a row may have seen only masked keys so far (its running max is -inf)."""
+    def softmax_step(state, scale_log2, guard, P_s=None):
+        """Online softmax of the masked scores in ``acc_s`` (P to the shared tile ``P_s`` if given, else to
+        ``acc_p``; ``acc_o`` rescaled). ``guard``: a row may have seen only masked keys so far (its running max
+        is -inf)."""
         acc_s, m_i, alpha = state.acc_s, state.m_i, state.alpha
         T.copy(m_i, state.m_prev)
         T.reduce_max(acc_s, m_i, dim=1, clear=False)
@@ -228,9 +232,18 @@ def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT
         T.reduce_sum(acc_s, state.row_sum, dim=1)
         for i in T.Parallel(BM):
             state.l_i[i] = state.l_i[i] * alpha[i] + state.row_sum[i]
-        T.copy(acc_s, state.acc_p)
+        T.copy(acc_s, state.acc_p if P_s is None else P_s)
         for i, d in T.Parallel(BM, DV):
             state.acc_o[i, d] *= alpha[i]
+
+    @T.macro
+    def pv_product(state, tiles, policy):
+        """``acc_o += P V`` from the P the softmax step left: in the shared tile ``tiles.P_s`` where there is
+        one, else in registers (``acc_p``)."""
+        if tiles.P_s is not None:
+            T.gemm(tiles.P_s, tiles.V_s, state.acc_o, policy=policy)
+        else:
+            T.gemm(state.acc_p, tiles.V_s, state.acc_o, policy=policy)
 
     @T.macro
     def finish_rows(state, scale_log2, sinks, head_of_row, with_sink):
@@ -247,4 +260,4 @@ def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT
             else:
                 alpha[i] = T.if_then_else(l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_tile[i])
 
-    return AttentionMacros(alloc_state, resolve_slots, load_kv, softmax_step, finish_rows)
+    return AttentionMacros(alloc_state, resolve_slots, load_kv, softmax_step, pv_product, finish_rows)
