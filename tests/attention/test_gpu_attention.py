@@ -155,7 +155,8 @@ def test_long_extends_tma_tiles(gpu_device, page_size, causal):
     b = _batch(page_size + causal, gpu_device, batch_size=3, page_size=page_size, max_seq_len=9000,
                prefix_lens=[4000, 0, 300], query_lens=[5000, 4500, 129])
     cfg = tilelang_impl.prefill_config(128, 128, page_size=page_size)
-    assert cfg.tma and cfg.pingpong == (tilelang_impl.get_platform().warp_specialized)
+    plat = tilelang_impl.get_platform()
+    assert cfg.tma and cfg.pingpong == (plat.warp_specialized and plat.gemm_a_in_registers)
     _compare(b, 16, 4, 128, torch.bfloat16, gpu_device, causal=causal)
 
 
