@@ -109,7 +109,9 @@ def prefill_rows(ceilings):
             block_table=table, query_start_loc=torch.tensor([0, s], dtype=torch.int32, device="cuda"),
             seq_lens=torch.tensor([s], dtype=torch.int32, device="cuda"),
             slot_mapping=torch.arange(s, device="cuda"), page_size=page, max_seqlen_q=s, max_seqlen_k=s)
-        scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
+        # scales as device tensors (a Python float would be copied to the device inside the graph capture)
+        ones = torch.ones(hkv, device="cuda")
+        scales = dict(k_scale=ones, v_scale=ones) if fp8 else {}
         ms, cfgs = {}, {}
         for name, cfg, shared_p in _prefill_variants(d, fp8, page):
             with config.override(shared_p=shared_p):
@@ -163,7 +165,7 @@ def decode_rows(ceilings):
         kv_bytes = b * ctx * hkv * d * 2 * 2
         rows.append(_row("decode", dict(batch=b, seqlen_q=qlen, seqlen_k=ctx, heads_q=hq, heads_kv=hkv, head_dim=d,
                                          page_size=page, causal=True, fp8=False), ms, cfgs,
-                         kv_bytes / ms["ours"] / 1e12 / ceilings["copy_tbps"]))
+                         kv_bytes / ms["ours"] / 1e9 / ceilings["copy_tbps"]))
         del k, v, kt, vt
         torch.cuda.empty_cache()
     return rows

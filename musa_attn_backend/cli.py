@@ -181,6 +181,11 @@ def print_report(info: dict, problems: list[str]) -> None:
         ("tilelang target", (json.dumps(target) if isinstance(target, dict) else target) if target
          else "none (no GPU; set MUSA_ATTN_TARGET=sm_90a to compile for Hopper)"),
         ("target features", ", ".join(n for n in FEATURES if p.get(n)) or "none"),
+    ]
+    if target:
+        rows.append(("P V operand", "registers" if p.get("gemm_a_in_registers") else
+                     "shared memory (this target's GEMMs read A from shared memory only, or MUSA_ATTN_SHARED_P=1)"))
+    rows += [
         ("tile-kernels", info["tile_kernels"] or "not installed"),
         ("nvcc", info["nvcc"] or "not found"),
         ("mcc", info["mcc"] or "not found"),

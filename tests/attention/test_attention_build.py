@@ -174,3 +174,30 @@ def test_prefill_new_kv_compiles_for_sm90a(use_settings):
     assert musa is not None and musa.tma and not musa.pingpong
     use_settings(target="sm_80")
     assert ti.new_kv_prefill_config(128, 128) is None  # no bulk copies: the cache path
+
+
+@pytest.mark.parametrize("kind", ["prefill_tma", "prefill_fp8_gather", "decode_64_rows"])
+def test_shared_p_variants_compile_for_sm90a(kind, use_settings):
+    """The programs MUSA gets (P through shared memory before the P V product), built for sm_90a through the
+    launcher with ``MUSA_ATTN_SHARED_P=1``, so CI compiles them with nvcc and the H200 runs them: the scores are
+    written to the shared P tile and the second WGMMA reads both operands from shared memory."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    use_settings(target="sm_90a", shared_p=True)
+    lay = (2 * 128, 2 * 128, 128)
+    fp8 = kind == "prefill_fp8_gather"
+    spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "float8_e4m3" if fp8 else "bfloat16", k_layout=lay, v_layout=lay)
+    if kind == "decode_64_rows":
+        dcfg = ti.decode_config(8, 4)  # 8 tokens x 4 heads a KV head
+        assert dcfg.block_M == 64
+        src = ti.decode_kernel(spec, dcfg, True, target=HOPPER).get_kernel_source()
+    else:
+        page = 128 if kind == "prefill_tma" else 16
+        cfg = ti.prefill_config(128, 128, fp8, page)
+        assert not cfg.pingpong and cfg.tma == (kind == "prefill_tma")
+        src = ti.prefill_kernel(spec, True, page, target=HOPPER, cfg=cfg).get_kernel_source()
+    # both products are warp-group MMAs from shared memory (ss; with P in registers the second is rs), the
+    # second reading the P tile
+    assert src.count("tl::wgmma_ss<") >= 2 and "wgmma_rs" not in src
+    assert "initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)P_s)[0])))" in src

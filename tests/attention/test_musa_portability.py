@@ -208,3 +208,18 @@ def test_shared_p_setting_is_a_kernel_switch(use_settings):
     assert not platform.get_platform().gemm_a_in_registers
     assert ("MUSA_ATTN_SHARED_P", "1") in config.kernel_settings()
     assert dataclasses.replace(config.settings(), shared_p=False) != config.settings()
+
+
+def test_doctor_says_where_p_goes(use_settings, capsys, monkeypatch):
+    """``musa-attn doctor`` shows the flag: P in shared memory for MP31, in registers for sm_90a."""
+    import re
+
+    from musa_attn_backend import cli
+
+    monkeypatch.setattr(cli, "probe_engine", lambda engine: {"installed": False})  # engines: not the point here
+    for target, expected in (("mp_31", r"P V operand +shared memory"), ("sm_90a", r"P V operand +registers")):
+        use_settings(target=target)
+        info, _ = cli.collect()
+        assert info["platform"]["gemm_a_in_registers"] == (target == "sm_90a")
+        cli.print_report(info, [])
+        assert re.search(expected, capsys.readouterr().out), target
