@@ -283,8 +283,12 @@ def cmd_warmup(args) -> int:
     model = _model_from_args(args, "warmup")
     if model is None:
         return 2
-    jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
-                       speculative_tokens=args.speculative_tokens, page_size=args.page_size)
+    try:
+        jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
+                           speculative_tokens=args.speculative_tokens, page_size=args.page_size)
+    except ValueError as e:  # e.g. no tiling of this model fits the target
+        print(f"musa-attn warmup: {e}", file=sys.stderr)
+        return 2
     if args.lower_only:
         return _lower_only(jobs, model, args, platform)
     if args.out:

@@ -223,3 +223,12 @@ def test_doctor_says_where_p_goes(use_settings, capsys, monkeypatch):
         assert info["platform"]["gemm_a_in_registers"] == (target == "sm_90a")
         cli.print_report(info, [])
         assert re.search(expected, capsys.readouterr().out), target
+
+
+def test_no_fitting_tiling_is_a_clear_error(use_settings):
+    """Where no prefill tiling fits a target's shared memory (head dim 256 on MP22's assumed 128 KB), planning
+    says so, naming the head dims, the size and the arch, before anything is built or launched."""
+    use_settings(target="mp_22")
+    with pytest.raises(ValueError, match=r"no prefill tiling of head dims 256/256 fits the 128 KB .* mp_22"):
+        ti.prefill_config(256, 256, False, 1, False)
+    assert ti.prefill_config(128, 128, False, 1, False)  # head dim 128 fits

@@ -28,7 +28,8 @@ def test_every_switch_is_declared_once_with_its_default():
     assert defaults == config.Settings()
     assert (defaults.split_mixed, defaults.pingpong_gather, defaults.pdl, defaults.tma_chunks,
             defaults.chunked_combine, defaults.new_kv_prefill, defaults.vllm_cuda_graphs) == (True,) * 7
-    assert not defaults.poison and not defaults.shared_p and defaults.target is None and defaults.cache_dir is None and defaults.commit is None
+    assert not defaults.poison and not defaults.shared_p
+    assert defaults.target is None and defaults.cache_dir is None and defaults.commit is None
     assert set(sources.values()) == {"default"}
     assert [env for env, _ in config.kernel_settings(defaults)] == KERNEL_SWITCHES
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -171,3 +171,17 @@ def test_lower_only_reports_a_register_operand_for_musa(use_settings):
     assert res.source is None and "keeps P in registers" in res.error
     res = warmup._lower(warmup.Job("combine", (spec,)))  # no GEMM: lowering is what fails here (no MUSA TileLang)
     assert res.source is None and res.error and res.name.startswith("combine-")
+
+
+def test_warmup_says_when_no_tiling_fits(monkeypatch, capsys):
+    """A model none of whose prefill tilings fit the target (head dim 256 on MP22): exit 2 with the reason, no
+    traceback."""
+    from musa_attn_backend import cli, config
+
+    monkeypatch.setenv("MUSA_ATTN_TARGET", "mp_22")  # the command sets it again and reads the environment
+    try:
+        assert cli.main(["warmup", "--heads", "8", "--kv-heads", "2", "--head-dim", "256", "--lower-only"]) == 2
+    finally:
+        monkeypatch.delenv("MUSA_ATTN_TARGET")
+        config.refresh()
+    assert "no prefill tiling of head dims 256/256 fits the 128 KB of shared memory of mp_22" in capsys.readouterr().err

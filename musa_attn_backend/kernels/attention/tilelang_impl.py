@@ -222,8 +222,9 @@ def _prefill_candidates(d: int, dv: int, is_fp8: bool, page_size: int, has_windo
                 if prefill_smem_fits(cfg, d, dv, is_fp8, shared_p, plat.smem_per_sm):
                     out.append(cfg)
     out += chunked if chunk != 64 else []
-    check(bool(out), lambda: f"paged_attention: no prefill tiling of head dims {d}/{dv}{' (FP8 cache)' if is_fp8 else ''}"
-                             f" fits the {plat.smem_per_sm // 1024} KB of shared memory of {plat.arch}")
+    check(bool(out), lambda: f"paged_attention: no prefill tiling of head dims {d}/{dv}"
+                             f"{' (FP8 cache)' if is_fp8 else ''} fits the {plat.smem_per_sm // 1024} KB of shared "
+                             f"memory of {plat.arch}")
     return tuple(out)
 
 
