@@ -1,0 +1,164 @@
+"""DeepSeek-V4 attention ops: the FP8 "MODEL1" KV cache (584-byte rows) and indexer-key cache (132-byte rows),
+their writers and reader, and sparse MQA over a sliding-window and a compressed cache with a per-head sink.
+
+Byte formats: :mod:`.layout`. Math: :mod:`.reference` (also the path on a CPU). Every op checks its arguments
+before anything runs and names the argument it refuses. Each takes ``impl="auto" | "tilelang" | "reference"``
+(``auto``: TileLang on a GPU, the reference on a CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._common import check, check_same_device, resolve_impl
+from . import layout
+from .layout import (D, D_NOPE, D_ROPE, INDEX_D, INDEX_ROW_BYTES, ROW_BYTES, index_page_bytes, new_kv_cache, page_bytes,
+                     paged_view)
+from .reference import (read_index_k_reference, read_kv_v4_reference, sparse_mqa_reference, write_index_k_reference,
+                        write_kv_v4_reference)
+
+__all__ = ["write_kv_v4", "write_index_k", "read_kv_v4", "read_index_k", "sparse_mqa", "layout", "paged_view",
+           "new_kv_cache", "page_bytes", "index_page_bytes", "D", "D_NOPE", "D_ROPE", "ROW_BYTES", "INDEX_ROW_BYTES",
+           "MAX_HEADS"]
+
+MAX_HEADS = 128
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_slots(op: str, slots, n: int) -> None:
+    check(isinstance(slots, torch.Tensor) and slots.dim() == 1 and not slots.is_floating_point()
+          and slots.dtype != torch.bool, lambda: f"{op}: slots must be a 1-D integer tensor")
+    check(slots.numel() == n, lambda: f"{op}: slots has {slots.numel()} entries for {n} rows")
+
+
+def _tilelang_missing(op: str):
+    raise NotImplementedError(f"{op}: the TileLang kernel is not built yet (issue 16); pass impl='reference' to run "
+                              "the PyTorch reference on this device")
+
+
+def write_kv_v4(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
+    """Quantise ``kv [T, 512]`` (bf16; fp16/fp32 accepted) into ``cache`` (584-byte rows, :mod:`.layout`) at
+    ``slots [T]`` (``page * rows + row``; negative: skipped), in place. Bytes identical to the engines' writers
+    (:mod:`.reference`). A slot at or past the cache's slot count is an error."""
+    op = "write_kv_v4"
+    check(isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == D,
+          lambda: f"{op}: kv must be [num_tokens, {D}], got {tuple(getattr(kv, 'shape', ()))}")
+    check(kv.dtype in _IN_DTYPES, lambda: f"{op}: kv dtype must be bfloat16, float16 or float32, got {kv.dtype}")
+    _check_slots(op, slots, kv.shape[0])
+    pages = layout.kv_pages(cache, op=op)
+    check_same_device(op, kv=kv, cache=cache, slots=slots)
+    check(slots.numel() == 0 or int(slots.max()) < pages.num_slots,
+          lambda: f"{op}: slots must be < {pages.num_slots} (the cache's pages x rows), got {int(slots.max())}")
+    which = resolve_impl(impl, kv.device, op)
+    if which == "reference" or kv.shape[0] == 0:
+        write_kv_v4_reference(kv, cache, slots)
+        return
+    _tilelang_missing(op)
+
+
+def write_index_k(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
+    """Quantise indexer keys ``k [T, 128]`` into ``cache`` (132-byte rows: 128 FP8 bytes, then the page's float32
+    scales) at ``slots [T]`` (negative: skipped), in place."""
+    op = "write_index_k"
+    check(isinstance(k, torch.Tensor) and k.dim() == 2 and k.shape[1] == INDEX_D,
+          lambda: f"{op}: k must be [num_tokens, {INDEX_D}], got {tuple(getattr(k, 'shape', ()))}")
+    check(k.dtype in _IN_DTYPES, lambda: f"{op}: k dtype must be bfloat16, float16 or float32, got {k.dtype}")
+    _check_slots(op, slots, k.shape[0])
+    pages = layout.index_pages(cache, op=op)
+    check_same_device(op, k=k, cache=cache, slots=slots)
+    check(slots.numel() == 0 or int(slots.max()) < pages.num_slots,
+          lambda: f"{op}: slots must be < {pages.num_slots} (the cache's pages x rows), got {int(slots.max())}")
+    which = resolve_impl(impl, k.device, op)
+    if which == "reference" or k.shape[0] == 0:
+        write_index_k_reference(k, cache, slots)
+        return
+    _tilelang_missing(op)
+
+
+def _check_read(op: str, pages, slots) -> None:
+    check(isinstance(slots, torch.Tensor) and slots.dim() == 1 and not slots.is_floating_point(),
+          lambda: f"{op}: slots must be a 1-D integer tensor")
+    check(slots.numel() == 0 or (int(slots.min()) >= 0 and int(slots.max()) < pages.num_slots),
+          lambda: f"{op}: every slot must be in [0, {pages.num_slots})")
+
+
+def read_kv_v4(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The dequantised rows ``[N, 512]`` bf16 at ``slots`` (each in ``[0, slots of the cache)``): the nope values
+    ``e4m3 * 2^(exponent - 127)`` and the RoPE values, exact in bf16."""
+    _check_read("read_kv_v4", layout.kv_pages(cache, op="read_kv_v4"), slots)
+    return read_kv_v4_reference(cache, slots)
+
+
+def read_index_k(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The dequantised indexer keys ``[N, 128]`` float32 at ``slots``."""
+    _check_read("read_index_k", layout.index_pages(cache, op="read_index_k"), slots)
+    return read_index_k_reference(cache, slots)
+
+
+def _check_index_set(op: str, q, name: str, cache_name: str, cache, indices, lengths) -> None:
+    layout.kv_pages(cache, cache_name, op=op)
+    check(isinstance(indices, torch.Tensor) and indices.dim() == 2 and indices.dtype == torch.int32,
+          lambda: f"{op}: {name} must be an int32 tensor [num_tokens, topk], got "
+                  f"{getattr(indices, 'dtype', None)} {tuple(getattr(indices, 'shape', ()))}")
+    check(indices.shape[0] == q.shape[0],
+          lambda: f"{op}: {name} has {indices.shape[0]} rows for {q.shape[0]} query tokens")
+    if lengths is not None:
+        check(isinstance(lengths, torch.Tensor) and lengths.dim() == 1 and lengths.numel() == q.shape[0]
+              and not lengths.is_floating_point() and lengths.dtype != torch.bool,
+              lambda: f"{op}: the lengths of {name} must be a 1-D integer tensor of {q.shape[0]} entries")
+
+
+def check_sparse_mqa_args(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
+                          extra_lengths=None, sink=None, sm_scale=None, out=None) -> None:
+    op = "sparse_mqa"
+    check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] == D,
+          lambda: f"{op}: q must be [num_tokens, num_heads, {D}], got {tuple(getattr(q, 'shape', ()))}")
+    check(q.dtype in (torch.bfloat16, torch.float16, torch.float32),
+          lambda: f"{op}: q dtype must be bfloat16 (float16/float32 accepted), got {q.dtype}")
+    check(1 <= q.shape[1] <= MAX_HEADS, lambda: f"{op}: num_heads must be in [1, {MAX_HEADS}], got {q.shape[1]}")
+    _check_index_set(op, q, "indices", "cache", cache, indices, lengths)
+    check((extra_cache is None) == (extra_indices is None),
+          f"{op}: extra_cache and extra_indices go together (both or neither)")
+    check(extra_lengths is None or extra_indices is not None, f"{op}: extra_lengths without extra_indices")
+    if extra_cache is not None:
+        _check_index_set(op, q, "extra_indices", "extra_cache", extra_cache, extra_indices, extra_lengths)
+    if sink is not None:
+        check(isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.numel() == q.shape[1]
+              and sink.dtype == torch.float32, lambda: f"{op}: sink must be a float32 tensor [{q.shape[1]}]")
+    check(sm_scale is None or (isinstance(sm_scale, (int, float)) and sm_scale > 0),
+          lambda: f"{op}: sm_scale must be a positive number, got {sm_scale!r}")
+    if out is not None:
+        check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype
+              and out.is_contiguous(), lambda: f"{op}: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
+    check_same_device(op, q=q, cache=cache, indices=indices, lengths=lengths, extra_cache=extra_cache,
+                      extra_indices=extra_indices, extra_lengths=extra_lengths, sink=sink, out=out)
+
+
+def sparse_mqa(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+               *, extra_cache: Optional[torch.Tensor] = None, extra_indices: Optional[torch.Tensor] = None,
+               extra_lengths: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
+               sm_scale: Optional[float] = None, out: Optional[torch.Tensor] = None, return_lse: bool = False,
+               impl: str = "auto"):
+    """Sparse multi-query attention of DeepSeek-V4, decode and prefill alike.
+
+    Query token ``t`` (``q [T, H, 512]``) attends to the rows of ``cache`` at ``indices[t, :K1]`` (physical slots
+    ``page * rows + row``) and, where given, the rows of ``extra_cache`` at ``extra_indices[t, :K2]``: the
+    window rows and the compressed rows of a V4 layer. Entry ``j`` counts only if ``j < lengths[t]`` (all entries
+    when ``lengths`` is None), and the index is ``>= 0`` and below its cache's slot count; any other entry is
+    skipped and its row never read. One softmax runs over the union of both sets and the per-head ``sink``:
+    ``o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h})`` with ``s_j = sm_scale * q . k_j`` and ``k_j = v_j``
+    the dequantised 512-d row (``sm_scale`` default ``512 ** -0.5``). Returns ``o [T, H, 512]`` in q's dtype
+    (written into ``out`` if given) and, with ``return_lse``, ``lse [T, H]`` float32: the natural-log
+    ``log(sum_j e^{s_j})``, sink excluded (FlashMLA's convention); a token with no valid entry gets ``o = 0``,
+    ``lse = -inf``.
+    """
+    check_sparse_mqa_args(q, cache, indices, lengths, extra_cache=extra_cache, extra_indices=extra_indices,
+                          extra_lengths=extra_lengths, sink=sink, sm_scale=sm_scale, out=out)
+    which = resolve_impl(impl, q.device, "sparse_mqa")
+    kwargs = dict(extra_cache=extra_cache, extra_indices=extra_indices, extra_lengths=extra_lengths, sink=sink,
+                  sm_scale=D ** -0.5 if sm_scale is None else float(sm_scale), out=out, return_lse=return_lse)
+    if which == "reference" or q.shape[0] == 0:
+        return sparse_mqa_reference(q, cache, indices, lengths, **kwargs)
+    _tilelang_missing("sparse_mqa")
