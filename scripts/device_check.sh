@@ -33,10 +33,10 @@ gpu_tests() {
   echo "passed so far: $(grep -c ' PASSED ' "$out/gpu_tests.log")"
 }
 case "$what" in
-  attention|kv_cache|tuning|metadata|sglang|vllm|tools)
+  attention|kv_cache|tuning|metadata|sglang|vllm|tools|dsv4)
     gpu_tests "tests/$what" "$@" ;;
   kernels)  # the families that need only .device/tl (the engine families need .device/fw too)
-    gpu_tests tests/attention tests/kv_cache tests/tuning tests/tools "$@" ;;
+    gpu_tests tests/attention tests/kv_cache tests/tuning tests/tools tests/dsv4 "$@" ;;
   engines)
     gpu_tests tests/sglang tests/vllm "$@" ;;
   bench)

@@ -9,8 +9,10 @@ from .tl_common import ACC, LOG2E
 
 @functools.lru_cache(maxsize=None)
 def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int = 128, pdl: bool = False,
-                  max_splits: int = 0, chunk: int = 8):
-    """Merge split-KV partials: ``O = sum_s 2^(lse_s - lse) o_s`` with ``lse = log2 sum_s 2^lse_s`` (+ sink).
+                  max_splits: int = 0, chunk: int = 8, sink_in_lse: bool = True):
+    """Merge split-KV partials: ``O = sum_s 2^(lse_s - lse) o_s`` with ``lse = log2 sum_s 2^lse_s`` (+ sink;
+    ``sink_in_lse=False``: the sink in the output's denominator only, the LSE over the keys alone, as
+    DeepSeek-V4's attention returns it).
     ``pdl``: launched as a programmatic dependent of the decode kernel; it waits for the decode grid's
     completion (and its memory) before it reads a partial.
 
@@ -36,6 +38,7 @@ def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int 
             acc = T.alloc_fragment([DV], ACC)
             m = T.alloc_var(ACC)
             total = T.alloc_var(ACC)
+            keys = T.alloc_var(ACC)  # the keys' part of total (without the sink)
             w = T.alloc_var(ACC)
             m = NEG_INF
             if max_splits:
@@ -51,6 +54,7 @@ def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int 
             if has_sinks:
                 m = T.max(m, sinks[h] * LOG2E)
             total = 0.0
+            keys = 0.0
             T.fill(acc, 0)
             if m != NEG_INF:
                 if max_splits:
@@ -66,10 +70,14 @@ def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int 
                         total = total + w
                         for d in T.Parallel(DV):
                             acc[d] += w * O_part[s, t, h, d]
+                keys = total
                 if has_sinks:
                     total = total + T.exp2(sinks[h] * LOG2E - m)
             for d in T.Parallel(DV):
                 O[t, h, d] = T.Cast(q_dtype, T.if_then_else(total > 0.0, acc[d] / total, 0.0))
-            LSE[t, h] = T.if_then_else(total > 0.0, (T.log2(total) + m) / LOG2E, NEG_INF)
+            if sink_in_lse:
+                LSE[t, h] = T.if_then_else(total > 0.0, (T.log2(total) + m) / LOG2E, NEG_INF)
+            else:
+                LSE[t, h] = T.if_then_else(keys > 0.0, (T.log2(keys) + m) / LOG2E, NEG_INF)
 
     return combine

@@ -161,4 +161,6 @@ def sparse_mqa(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, leng
                   sm_scale=D ** -0.5 if sm_scale is None else float(sm_scale), out=out, return_lse=return_lse)
     if which == "reference" or q.shape[0] == 0:
         return sparse_mqa_reference(q, cache, indices, lengths, **kwargs)
-    _tilelang_missing("sparse_mqa")
+    from .tilelang_impl import sparse_mqa_tilelang
+
+    return sparse_mqa_tilelang(q, cache, indices, lengths, **kwargs)

@@ -1,0 +1,106 @@
+"""DeepSeek-V4 sparse MQA benchmark: ours (TileLang, FP8 caches read directly) against a torch path (gather +
+dequantise + matmul + softmax, the reference op run on the GPU), one run, with the bf16 matmul rate and copy
+bandwidth measured in the same run as the rooflines.
+
+    python benchmarks/bench_dsv4_attention.py [--quick] [--out benchmarks/results]
+
+Rows: decode (B tokens of s_q = 1, window 128 + compressed top-K: Flash H 64 + 512, Pro H 128 + 1024) and
+prefill (T tokens, the same index sets). FLOPs = 2 * H * K * (512 + 512) per token (valid entries), bytes = q +
+out + K * 584 + indices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import platform as _platform
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_attention import bench_ms, git_commit, measure_ceilings, write_run  # noqa: E402
+
+from musa_attn_backend.kernels import dsv4  # noqa: E402
+from musa_attn_backend.kernels.dsv4 import layout as L  # noqa: E402
+
+CONFIGS = {"flash": (64, 512), "pro": (128, 1024)}  # heads, compressed top-k (the window is 128 more)
+
+
+def caches(tokens_ctx: int, device="cuda"):
+    """A SWA cache (256-row pages) and a C4 cache (64-row pages) with random rows in every slot."""
+    swa = L.new_kv_cache(max(1, tokens_ctx // 256 + 1), 256, device)
+    c4 = L.new_kv_cache(max(1, tokens_ctx // 4 // 64 + 1), 64, device)
+    for cache in (swa, c4):
+        n = cache.shape[0] * cache.shape[1]
+        for s0 in range(0, n, 1 << 16):
+            s = torch.arange(s0, min(n, s0 + (1 << 16)), device=device)
+            dsv4.write_kv_v4(torch.randn(len(s), 512, device=device).to(torch.bfloat16), cache, s, impl="reference")
+    return swa, c4
+
+
+def row(op, cfg, T, H, K, ms, peers, ceilings):
+    flops = 2 * H * (K + 128) * 1024 * T
+    bytes_ = T * H * 512 * 2 * 2 + T * (K + 128) * (L.ROW_BYTES + 4)
+    tflops, tbps = flops / ms / 1e9, bytes_ / ms / 1e9
+    roof = max(tflops / ceilings["bf16_matmul_tflops"], tbps / ceilings["copy_tbps"])
+    best = min(peers.values()) if peers else None
+    r = {"op": op, "shape": dict(config=cfg, tokens=T, heads=H, topk=K + 128), "ours_ms": ms, "peers": peers,
+         "tflops": tflops, "tbps": tbps, "roofline_frac": roof,
+         "ratio_vs_best_peer": best / ms if best else None}
+    print(f"{op:8s} {cfg:5s} T={T:6d} H={H:3d} K={K + 128:5d}  ours {ms:.4f} ms  {tflops:6.1f} TFLOP/s  "
+          f"{tbps:5.2f} TB/s  roof {roof:.2f}  " + "  ".join(f"{k} {v:.4f}" for k, v in peers.items()), flush=True)
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    ceilings = measure_ceilings()
+    ctx = 65536
+    swa, c4 = caches(ctx)
+    n_swa, n_c4 = swa.shape[0] * 256, c4.shape[0] * 64
+    rows = []
+    decode_b = (1, 32, 64) if args.quick else (1, 8, 32, 64, 128)
+    prefill_t = (4096,) if args.quick else (4096, 16384)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for cfg, (H, K) in CONFIGS.items():
+        for op, sizes in (("decode", decode_b), ("prefill", prefill_t)):
+            for T in sizes:
+                q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)
+                i1 = torch.randint(0, n_swa, (T, 128), device="cuda", generator=g, dtype=torch.int32)
+                i2 = torch.randint(0, n_c4, (T, K), device="cuda", generator=g, dtype=torch.int32)
+                sink = torch.randn(H, device="cuda", generator=g)
+                out = torch.empty_like(q)
+
+                def ours():
+                    dsv4.sparse_mqa(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
+                                    impl="tilelang")
+
+                ms = bench_ms(ours)
+                peers = {}
+                if T <= 4096:
+                    peers["torch_gather"] = bench_ms(lambda: dsv4.sparse_mqa(
+                        q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, impl="reference"), graph=False,
+                        rep=5, warmup=1)
+                rows.append(row(op, cfg, T, H, K, ms, peers, ceilings))
+                del q, i1, i2, out
+                torch.cuda.empty_cache()
+    import tilelang
+
+    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
+                        "python": _platform.python_version()},
+           "ceilings": ceilings, "rows": rows}
+    write_run(args.out, "dsv4-attention", doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Launch the TileLang DeepSeek-V4 kernels: the flat byte views of the caches, the split count, the combine."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..._tilelang import compile_cached, tl_dtype
+from ...config import settings
+from ...platform import get_platform
+from .._common import check
+from ..attention.combine_kernel import build_combine
+from . import layout as L
+from .sparse_mqa_kernel import build_sparse_mqa
+
+BLOCK_H = 64
+BLOCK_N = 64
+MAX_SPLITS = 64
+_EMPTY: dict = {}
+
+
+def _flat_views(pages: L.Pages, device, op: str, name: str):
+    """(e4m3 bytes, bf16 halves, uint8 bytes) views from the cache's first byte to its last page's end, and
+    (rows, page stride in 16-byte units, slots)."""
+    if pages.num_pages == 0:
+        buf = _EMPTY.get(device)
+        if buf is None:
+            buf = _EMPTY[device] = torch.zeros(16, dtype=torch.uint8, device=device)
+        return (buf.view(torch.float8_e4m3fn), buf.view(torch.bfloat16), buf), (max(pages.rows, 1), 1, 0)
+    p = pages.pages
+    stride = p.stride(0) if pages.num_pages > 1 else L.page_bytes(pages.rows)
+    check(p.data_ptr() % 16 == 0 and stride % 16 == 0,
+          lambda: f"{op}: {name} must start on a 16-byte boundary with a page stride that is a multiple of 16 "
+                  f"(pointer {p.data_ptr() % 16} bytes past one, stride {stride})")
+    nbytes = (pages.num_pages - 1) * stride + p.shape[1]  # even: rows of 584 bytes, pages 16-byte aligned
+    flat = p.as_strided((nbytes,), (1,))
+    check(nbytes < 2 ** 31, lambda: f"{op}: {name} spans {nbytes} bytes; at most 2^31 are addressed")
+    return (flat.view(torch.float8_e4m3fn), flat.view(torch.bfloat16), flat), (pages.rows, stride // 16,
+                                                                               pages.num_slots)
+
+
+def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None):
+    # P through shared memory on every target for now (what MUSA needs); a register-P variant where
+    # features_of(target)["gemm_a_in_registers"] holds is a tuning step still to take
+    shared_p = True
+    key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N, shared_p)
+    return compile_cached(key, lambda: build_sparse_mqa(H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N,
+                                                        256, shared_p), target=target)
+
+
+def combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
+    max_splits = MAX_SPLITS if settings().chunked_combine else 0
+    return compile_cached(("dsv4_combine", H, has_sink, q_dtype, max_splits),
+                          lambda: build_combine(H, L.D, q_dtype, has_sink, max_splits=max_splits, sink_in_lse=False),
+                          target=target)
+
+
+def num_splits_for(tokens: int, heads: int, tiles: int, sm_count: int) -> int:
+    """Enough splits of the index tiles that the blocks fill every SM about twice, each split keeping >= 2
+    tiles; 1 when the tokens alone fill the GPU (prefill)."""
+    blocks = tokens * math.ceil(heads / BLOCK_H)
+    if blocks >= sm_count or tiles < 4:
+        return 1
+    return max(1, min(MAX_SPLITS, math.ceil(2 * sm_count / blocks), tiles // 2))
+
+
+def _lengths(lengths: Optional[torch.Tensor], T: int, K: int, device) -> torch.Tensor:
+    if lengths is None:
+        return torch.full((T,), K, dtype=torch.int32, device=device)
+    return lengths.to(torch.int32).contiguous()
+
+
+def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
+                        extra_lengths=None, sink=None, sm_scale=L.D ** -0.5, out=None, return_lse=False):
+    """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.sparse_mqa` (arguments checked there)."""
+    op = "sparse_mqa(impl='tilelang')"
+    check(q.dtype == torch.bfloat16, lambda: f"{op}: q must be bfloat16 (the kernels' dtype), got {q.dtype}")
+    T, H, _ = q.shape
+    dev = q.device
+    q = q.contiguous()
+    main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache")
+    has_extra = extra_cache is not None and extra_indices.shape[1] > 0
+    if has_extra:
+        extra_views, extra_geo = _flat_views(L.kv_pages(extra_cache, "extra_cache", op=op), dev, op, "extra_cache")
+        i2 = extra_indices.contiguous()
+        l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
+    else:
+        extra_views, extra_geo = main_views, (1, 1, 0)
+        i2 = torch.empty(T, 0, dtype=torch.int32, device=dev)
+        l2 = torch.zeros(T, dtype=torch.int32, device=dev)
+    i1 = indices.contiguous()
+    l1 = _lengths(lengths, T, i1.shape[1], dev)
+    has_sink = sink is not None
+    sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    if T == 0:
+        return (out, lse) if return_lse else out
+    tiles = math.ceil(i1.shape[1] / BLOCK_N) + math.ceil(i2.shape[1] / BLOCK_N)
+    splits = num_splits_for(T, H, tiles, get_platform().sm_count or 132)
+    args = (q, *main_views, i1, l1, *extra_views, i2, l2, sinks, float(sm_scale), *main_geo, *extra_geo, splits)
+    if splits == 1:
+        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype))(*args, out, lse)
+    else:
+        o_part = torch.empty(splits, T, H, L.D, dtype=torch.float32, device=dev)
+        l_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
+        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype))(*args, o_part, l_part)
+        combine_kernel(H, has_sink, tl_dtype(q.dtype))(o_part, l_part, sinks, out, lse)
+    return (out, lse) if return_lse else out

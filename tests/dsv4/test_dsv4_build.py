@@ -1,0 +1,101 @@
+"""The DeepSeek-V4 kernels' launch glue against the programs' signatures (on the CPU: the programs are built,
+not compiled, and every argument the launcher passes is checked against the parameter it lands in), the MUSA
+programs' TIR (P from shared memory), and real sm_90a builds with nvcc."""
+
+import pytest
+import torch
+
+from musa_attn_backend import _tilelang, config
+from musa_attn_backend.kernels import dsv4
+from musa_attn_backend.kernels._tir import gemm_operands, register_a_gemms
+from musa_attn_backend.kernels.dsv4 import layout as L
+from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
+
+TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8,
+            "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+class SignatureCheck:
+    """Stands in for a compiled kernel: checks each call's arguments against the prim_func's parameters (count,
+    tensor dtypes and ranks, scalars where scalars go) and records the call."""
+
+    def __init__(self, func):
+        self.func, self.calls = func, []
+
+    def __call__(self, *args):
+        params = list(self.func.params)
+        assert len(args) == len(params), f"{len(args)} arguments for {len(params)} parameters"
+        for p, a in zip(params, args):
+            buf = self.func.buffer_map.get(p)
+            if buf is None:
+                assert isinstance(a, (int, float)), f"{p.name}: a scalar parameter got {type(a).__name__}"
+                continue
+            assert isinstance(a, torch.Tensor), f"{buf.name}: a tensor parameter got {type(a).__name__}"
+            assert a.dtype == TORCH_OF[str(buf.dtype)], f"{buf.name}: {a.dtype} for {buf.dtype}"
+            assert a.dim() == len(buf.shape), f"{buf.name}: rank {a.dim()} for {len(buf.shape)}"
+        self.calls.append(args)
+
+
+def _batch(T=3, H=64, K1=128, K2=512, device="cpu"):
+    cache = L.new_kv_cache(4, 256, device)
+    extra = L.new_kv_cache(6, 64, device, page_stride=93888)
+    q = torch.randn(T, H, 512).to(torch.bfloat16)
+    idx = torch.randint(-1, 1024, (T, K1), dtype=torch.int32)
+    xidx = torch.randint(-1, 384, (T, K2), dtype=torch.int32)
+    return q, cache, idx, extra, xidx
+
+
+@pytest.mark.parametrize("T,split", [(2, True), (400, False)])
+def test_launch_glue_matches_the_programs(use_settings, T, split):
+    use_settings(target="sm_90a")
+    kernels = {}
+
+    def capture(key, build, target, pass_configs):
+        name = key[0] + ("_split" if key[0] == "dsv4_sparse_mqa" and key[4] else "")
+        return kernels.setdefault(name, SignatureCheck(build()))
+
+    q, cache, idx, extra, xidx = _batch(T)
+    with _tilelang.intercepting(capture):
+        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, torch.full((T,), 100, dtype=torch.int32),
+                                          extra_cache=extra, extra_indices=xidx, sink=torch.zeros(64),
+                                          return_lse=True)
+    assert out.shape == q.shape and lse.shape == (T, 64)
+    names = set(kernels)
+    assert names == ({"dsv4_sparse_mqa_split", "dsv4_combine"} if split else {"dsv4_sparse_mqa"})
+    assert all(len(k.calls) == 1 for k in kernels.values())
+
+
+def test_musa_dsv4_programs_read_p_from_shared_memory(use_settings):
+    use_settings(target="mp_31")
+    programs = []
+    with _tilelang.intercepting(lambda key, build, target, pc: programs.append(build())):
+        for split in (False, True):
+            for H in (8, 64, 128):
+                ti.sparse_mqa_kernel(H, True, True, split, "bfloat16")
+    assert len(programs) == 6
+    for func in programs:
+        assert not register_a_gemms(func)
+        ops = gemm_operands(func)
+        assert len(ops) == 2 and ops[1].a == "P_s" and all(g.b_scope.startswith("shared") for g in ops)
+
+
+NVCC = nvcc_path()
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+@pytest.mark.parametrize("split", [False, True])
+def test_sparse_mqa_compiles_for_sm90a(split):
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    src = ti.sparse_mqa_kernel(64, True, True, split, "bfloat16", target=HOPPER).get_kernel_source()
+    assert src.count("tl::wgmma_ss<") >= 2  # Q K^T and P V, both from shared memory
+    if split:
+        comb = ti.combine_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
+        assert "__global__" in comb
+
+
+def test_tilelang_path_refuses_non_bf16_q():
+    q, cache, idx, extra, xidx = _batch()
+    with config.override(target="sm_90a"), pytest.raises(ValueError, match="q must be bfloat16"):
+        ti.sparse_mqa_tilelang(q.half(), cache, idx)
+    assert dsv4.MAX_HEADS == 128

@@ -1,0 +1,85 @@
+"""DeepSeek-V4 sparse MQA on the GPU: the TileLang kernel against the float32 reference on the same caches.
+Caches in both engines' geometries (SGLang's 256-row SWA pages, vLLM's 64-row pages packed in larger physical
+blocks, C4's 64 rows, C128's 2), NaN in every byte of every row no entry selects, 20% invalid entries plus some at
+or past the slot count, ragged lengths, NaN-poisoned outputs. Tolerances: bf16 output against the float32
+reference, atol = rtol = 2e-2 (values of order 1); LSE atol 2e-3."""
+
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels import dsv4
+from musa_attn_backend.kernels.dsv4 import layout as L
+
+pytestmark = pytest.mark.gpu
+
+
+def filled_cache(pages, rows, device, seed, stride=0, fill=0.5):
+    """A cache whose bytes are all 0xFF (NaN) but for ``fill`` of its slots, written with random rows; returns
+    (cache, written slots)."""
+    cache = L.new_kv_cache(pages, rows, device, page_stride=stride)
+    torch.as_strided(cache, (cache.untyped_storage().nbytes(),), (1,), 0).fill_(0xFF)
+    n = pages * rows
+    slots = torch.tensor(random.Random(seed).sample(range(n), max(1, int(n * fill))), device=device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    kv = torch.randn(len(slots), 512, generator=g).to(torch.bfloat16).to(device)
+    dsv4.write_kv_v4(kv, cache, slots, impl="reference")
+    return cache, slots
+
+
+def make_indices(slots, T, K, n_slots, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, len(slots), (T, K), generator=g)
+    idx = slots.cpu()[pick].to(torch.int32)
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    if K > 2:
+        idx[:, 0] = n_slots  # at the slot count: invalid
+        idx[0, 1] = n_slots + 12345
+    lens = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
+    lens[0] = K
+    return idx.to(device), lens.to(device)
+
+
+CASES = [
+    # heads, tokens, (swa pages, rows, stride), K1, (extra pages, rows, stride) or None, K2, sink
+    (64, 3, (8, 256, 0), 128, (40, 64, 0), 512, True),  # SGLang, C4 decode
+    (128, 2, (20, 64, 93888), 128, (60, 2, 93888), 1024, True),  # vLLM packed blocks, C128-like rows
+    (16, 37, (20, 64, 93888), 128, (40, 64, 93888), 2048, True),
+    (8, 5, (8, 256, 0), 128, None, 0, False),  # SWA-only layer, no sink
+    (64, 300, (8, 256, 0), 128, (40, 64, 0), 512, True),  # prefill-like: many tokens, no split
+    (24, 9, (8, 256, 0), 100, (40, 64, 0), 70, True),  # K1/K2 not multiples of 64, odd heads
+]
+
+
+@pytest.mark.parametrize("heads,T,swa,K1,extra,K2,with_sink", CASES)
+def test_sparse_mqa_matches_reference(gpu_device, heads, T, swa, K1, extra, K2, with_sink):
+    dev = gpu_device
+    cache, slots = filled_cache(*swa[:2], dev, seed=heads + T, stride=swa[2])
+    idx, lens = make_indices(slots, T, K1, swa[0] * swa[1], seed=T, device=dev)
+    kw = {}
+    if extra is not None:
+        xcache, xslots = filled_cache(*extra[:2], dev, seed=K2, stride=extra[2])
+        xidx, xlens = make_indices(xslots, T, K2, extra[0] * extra[1], seed=K2 + 1, device=dev)
+        kw = dict(extra_cache=xcache, extra_indices=xidx, extra_lengths=xlens)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(T, heads, 512, generator=g).to(torch.bfloat16).to(dev)
+    sink = torch.randn(heads, generator=g).to(dev) if with_sink else None
+    ref, ref_lse = dsv4.sparse_mqa(q, cache, idx, lens, sink=sink, return_lse=True, impl="reference", **kw)
+    out = torch.full_like(q, float("nan"))
+    got, lse = dsv4.sparse_mqa(q, cache, idx, lens, sink=sink, return_lse=True, out=out, impl="tilelang", **kw)
+    assert got is out and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4)
+
+
+def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device):
+    """Tokens whose entries are all invalid (and a cache of no pages): zeros, LSE -inf, nothing read."""
+    dev = gpu_device
+    cache = L.new_kv_cache(0, 64, dev)
+    q = torch.randn(4, 64, 512, device=dev).to(torch.bfloat16)
+    idx = torch.randint(-5, 5, (4, 128), device=dev, dtype=torch.int32)
+    out, lse = dsv4.sparse_mqa(q, cache, idx, sink=torch.randn(64, device=dev), return_lse=True, impl="tilelang")
+    assert (out == 0).all() and torch.isneginf(lse).all()
