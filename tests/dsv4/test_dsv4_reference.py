@@ -267,3 +267,74 @@ def test_page_geometry():
     assert L.kv_pages(flash_mla_view).num_slots == 768
     with pytest.raises(ValueError, match="page stride 500 is smaller"):
         L.kv_pages(torch.zeros(4000, dtype=torch.uint8).as_strided((3, 2, 584), (500, 584, 1)))
+
+
+def test_flash_mla_with_kvcache_is_sparse_mqa_in_flashmla_shapes():
+    """FlashMLA's decode entry point: [B, s_q, H, 512] queries, per-request top-k lengths, lse [B, H, s_q] with
+    +inf for a query with no valid entry; the same numbers as sparse_mqa on the flattened tokens."""
+    rng = random.Random(0)
+    cache = nan_cache(4, 64, stride=93888)
+    slots = torch.tensor(rng.sample(range(256), 128))
+    dsv4.write_kv_v4(random_rows(128, 9), cache, slots)
+    B, s_q, H, K = 3, 2, 8, 40
+    idx = slots[torch.randint(0, 128, (B, s_q, K))].to(torch.int32)
+    idx[2] = -1  # request 2: nothing valid
+    lens = torch.tensor([40, 7, 40], dtype=torch.int32)
+    q = torch.randn(B, s_q, H, 512).to(torch.bfloat16)
+    sink = torch.randn(H)
+    meta, none = dsv4.get_mla_metadata()
+    assert none is None and isinstance(meta, dsv4.FlashMLASchedMeta)
+    out, lse = dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, 512, meta, indices=idx,
+                                           attn_sink=sink, topk_length=lens, softmax_scale=0.05)
+    assert out.shape == (B, s_q, H, 512) and lse.shape == (B, H, s_q)
+    ref, ref_lse = dsv4.sparse_mqa(q.view(B * s_q, H, 512), cache, idx.view(B * s_q, K), lens.repeat_interleave(2),
+                                   sink=sink, sm_scale=0.05, return_lse=True)
+    assert torch.equal(out.view(-1, H, 512), ref)
+    assert torch.isposinf(lse[2]).all() and (out[2] == 0).all()
+    assert torch.equal(lse[:2].transpose(1, 2).reshape(-1, H), ref_lse[:4])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(indices=None), "only sparse attention is supported"),
+    (dict(causal=True), "causal must be False"),
+    (dict(is_fp8_kvcache=False), "is_fp8_kvcache must be True"),
+    (dict(head_dim_v=448), "head_dim_v must be 512"),
+    (dict(num_splits=4), "num_splits must be None"),
+])
+def test_flash_mla_with_kvcache_refuses_what_flashmla_refuses(kwargs, match):
+    cache = L.new_kv_cache(2, 64).unsqueeze(2)
+    q = torch.randn(1, 1, 64, 512).to(torch.bfloat16)
+    args = dict(indices=torch.zeros(1, 1, 64, dtype=torch.int32))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        dsv4.flash_mla_with_kvcache(q, cache, None, None, **args)
+
+
+def test_flash_mla_sparse_fwd_matches_float64():
+    """FlashMLA's prefill entry point over a bf16 workspace: out, max_logits, lse as its reference defines them
+    (lse = +inf, max_logits = -inf for a query with no valid entry; an index >= s_kv invalid)."""
+    g = torch.Generator().manual_seed(4)
+    S, H, S_kv, K = 5, 4, 50, 33
+    q = torch.randn(S, H, 512, generator=g).to(torch.bfloat16)
+    kv = torch.randn(S_kv, 1, 512, generator=g).to(torch.bfloat16)
+    kv[40:] = float("nan")  # rows nobody may read: only invalid entries point there
+    idx = torch.randint(0, 40, (S, 1, K), generator=g, dtype=torch.int32)
+    idx[:, 0, 3] = S_kv  # invalid: >= s_kv
+    idx[:, 0, 4] = -1
+    idx[4] = -1  # a lonely query
+    idx[1, 0, 20] = 45  # a NaN row past query 1's length: never read
+    lens = torch.tensor([33, 10, 1, 0, 33], dtype=torch.int32)
+    sink = torch.tensor([0.5, float("inf"), float("-inf"), -1.0])
+    out, max_logits, lse = dsv4.flash_mla_sparse_fwd(q, kv, idx, 0.04, attn_sink=sink, topk_length=lens)
+    for t in range(S):
+        rows = [kv[int(i), 0].double() for j, i in enumerate(idx[t, 0].tolist()) if j < lens[t] and 0 <= i < S_kv]
+        if not rows:
+            assert torch.isposinf(lse[t]).all() and torch.isneginf(max_logits[t]).all() and (out[t] == 0).all()
+            continue
+        kvt = torch.stack(rows)
+        s = q[t].double() @ kvt.T * 0.04
+        l64 = torch.logsumexp(s, -1)
+        assert torch.allclose(lse[t].double(), l64, atol=1e-5) and torch.allclose(max_logits[t].double(), s.amax(-1))
+        o = torch.softmax(s, -1) @ kvt * torch.sigmoid(l64 - sink.double())[:, None]
+        assert torch.allclose(out[t].double(), o, atol=2e-2, rtol=2e-2)
+    assert (out[:4, 1] == 0).all()  # sink +inf: zero output

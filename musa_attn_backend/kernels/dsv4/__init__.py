@@ -16,12 +16,13 @@ from .._common import check, check_same_device, resolve_impl
 from . import layout
 from .layout import (D, D_NOPE, D_ROPE, INDEX_D, INDEX_ROW_BYTES, ROW_BYTES, index_page_bytes, new_kv_cache, page_bytes,
                      paged_view)
+from .flash_mla import FlashMLASchedMeta, flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 from .reference import (read_index_k_reference, read_kv_v4_reference, sparse_mqa_reference, write_index_k_reference,
                         write_kv_v4_reference)
 
 __all__ = ["write_kv_v4", "write_index_k", "read_kv_v4", "read_index_k", "sparse_mqa", "layout", "paged_view",
            "new_kv_cache", "page_bytes", "index_page_bytes", "D", "D_NOPE", "D_ROPE", "ROW_BYTES", "INDEX_ROW_BYTES",
-           "MAX_HEADS"]
+           "MAX_HEADS", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "FlashMLASchedMeta"]
 
 MAX_HEADS = 128
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,0 +1,136 @@
+"""Drop-in replacements for FlashMLA's sparse entry points, so either engine's DeepSeek-V4 backend can swap one
+call: :func:`flash_mla_with_kvcache` (sparse decode over FP8 "MODEL1" caches, FlashMLA's signature) and
+:func:`flash_mla_sparse_fwd` (sparse prefill over a bf16 KV workspace). Both run :func:`.sparse_mqa`'s math.
+
+FlashMLA's conventions, kept here: the sink scales the output by ``exp(lse) / (exp(lse) + exp(sink))`` and leaves
+the returned LSE alone; a query with no valid entry gets a zero output and ``lse = +inf`` (``max_logits =
+-inf``); an index is invalid if negative, past its length, or at or past the cache's slot count (the workspace's
+row count for the prefill). What FlashMLA would refuse (dense mode, ``causal``, a non-FP8 cache, ``head_dim_v``
+other than 512, ``num_splits``) is refused with a message naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .._common import check
+from . import layout as L
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """Stands in for FlashMLA's scheduler metadata: this package plans each launch itself, so it carries nothing
+    but what the caller set."""
+
+    have_initialized: bool = False
+    config: Optional[object] = None
+    tile_scheduler_metadata: Optional[torch.Tensor] = None
+    num_splits: Optional[torch.Tensor] = None
+
+
+def get_mla_metadata(*args, **kwargs):
+    """``(FlashMLASchedMeta(), None)``, as FlashMLA's returns (its arguments are ignored, as there)."""
+    return FlashMLASchedMeta(), None
+
+
+def _per_token(lengths: Optional[torch.Tensor], b: int, s_q: int, name: str, op: str) -> Optional[torch.Tensor]:
+    """FlashMLA's per-request ``(batch,)`` lengths as one per query token (``batch * s_q``)."""
+    if lengths is None:
+        return None
+    check(isinstance(lengths, torch.Tensor) and lengths.dim() == 1 and lengths.numel() == b
+          and not lengths.is_floating_point(), lambda: f"{op}: {name} must be an int tensor of shape ({b},)")
+    return lengths.to(torch.int32).repeat_interleave(s_q)
+
+
+def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor] = None,
+                           cache_seqlens: Optional[torch.Tensor] = None, head_dim_v: int = 512,
+                           tile_scheduler_metadata=None, num_splits=None, softmax_scale: Optional[float] = None,
+                           causal: bool = False, is_fp8_kvcache: bool = True, indices: Optional[torch.Tensor] = None,
+                           attn_sink: Optional[torch.Tensor] = None, extra_k_cache: Optional[torch.Tensor] = None,
+                           extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+                           topk_length: Optional[torch.Tensor] = None, extra_topk_length: Optional[torch.Tensor] = None,
+                           out: Optional[torch.Tensor] = None, impl: str = "auto"):
+    """FlashMLA's sparse decode: ``q [B, s_q, H, 512]`` over ``k_cache [pages, R, 1, 584]`` (uint8, FP8
+    MODEL1 rows) at ``indices [B, s_q, K1]`` (physical slots ``page * R + row``), plus ``extra_k_cache`` at
+    ``extra_indices_in_kvcache [B, s_q, K2]``; ``topk_length`` / ``extra_topk_length`` ``(B,)``: the leftmost
+    entries of every query of request ``b`` that count. Returns ``(out [B, s_q, H, 512], lse [B, H, s_q])``
+    (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored (sparse mode reads
+    neither), as FlashMLA does."""
+    from . import sparse_mqa
+
+    op = "flash_mla_with_kvcache"
+    check(indices is not None, f"{op}: only sparse attention is supported (pass indices); dense mode is not")
+    check(not causal, f"{op}: causal must be False for sparse attention")
+    check(is_fp8_kvcache, f"{op}: is_fp8_kvcache must be True: sparse attention reads FP8 MODEL1 caches")
+    check(head_dim_v == L.D, lambda: f"{op}: head_dim_v must be {L.D}, got {head_dim_v}")
+    check(num_splits is None, f"{op}: num_splits must be None (the split is planned per launch)")
+    check(isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[3] == L.D,
+          lambda: f"{op}: q must be [batch, s_q, num_heads, {L.D}], got {tuple(getattr(q, 'shape', ()))}")
+    b, s_q, h, _ = q.shape
+    for name, idx in (("indices", indices), ("extra_indices_in_kvcache", extra_indices_in_kvcache)):
+        if idx is not None:
+            check(isinstance(idx, torch.Tensor) and idx.dim() == 3 and tuple(idx.shape[:2]) == (b, s_q),
+                  lambda: f"{op}: {name} must be [{b}, {s_q}, topk], got {tuple(getattr(idx, 'shape', ()))}")
+    check(extra_topk_length is None or extra_indices_in_kvcache is not None,
+          f"{op}: extra_topk_length without extra_indices_in_kvcache")
+    if out is not None:
+        check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape) and out.is_contiguous(),
+              lambda: f"{op}: out must be a contiguous {tuple(q.shape)} tensor")
+    T = b * s_q
+    res, lse = sparse_mqa(
+        q.reshape(T, h, L.D), k_cache, indices.reshape(T, -1), _per_token(topk_length, b, s_q, "topk_length", op),
+        extra_cache=extra_k_cache,
+        extra_indices=None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.reshape(T, -1),
+        extra_lengths=_per_token(extra_topk_length, b, s_q, "extra_topk_length", op), sink=attn_sink,
+        sm_scale=softmax_scale, out=None if out is None else out.view(T, h, L.D), return_lse=True, impl=impl)
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    return res.view(b, s_q, h, L.D), lse.view(b, s_q, h).transpose(1, 2)
+
+
+def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+                         attn_sink: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None,
+                         impl: str = "auto"):
+    """FlashMLA's sparse prefill: ``q [S, H, 512]`` bf16 over the bf16 workspace ``kv [S_kv, 1, 512]`` at
+    ``indices [S, 1, K]`` (rows of ``kv``; negative, past ``topk_length [S]`` or ``>= S_kv``: invalid). Returns
+    ``(out [S, H, 512] bf16, max_logits [S, H], lse [S, H])``, float32, natural log, ``max_logits`` the largest
+    scaled score (``-inf`` and ``lse = +inf`` for a query with no valid entry)."""
+    from .reference import valid_entries
+
+    op = "flash_mla_sparse_fwd"
+    check(d_v == L.D, lambda: f"{op}: d_v must be {L.D}, got {d_v}")
+    check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] == L.D and q.dtype == torch.bfloat16,
+          lambda: f"{op}: q must be a bfloat16 [s_q, num_heads, {L.D}] tensor")
+    check(isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == L.D
+          and kv.dtype == torch.bfloat16, lambda: f"{op}: kv must be a bfloat16 [s_kv, 1, {L.D}] tensor")
+    check(isinstance(indices, torch.Tensor) and indices.dim() == 3 and indices.shape[0] == q.shape[0]
+          and indices.shape[1] == 1 and indices.dtype == torch.int32,
+          lambda: f"{op}: indices must be an int32 [{q.shape[0]}, 1, topk] tensor")
+    check(sm_scale > 0, lambda: f"{op}: sm_scale must be positive, got {sm_scale}")
+    check(attn_sink is None or (isinstance(attn_sink, torch.Tensor) and attn_sink.shape == (q.shape[1],)),
+          lambda: f"{op}: attn_sink must be [{q.shape[1]}] float32")
+    check(topk_length is None or (isinstance(topk_length, torch.Tensor) and topk_length.shape == (q.shape[0],)),
+          lambda: f"{op}: topk_length must be [{q.shape[0]}] int32")
+    check(impl in ("auto", "reference"),
+          lambda: f"{op}: impl must be 'auto' or 'reference' (the bf16-workspace kernel is the reference for now)")
+    S, H, _ = q.shape
+    out = torch.empty_like(q)
+    max_logits = torch.empty(S, H, dtype=torch.float32, device=q.device)
+    lse = torch.empty(S, H, dtype=torch.float32, device=q.device)
+    for t0 in range(0, S, 256):  # 256 queries at a time: the gathered rows stay small
+        t1 = min(S, t0 + 256)
+        idx = indices[t0:t1, 0]
+        ok = valid_entries(idx, None if topk_length is None else topk_length[t0:t1], kv.shape[0])
+        rows = kv[:, 0][torch.where(ok, idx, 0).long()].float()  # [t, K, 512]
+        rows = rows.masked_fill(~ok[..., None], 0.0)
+        s = torch.einsum("shd,skd->shk", q[t0:t1].float(), rows) * sm_scale
+        s = s.masked_fill(~ok[:, None, :], float("-inf"))
+        lse_t = torch.logsumexp(s, dim=-1)
+        tot = lse_t if attn_sink is None else torch.logaddexp(lse_t, attn_sink.float()[None, :])
+        p = torch.exp(s - tot.masked_fill(torch.isneginf(tot), float("inf"))[..., None])
+        out[t0:t1] = torch.einsum("shk,skd->shd", p, rows).to(torch.bfloat16)
+        max_logits[t0:t1] = s.amax(dim=-1)
+        lse[t0:t1] = lse_t.masked_fill(torch.isneginf(lse_t), float("inf"))
+    return out, max_logits, lse
