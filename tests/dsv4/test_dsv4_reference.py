@@ -192,9 +192,11 @@ def test_sparse_mqa_reference_matches_float64(heads, with_extra, with_sink):
         dsv4.write_kv_v4(random_rows(len(slots), seed), cache, slots)
         written.append(slots)
 
+    g = torch.Generator().manual_seed(heads)
+
     def indices(slots, k, n_slots):
         idx = torch.tensor([[rng.choice(slots.tolist()) for _ in range(k)] for _ in range(T)], dtype=torch.int32)
-        idx[torch.rand(T, k) < 0.2] = -1  # invalid
+        idx[torch.rand(T, k, generator=g) < 0.2] = -1  # invalid
         idx[0, 1] = n_slots  # one past the end
         idx[1, 2] = n_slots + 1000
         return idx
@@ -203,8 +205,8 @@ def test_sparse_mqa_reference_matches_float64(heads, with_extra, with_sink):
     lens = torch.tensor([70, 3, 0, 64, 65, 17], dtype=torch.int32)  # ragged, one empty
     ext = indices(written[1], 9, 14) if with_extra else None
     ext_lens = torch.tensor([9, 9, 0, 4, 1, 2], dtype=torch.int32) if with_extra else None
-    q = (torch.randn(T, heads, 512) * 3).to(torch.bfloat16)
-    sink = torch.randn(heads) if with_sink else None
+    q = (torch.randn(T, heads, 512, generator=g) * 3).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=g) if with_sink else None
     o, lse = dsv4.sparse_mqa(q, swa, idx, lens, extra_cache=extra if with_extra else None, extra_indices=ext,
                              extra_lengths=ext_lens, sink=sink, return_lse=True)
     caches = [(swa, idx, lens)] + ([(extra, ext, ext_lens)] if with_extra else [])
@@ -214,10 +216,10 @@ def test_sparse_mqa_reference_matches_float64(heads, with_extra, with_sink):
     empty = ~torch.isfinite(lse64)
     assert torch.equal(~torch.isfinite(lse), empty) and (o[empty[:, 0]] == 0).all()
     assert torch.allclose(lse[~empty].double(), lse64[~empty], atol=1e-4, rtol=1e-5)
-    # float32 output: tighter (only float32 accumulation in the way)
+    # float32 output: tighter (only float32 accumulation in the way; the rows reach magnitudes of 1e2)
     o32 = dsv4.sparse_mqa(q.float(), swa, idx, lens, extra_cache=extra if with_extra else None, extra_indices=ext,
                           extra_lengths=ext_lens, sink=sink)
-    assert torch.allclose(o32.double(), o64, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(o32.double(), o64, atol=1e-5 * float(o64.abs().max()), rtol=1e-4)
 
 
 def test_sink_only_row_and_out_parameter():
