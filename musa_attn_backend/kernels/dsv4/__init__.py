@@ -34,11 +34,6 @@ def _check_slots(op: str, slots, n: int) -> None:
     check(slots.numel() == n, lambda: f"{op}: slots has {slots.numel()} entries for {n} rows")
 
 
-def _tilelang_missing(op: str):
-    raise NotImplementedError(f"{op}: the TileLang kernel is not built yet (issue 16); pass impl='reference' to run "
-                              "the PyTorch reference on this device")
-
-
 def write_kv_v4(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
     """Quantise ``kv [T, 512]`` (bf16; fp16/fp32 accepted) into ``cache`` (584-byte rows, :mod:`.layout`) at
     ``slots [T]`` (``page * rows + row``; negative: skipped), in place. Bytes identical to the engines' writers
@@ -56,7 +51,9 @@ def write_kv_v4(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, i
     if which == "reference" or kv.shape[0] == 0:
         write_kv_v4_reference(kv, cache, slots)
         return
-    _tilelang_missing(op)
+    from .tilelang_impl import write_kv_v4_tilelang
+
+    write_kv_v4_tilelang(kv, cache, slots)
 
 
 def write_index_k(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
@@ -75,7 +72,9 @@ def write_index_k(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, 
     if which == "reference" or k.shape[0] == 0:
         write_index_k_reference(k, cache, slots)
         return
-    _tilelang_missing(op)
+    from .tilelang_impl import write_index_k_tilelang
+
+    write_index_k_tilelang(k, cache, slots)
 
 
 def _check_read(op: str, pages, slots) -> None:

@@ -7,13 +7,14 @@ from typing import Optional
 
 import torch
 
-from ..._tilelang import compile_cached, tl_dtype
+from ..._tilelang import compile_cached, tl, tl_dtype
 from ...config import settings
 from ...platform import get_platform
 from .._common import check
 from ..attention.combine_kernel import build_combine
 from . import layout as L
 from .sparse_mqa_kernel import build_sparse_mqa
+from .write_kernel import build_write_index_k, build_write_kv_v4
 
 BLOCK_H = 64
 BLOCK_N = 64
@@ -21,14 +22,14 @@ MAX_SPLITS = 64
 _EMPTY: dict = {}
 
 
-def _flat_views(pages: L.Pages, device, op: str, name: str):
-    """(e4m3 bytes, bf16 halves, uint8 bytes) views from the cache's first byte to its last page's end, and
+def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8_e4m3fn, torch.bfloat16, None)):
+    """Views of ``dtypes`` (None: the uint8 bytes) from the cache's first byte to its last page's end, and
     (rows, page stride in 16-byte units, slots)."""
     if pages.num_pages == 0:
         buf = _EMPTY.get(device)
         if buf is None:
             buf = _EMPTY[device] = torch.zeros(16, dtype=torch.uint8, device=device)
-        return (buf.view(torch.float8_e4m3fn), buf.view(torch.bfloat16), buf), (max(pages.rows, 1), 1, 0)
+        return tuple(buf if d is None else buf.view(d) for d in dtypes), (max(pages.rows, 1), 1, 0)
     p = pages.pages
     stride = p.stride(0) if pages.num_pages > 1 else L.page_bytes(pages.rows)
     check(p.data_ptr() % 16 == 0 and stride % 16 == 0,
@@ -37,8 +38,7 @@ def _flat_views(pages: L.Pages, device, op: str, name: str):
     nbytes = (pages.num_pages - 1) * stride + p.shape[1]  # even: rows of 584 bytes, pages 16-byte aligned
     flat = p.as_strided((nbytes,), (1,))
     check(nbytes < 2 ** 31, lambda: f"{op}: {name} spans {nbytes} bytes; at most 2^31 are addressed")
-    return (flat.view(torch.float8_e4m3fn), flat.view(torch.bfloat16), flat), (pages.rows, stride // 16,
-                                                                               pages.num_slots)
+    return tuple(flat if d is None else flat.view(d) for d in dtypes), (pages.rows, stride // 16, pages.num_slots)
 
 
 def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None):
@@ -110,3 +110,38 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
         sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype))(*args, o_part, l_part)
         combine_kernel(H, has_sink, tl_dtype(q.dtype))(o_part, l_part, sinks, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _writer_pass_configs() -> dict:
+    # TileLang cannot tell that the stores of different tokens go to different bytes (their slots come from
+    # memory): distinct slots write disjoint rows. Duplicate slots in one call are the caller's; which row lands
+    # is then unspecified, as in the engines' writers.
+    key = getattr(tl.PassConfigKey, "TL_DISABLE_DATA_RACE_CHECK", None)
+    return {key: True} if key is not None else {}
+
+
+def write_kv_v4_kernel(in_dtype: str, target=None):
+    return compile_cached(("dsv4_write_kv", in_dtype), lambda: build_write_kv_v4(in_dtype), target=target,
+                          pass_configs=_writer_pass_configs())
+
+
+def write_index_k_kernel(in_dtype: str, target=None):
+    return compile_cached(("dsv4_write_index_k", in_dtype), lambda: build_write_index_k(in_dtype), target=target,
+                          pass_configs=_writer_pass_configs())
+
+
+def write_kv_v4_tilelang(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.write_kv_v4` (arguments checked there)."""
+    op = "write_kv_v4(impl='tilelang')"
+    views, (rows, stride16, _) = _flat_views(L.kv_pages(cache, op=op), kv.device, op, "cache")
+    write_kv_v4_kernel(tl_dtype(kv.dtype))(kv.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
+                                           stride16)
+
+
+def write_index_k_tilelang(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.write_index_k` (arguments checked there)."""
+    op = "write_index_k(impl='tilelang')"
+    views, (rows, stride16, _) = _flat_views(L.index_pages(cache, op=op), k.device, op, "cache",
+                                             (torch.float8_e4m3fn, torch.float32))
+    write_index_k_kernel(tl_dtype(k.dtype))(k.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
+                                            stride16)

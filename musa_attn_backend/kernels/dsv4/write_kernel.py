@@ -1,0 +1,114 @@
+"""TileLang writers of DeepSeek-V4's caches: quantise rows and store them at their slots, the bytes of
+:mod:`.layout` (the rule: :mod:`.reference`).
+
+One block per ``block_T`` tokens. The cache arrives as flat byte views of its storage (e4m3 for the quantised
+values, bf16 for the RoPE values, uint8 for the exponents, float32 for the indexer scales), each from the cache's
+first byte; a token with a negative slot is skipped, and the launcher has checked every other slot against the
+cache's slot count.
+"""
+
+import functools
+
+from ..._tilelang import tl_lang as T
+from . import layout as L
+
+ACC = "float32"
+
+
+@functools.lru_cache(maxsize=None)
+def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int = 128):
+    """Quantise ``KV [T, 512]`` into 584-byte MODEL1 rows at ``slots``."""
+    BT, G, TILE = block_T, L.NUM_TILES, L.TILE
+    NT = T.dynamic("num_tokens")
+    NB, NH = T.dynamic("cache_bytes"), T.dynamic("cache_halves")
+
+    @T.prim_func
+    def write_kv_v4(
+        KV: T.Tensor((NT, L.D), in_dtype),
+        slots: T.Tensor((NT,), "int64"),
+        C8: T.Tensor((NB,), "float8_e4m3"),
+        CH: T.Tensor((NH,), "bfloat16"),
+        CS: T.Tensor((NB,), "uint8"),
+        rows: T.int32,
+        stride16: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(NT, BT), threads=threads) as bx:
+            x = T.alloc_fragment([BT * G, TILE], ACC)
+            amax = T.alloc_fragment([BT * G], ACC)
+            expo = T.alloc_fragment([BT * G], ACC)
+            base_s = T.alloc_shared([BT], "int64", scope="shared")  # a row's first byte, in 16-byte units; -1 skip
+            scale_at_s = T.alloc_shared([BT], "int64", scope="shared")
+            t0 = bx * BT
+            for i in T.Parallel(BT):
+                s = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
+                page = T.if_then_else(s >= 0, s // rows, 0)
+                row = T.if_then_else(s >= 0, s % rows, 0)
+                base_s[i] = T.if_then_else(s >= 0, page * stride16 + row * (L.DATA_BYTES // 16), -1)
+                scale_at_s[i] = page * stride16 * 16 + rows * L.DATA_BYTES + row * L.SCALE_BYTES
+            for r, c in T.Parallel(BT * G, TILE):
+                x[r, c] = T.if_then_else(t0 + r // G < NT,
+                                         T.Cast(ACC, KV[T.min(t0 + r // G, NT - 1), (r % G) * TILE + c]), 0.0)
+            T.reduce_absmax(x, amax, dim=1)
+            for r in T.Parallel(BT * G):
+                expo[r] = T.ceil(T.log2(T.max(amax[r], L.AMAX_FLOOR) / L.FP8_MAX))
+            for r, c in T.Parallel(BT * G, TILE):
+                if base_s[r // G] >= 0:
+                    C8[base_s[r // G] * 16 + (r % G) * TILE + c] = T.Cast(
+                        "float8_e4m3", T.max(T.min(x[r, c] * T.exp2(-expo[r]), L.FP8_MAX), -L.FP8_MAX))
+            for r in T.Parallel(BT * G):
+                if base_s[r // G] >= 0:
+                    CS[scale_at_s[r // G] + r % G] = T.Cast("uint8", expo[r] + L.UE8M0_BIAS)
+            for i in T.Parallel(BT):
+                if base_s[i] >= 0:
+                    CS[scale_at_s[i] + G] = T.Cast("uint8", 0)
+            for i, d in T.Parallel(BT, L.D_ROPE):
+                if base_s[i] >= 0:
+                    CH[base_s[i] * 8 + L.D_NOPE // 2 + d] = T.Cast("bfloat16", KV[t0 + i, L.D_NOPE + d])
+
+    return write_kv_v4
+
+
+@functools.lru_cache(maxsize=None)
+def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: int = 128):
+    """Quantise indexer keys ``K [T, 128]`` into 132-byte rows (128 e4m3 bytes; the page's float32 scales after
+    its data) at ``slots``."""
+    BT, D = block_T, L.INDEX_D
+    NT = T.dynamic("num_tokens")
+    NB, NF = T.dynamic("cache_bytes"), T.dynamic("cache_words")
+
+    @T.prim_func
+    def write_index_k(
+        K: T.Tensor((NT, D), in_dtype),
+        slots: T.Tensor((NT,), "int64"),
+        C8: T.Tensor((NB,), "float8_e4m3"),
+        CF: T.Tensor((NF,), "float32"),
+        rows: T.int32,
+        stride16: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(NT, BT), threads=threads) as bx:
+            x = T.alloc_fragment([BT, D], ACC)
+            amax = T.alloc_fragment([BT], ACC)
+            scale = T.alloc_fragment([BT], ACC)
+            base_s = T.alloc_shared([BT], "int64", scope="shared")  # the row's first byte; -1: skip
+            word_s = T.alloc_shared([BT], "int64", scope="shared")  # its scale's float32 index
+            t0 = bx * BT
+            for i in T.Parallel(BT):
+                s = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
+                page = T.if_then_else(s >= 0, s // rows, 0)
+                row = T.if_then_else(s >= 0, s % rows, 0)
+                base_s[i] = T.if_then_else(s >= 0, page * stride16 * 16 + row * D, -1)
+                word_s[i] = page * stride16 * 4 + rows * (D // 4) + row
+            for i, d in T.Parallel(BT, D):
+                x[i, d] = T.if_then_else(t0 + i < NT, T.Cast(ACC, K[T.min(t0 + i, NT - 1), d]), 0.0)
+            T.reduce_absmax(x, amax, dim=1)
+            for i in T.Parallel(BT):
+                scale[i] = T.exp2(T.ceil(T.log2(T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX)))
+            for i, d in T.Parallel(BT, D):
+                if base_s[i] >= 0:
+                    C8[base_s[i] + d] = T.Cast("float8_e4m3",
+                                               T.max(T.min(x[i, d] / scale[i], L.FP8_MAX), -L.FP8_MAX))
+            for i in T.Parallel(BT):
+                if base_s[i] >= 0:
+                    CF[word_s[i]] = scale[i]
+
+    return write_index_k
