@@ -92,6 +92,23 @@ def main(argv=None):
                 rows.append(row(op, cfg, T, H, K, ms, peers, ceilings))
                 del q, i1, i2, out
                 torch.cuda.empty_cache()
+    for name, width, row_bytes in (("write_kv_v4", 512, L.ROW_BYTES), ("write_index_k", 128, L.INDEX_ROW_BYTES)):
+        T = 16384
+        x = torch.randn(T, width, device="cuda", generator=g).to(torch.bfloat16)
+        if name == "write_kv_v4":
+            cache = L.new_kv_cache(T // 64, 64, "cuda")
+            fn = lambda: dsv4.write_kv_v4(x, cache, slots, impl="tilelang")  # noqa: E731
+        else:
+            buf = torch.zeros(T // 64, L.index_page_bytes(64), dtype=torch.uint8, device="cuda")
+            cache = dsv4.paged_view(buf, 64, L.INDEX_ROW_BYTES)
+            fn = lambda: dsv4.write_index_k(x, cache, slots, impl="tilelang")  # noqa: E731
+        slots = torch.randperm(T, device="cuda", generator=g)
+        ms = bench_ms(fn)
+        moved = T * (width * 2 + row_bytes + 8)  # read the rows and slots, write the packed rows
+        tbps = moved / ms / 1e9
+        rows.append({"op": name, "shape": dict(tokens=T), "ours_ms": ms, "peers": {}, "tbps": tbps,
+                     "roofline_frac": tbps / ceilings["copy_tbps"], "ratio_vs_best_peer": None})
+        print(f"{name:14s} T={T}  {ms:.4f} ms  {tbps:.2f} TB/s  {tbps / ceilings['copy_tbps']:.2f} of copy", flush=True)
     import tilelang
 
     doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),

@@ -12,7 +12,8 @@ from musa_attn_backend.kernels.dsv4 import layout as L
 from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
 
-TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8,
+TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "int64": torch.int64,
+            "uint8": torch.uint8,
             "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
@@ -99,3 +100,23 @@ def test_tilelang_path_refuses_non_bf16_q():
     with config.override(target="sm_90a"), pytest.raises(ValueError, match="q must be bfloat16"):
         ti.sparse_mqa_tilelang(q.half(), cache, idx)
     assert dsv4.MAX_HEADS == 128
+
+
+def test_writer_glue_matches_the_programs(use_settings):
+    use_settings(target="sm_90a")
+    kernels = {}
+    with _tilelang.intercepting(lambda key, build, target, pc: kernels.setdefault(key[0], SignatureCheck(build()))):
+        cache = L.new_kv_cache(3, 64, page_stride=93888)
+        ti.write_kv_v4_tilelang(torch.randn(5, 512).to(torch.bfloat16), cache, torch.arange(5))
+        icache = dsv4.paged_view(torch.zeros(3, L.index_page_bytes(64), dtype=torch.uint8), 64, dsv4.INDEX_ROW_BYTES)
+        ti.write_index_k_tilelang(torch.randn(5, 128).to(torch.bfloat16), icache, torch.arange(5, dtype=torch.int32))
+    assert set(kernels) == {"dsv4_write_kv", "dsv4_write_index_k"}
+    assert all(len(k.calls) == 1 for k in kernels.values())
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_writers_compile_for_sm90a():
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    src = ti.write_kv_v4_kernel("bfloat16", target=HOPPER).get_kernel_source()
+    assert "ceilf(log2f(" in src and "fp8_e4_t" in src  # the exponent rule, the e4m3 conversion
+    assert "__global__" in ti.write_index_k_kernel("bfloat16", target=HOPPER).get_kernel_source()
