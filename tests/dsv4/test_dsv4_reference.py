@@ -94,13 +94,14 @@ def test_write_kv_v4_is_byte_exact(pages, rows, stride):
     n = min(40, pages * rows)
     slots = torch.tensor(random.Random(rows).sample(range(pages * rows), n), dtype=torch.int64)
     slots[3] = -1  # skipped
+    slots[5] = pages * rows  # at the slot count: skipped, nothing written out of bounds
     kv = random_rows(n, rows)
     before = cache.as_strided((cache.untyped_storage().nbytes(),), (1,), 0).clone()
     dsv4.write_kv_v4(kv, cache, slots)
     data, scales = pack_rows(kv)
     touched = torch.zeros_like(before, dtype=torch.bool)
     for t, s in enumerate(slots.tolist()):
-        if s < 0:
+        if s < 0 or s >= pages * rows:
             continue
         d, sc = page_bytes_of(cache, s)
         assert torch.equal(d, data[t]), (t, s, (d != data[t]).nonzero()[:5])
@@ -245,7 +246,6 @@ def test_sink_only_row_and_out_parameter():
     (lambda c, q, i: dsv4.sparse_mqa(q.repeat(1, 33, 1), c, i), r"num_heads must be in \[1, 128\], got 132"),
     (lambda c, q, i: dsv4.sparse_mqa(q, c, i, out=torch.empty(3, 4, 512)), r"out must be a contiguous"),
     (lambda c, q, i: dsv4.sparse_mqa(q, c, i, impl="triton"), r"impl must be one of"),
-    (lambda c, q, i: dsv4.write_kv_v4(q[:, 0], c, torch.tensor([0, 1, 128])), r"slots must be < 128"),
     (lambda c, q, i: dsv4.write_kv_v4(q[:, 0], c, torch.tensor([0.0, 1, 2])), r"slots must be a 1-D integer"),
     (lambda c, q, i: dsv4.write_kv_v4(q[:, 0, :448], c, torch.tensor([0, 1, 2])), r"kv must be \[num_tokens, 512\]"),
     (lambda c, q, i: dsv4.read_kv_v4(c, torch.tensor([-1])), r"every slot must be in \[0, 128\)"),

@@ -103,6 +103,8 @@ def test_write_kv_v4_kernel_is_byte_exact(gpu_device, pages, rows, stride, T):
     kv = kv.to(dev)
     slots = torch.randperm(pages * rows, generator=g)[:T].to(dev)
     slots[torch.rand(T, generator=g).to(dev) < 0.1] = -1
+    slots[1] = pages * rows  # past the cache: skipped
+    slots[2] = 1 << 40
     a, b = (L.new_kv_cache(pages, rows, dev, page_stride=stride) for _ in range(2))
     _raw(a).fill_(0xA5)
     _raw(b).fill_(0xA5)
@@ -122,6 +124,7 @@ def test_write_index_k_kernel_is_byte_exact(gpu_device, pages, T):
     k = k.to(torch.bfloat16).to(dev)
     slots = torch.randperm(pages * rows, generator=g)[:T].to(dev)
     slots[:3] = -1
+    slots[3] = pages * rows  # past the cache: skipped
     bufs = [torch.full((pages, L.index_page_bytes(rows) + 192), 0x5A, dtype=torch.uint8, device=dev) for _ in "ab"]
     views = [dsv4.paged_view(buf, rows, dsv4.INDEX_ROW_BYTES) for buf in bufs]
     dsv4.write_index_k(k, views[0], slots, impl="tilelang")

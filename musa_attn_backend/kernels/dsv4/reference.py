@@ -59,9 +59,10 @@ def _byte_index(pages: L.Pages, slots: torch.Tensor, offsets: torch.Tensor, row_
 
 
 def write_kv_v4_reference(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Quantise ``kv [T, 512]`` and store row ``t`` at slot ``slots[t]`` of ``cache`` (negative: skipped)."""
+    """Quantise ``kv [T, 512]`` and store row ``t`` at slot ``slots[t]`` of ``cache`` (negative or past the
+    cache's slots: skipped)."""
     pages = L.kv_pages(cache, op="write_kv_v4")
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < pages.num_slots)
     s = slots[keep].long()
     if s.numel() == 0:
         return
@@ -94,9 +95,10 @@ def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_index_k_reference(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Quantise indexer keys ``k [T, 128]`` into ``cache`` (132-byte rows) at ``slots`` (negative: skipped)."""
+    """Quantise indexer keys ``k [T, 128]`` into ``cache`` (132-byte rows) at ``slots`` (negative or past the
+    cache's slots: skipped)."""
     pages = L.index_pages(cache, op="write_index_k")
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < pages.num_slots)
     s = slots[keep].long()
     if s.numel() == 0:
         return

@@ -3,8 +3,8 @@
 
 One block per ``block_T`` tokens. The cache arrives as flat byte views of its storage (e4m3 for the quantised
 values, bf16 for the RoPE values, uint8 for the exponents, float32 for the indexer scales), each from the cache's
-first byte; a token with a negative slot is skipped, and the launcher has checked every other slot against the
-cache's slot count.
+first byte; a token whose slot is negative or at or past the cache's slot count (``num_slots``) is skipped: no
+input writes outside the cache.
 """
 
 import functools
@@ -31,6 +31,7 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
         CS: T.Tensor((NB,), "uint8"),
         rows: T.int32,
         stride16: T.int32,
+        num_slots: T.int32,
     ):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as bx:
             x = T.alloc_fragment([BT * G, TILE], ACC)
@@ -40,7 +41,8 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
             scale_at_s = T.alloc_shared([BT], "int64", scope="shared")
             t0 = bx * BT
             for i in T.Parallel(BT):
-                s = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
+                s0 = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
+                s = T.if_then_else(s0 < num_slots, s0, -1)
                 page = T.if_then_else(s >= 0, s // rows, 0)
                 row = T.if_then_else(s >= 0, s % rows, 0)
                 base_s[i] = T.if_then_else(s >= 0, page * stride16 + row * (L.DATA_BYTES // 16), -1)
@@ -84,6 +86,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
         CF: T.Tensor((NF,), "float32"),
         rows: T.int32,
         stride16: T.int32,
+        num_slots: T.int32,
     ):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as bx:
             x = T.alloc_fragment([BT, D], ACC)
@@ -93,7 +96,8 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
             word_s = T.alloc_shared([BT], "int64", scope="shared")  # its scale's float32 index
             t0 = bx * BT
             for i in T.Parallel(BT):
-                s = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
+                s0 = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
+                s = T.if_then_else(s0 < num_slots, s0, -1)
                 page = T.if_then_else(s >= 0, s // rows, 0)
                 row = T.if_then_else(s >= 0, s % rows, 0)
                 base_s[i] = T.if_then_else(s >= 0, page * stride16 * 16 + row * D, -1)
