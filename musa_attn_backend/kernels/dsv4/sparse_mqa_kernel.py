@@ -1,13 +1,15 @@
 """TileLang sparse MQA over DeepSeek-V4's FP8 caches: one block per (KV split, block of 64 query heads, query
 token); all the block's heads share each gathered row.
 
-The caches come in as flat byte views of their storage (one view per element type: e4m3 for the nope values,
-bf16 for the RoPE values, uint8 for the scale exponents), each starting at the cache's first byte; a row's
-offset is computed in 16-byte units (``page * stride16 + row * 36``), so TileLang can prove the 16-byte
-alignment of every row it gathers. Key tiles are ``block_N`` entries of the token's index list: the main set's
-tiles first, then the extra set's. An entry past the token's length, negative, or at or past its cache's slot
-count is invalid: its row is zero-filled without a read and its score masked. Each row is dequantised into a
-bf16 shared tile (``e4m3 * 2^(exponent - 127)``, exact in bf16), which serves as both K and V.
+The caches come in as views of their storage from the cache's first byte, in 16-byte units for the data
+(``[units, 16]`` e4m3 for the nope values, ``[units, 8]`` bf16 for the RoPE values) and 8-byte units for the
+scale exponents (``[units, 8]`` uint8); a row's offset is a unit index (``page * stride16 + row * 36``), so each
+copy of 16 (8) bytes is bounds-checked once, as a whole, and gathers become 16-byte copies. Key tiles are ``block_N`` entries of the
+token's index list: the main set's tiles first, then the extra set's. An entry past the token's length,
+negative, or at or past its cache's slot count is invalid: its row is zero-filled without a read (its offsets
+point below the buffer, where the copies' bounds checks stop them) and its score masked. The raw bytes go to
+shared staging tiles, then each row is dequantised into a bf16 shared tile (``e4m3 * 2^(exponent - 127)``, exact
+in bf16), which serves as both K and V.
 
 The softmax runs in base 2 (``scale_log2 = sm_scale * log2(e)``). Unsplit, the block writes the final output
 (the sink in the denominator) and the natural-log LSE without the sink; split, it writes a partial output
@@ -21,7 +23,8 @@ from ..attention.tl_common import ACC, LOG2E, Tiles, attention_macros
 from . import layout as L
 
 ROW16 = L.DATA_BYTES // 16  # a data row in 16-byte units (36)
-ROPE_AT = L.D_NOPE // 2  # the RoPE values' first bf16 element within a data row (224)
+ROPE16 = L.D_NOPE // 16  # the RoPE values' first 16-byte unit within a data row (28)
+INVALID16 = -(1 << 26)  # the offsets of an invalid entry: below the buffer
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,8 +37,8 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     NT = T.dynamic("num_tokens")
     K1 = T.dynamic("topk")
     K2 = T.dynamic("extra_topk")
-    NB1, NH1 = T.dynamic("cache_bytes"), T.dynamic("cache_halves")
-    NB2, NH2 = T.dynamic("extra_bytes"), T.dynamic("extra_halves")
+    NU1, NS1 = T.dynamic("cache_units16"), T.dynamic("cache_units8")
+    NU2, NS2 = T.dynamic("extra_units16"), T.dynamic("extra_units8")
     SPLITS = T.dynamic("num_splits")
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
@@ -45,7 +48,8 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
 
     @T.macro
     def resolve(base_s, scale_at_s, ok_s, I, Lens, t, e0, K, slots, rows, stride16):
-        """Row offsets (16-byte units; -1: invalid) and scale offsets (bytes) of entries ``e0 ..`` of token ``t``."""
+        """Row offsets (16-byte units) and scale offsets (8-byte units) of entries ``e0 ..`` of token ``t``; an
+        invalid entry gets offsets below zero, so the copies' bounds checks zero-fill its row without a read."""
         for j in T.Parallel(BN):
             e = e0 + j
             idx = T.if_then_else(e < T.min(Lens[t], K), I[t, T.min(e, K - 1)], -1)
@@ -53,32 +57,35 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             page = T.if_then_else(ok, idx // rows, 0)
             row = T.if_then_else(ok, idx % rows, 0)
             ok_s[j] = T.if_then_else(ok, 1, 0)
-            base_s[j] = page * stride16 + row * ROW16
-            scale_at_s[j] = (page * stride16) * 16 + rows * L.DATA_BYTES + row * L.SCALE_BYTES
+            base_s[j] = T.if_then_else(ok, page * stride16 + row * ROW16, INVALID16)
+            scale_at_s[j] = T.if_then_else(ok, page * stride16 * 2 + rows * (L.DATA_BYTES // 8) + row, INVALID16)
 
     @T.macro
-    def gather(KV_s, scale_s, base_s, scale_at_s, ok_s, C8, CH, CS):
-        """Dequantise the tile's rows into ``KV_s`` (invalid rows: zeros, nothing read)."""
-        for j, g in T.Parallel(BN, L.NUM_TILES):
-            scale_s[j, g] = T.if_then_else(ok_s[j] > 0, T.exp2(T.Cast(ACC, CS[scale_at_s[j] + g]) - 127.0), 0.0)
+    def gather(KV_s, K8_s, S8_s, base_s, scale_at_s, C8, CH, CS):
+        """The tile's rows into ``KV_s``: the raw bytes copied (16-byte copies; invalid rows zero-filled), then
+        the nope values dequantised in shared memory (``e4m3 * 2^(exponent - 127)``; a zero-filled row stays
+        zero)."""
         for j, d in T.Parallel(BN, L.D_NOPE):
-            KV_s[j, d] = T.if_then_else(
-                ok_s[j] > 0, T.Cast(q_dtype, T.Cast(ACC, C8[base_s[j] * 16 + d]) * scale_s[j, d // L.TILE]),
-                T.Cast(q_dtype, 0))
+            K8_s[j, d] = C8[base_s[j] + d // 16, d % 16]
         for j, d in T.Parallel(BN, L.D_ROPE):
-            KV_s[j, L.D_NOPE + d] = T.if_then_else(ok_s[j] > 0, CH[base_s[j] * 8 + ROPE_AT + d], T.Cast(q_dtype, 0))
+            KV_s[j, L.D_NOPE + d] = CH[base_s[j] + ROPE16 + d // 8, d % 8]
+        for j, g in T.Parallel(BN, L.SCALE_BYTES):
+            S8_s[j, g] = CS[scale_at_s[j], g]
+        for j, d in T.Parallel(BN, L.D_NOPE):
+            KV_s[j, d] = T.Cast(q_dtype, T.Cast(ACC, K8_s[j, d])
+                                * T.exp2(T.Cast(ACC, S8_s[j, d // L.TILE]) - 127.0))
 
     @T.prim_func
     def sparse_mqa(
         Q: T.Tensor((NT, H, D), q_dtype),
-        C8: T.Tensor((NB1,), "float8_e4m3"),
-        CH: T.Tensor((NH1,), "bfloat16"),
-        CS: T.Tensor((NB1,), "uint8"),
+        C8: T.Tensor((NU1, 16), "float8_e4m3"),
+        CH: T.Tensor((NU1, 8), "bfloat16"),
+        CS: T.Tensor((NS1, 8), "uint8"),
         I1: T.Tensor((NT, K1), "int32"),
         L1: T.Tensor((NT,), "int32"),
-        X8: T.Tensor((NB2,), "float8_e4m3"),
-        XH: T.Tensor((NH2,), "bfloat16"),
-        XS: T.Tensor((NB2,), "uint8"),
+        X8: T.Tensor((NU2, 16), "float8_e4m3"),
+        XH: T.Tensor((NU2, 8), "bfloat16"),
+        XS: T.Tensor((NS2, 8), "uint8"),
         I2: T.Tensor((NT, K2), "int32"),
         L2: T.Tensor((NT,), "int32"),
         sinks: T.Tensor((H,), "float32"),
@@ -97,7 +104,8 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             Q_s = T.alloc_shared([BH, D], q_dtype)
             KV_s = T.alloc_shared([BN, D], q_dtype)
             P_s = T.alloc_shared([BH, BN], q_dtype) if shared_p else None
-            scale_s = T.alloc_shared([BN, L.NUM_TILES], ACC)
+            K8_s = T.alloc_shared([BN, L.D_NOPE], "float8_e4m3")
+            S8_s = T.alloc_shared([BN, L.SCALE_BYTES], "uint8")
             base_s = T.alloc_shared([BN], "int32", scope="shared")
             scale_at_s = T.alloc_shared([BN], "int32", scope="shared")
             ok_s = T.alloc_shared([BN], "int32", scope="shared")
@@ -123,10 +131,10 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
                 g = it_lo + it
                 if g < n1:
                     resolve(base_s, scale_at_s, ok_s, I1, L1, t, g * BN, K1, slots1, rows1, stride1)
-                    gather(KV_s, scale_s, base_s, scale_at_s, ok_s, C8, CH, CS)
+                    gather(KV_s, K8_s, S8_s, base_s, scale_at_s, C8, CH, CS)
                 else:
                     resolve(base_s, scale_at_s, ok_s, I2, L2, t, (g - n1) * BN, K2, slots2, rows2, stride2)
-                    gather(KV_s, scale_s, base_s, scale_at_s, ok_s, X8, XH, XS)
+                    gather(KV_s, K8_s, S8_s, base_s, scale_at_s, X8, XH, XS)
                 acc_s = state.acc_s
                 T.clear(acc_s)
                 T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)

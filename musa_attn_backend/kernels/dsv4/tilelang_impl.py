@@ -22,14 +22,24 @@ MAX_SPLITS = 64
 _EMPTY: dict = {}
 
 
-def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8_e4m3fn, torch.bfloat16, None)):
-    """Views of ``dtypes`` (None: the uint8 bytes) from the cache's first byte to its last page's end, and
-    (rows, page stride in 16-byte units, slots)."""
+def _unit_views(flat: torch.Tensor):
+    """The sparse MQA program's views of a cache's bytes: ``[n16, 16]`` e4m3 and ``[n16, 8]`` bf16 (16-byte
+    units), ``[n8, 8]`` uint8 (8-byte units)."""
+    n16, n8 = flat.numel() // 16, flat.numel() // 8
+    return (flat[:n16 * 16].view(torch.float8_e4m3fn).view(n16, 16), flat[:n16 * 16].view(torch.bfloat16).view(n16, 8),
+            flat[:n8 * 8].view(n8, 8))
+
+
+def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8_e4m3fn, torch.bfloat16, None),
+                units: bool = False):
+    """Views of ``dtypes`` (None: the uint8 bytes; ``units``: :func:`_unit_views`) from the cache's first byte
+    to its last page's end, and (rows, page stride in 16-byte units, slots)."""
     if pages.num_pages == 0:
         buf = _EMPTY.get(device)
         if buf is None:
             buf = _EMPTY[device] = torch.zeros(16, dtype=torch.uint8, device=device)
-        return tuple(buf if d is None else buf.view(d) for d in dtypes), (max(pages.rows, 1), 1, 0)
+        views = _unit_views(buf) if units else tuple(buf if d is None else buf.view(d) for d in dtypes)
+        return views, (max(pages.rows, 1), 1, 0)
     p = pages.pages
     stride = p.stride(0) if pages.num_pages > 1 else L.page_bytes(pages.rows)
     check(p.data_ptr() % 16 == 0 and stride % 16 == 0,
@@ -38,7 +48,8 @@ def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8
     nbytes = (pages.num_pages - 1) * stride + p.shape[1]  # even: rows of 584 bytes, pages 16-byte aligned
     flat = p.as_strided((nbytes,), (1,))
     check(nbytes < 2 ** 31, lambda: f"{op}: {name} spans {nbytes} bytes; at most 2^31 are addressed")
-    return tuple(flat if d is None else flat.view(d) for d in dtypes), (pages.rows, stride // 16, pages.num_slots)
+    views = _unit_views(flat) if units else tuple(flat if d is None else flat.view(d) for d in dtypes)
+    return views, (pages.rows, stride // 16, pages.num_slots)
 
 
 def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None):
@@ -80,10 +91,11 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     T, H, _ = q.shape
     dev = q.device
     q = q.contiguous()
-    main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache")
+    main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache", units=True)
     has_extra = extra_cache is not None and extra_indices.shape[1] > 0
     if has_extra:
-        extra_views, extra_geo = _flat_views(L.kv_pages(extra_cache, "extra_cache", op=op), dev, op, "extra_cache")
+        extra_views, extra_geo = _flat_views(L.kv_pages(extra_cache, "extra_cache", op=op), dev, op, "extra_cache",
+                                             units=True)
         i2 = extra_indices.contiguous()
         l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
     else:
