@@ -145,7 +145,7 @@ def write_index_k_kernel(in_dtype: str, target=None):
 def write_kv_v4_tilelang(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.write_kv_v4` (arguments checked there)."""
     op = "write_kv_v4(impl='tilelang')"
-    views, (rows, stride16, num_slots) = _flat_views(L.kv_pages(cache, op=op), kv.device, op, "cache")
+    views, (rows, stride16, num_slots) = _flat_views(L.kv_pages(cache, op=op), kv.device, op, "cache", units=True)
     write_kv_v4_kernel(tl_dtype(kv.dtype))(kv.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
                                            stride16, num_slots)
 
@@ -155,5 +155,6 @@ def write_index_k_tilelang(k: torch.Tensor, cache: torch.Tensor, slots: torch.Te
     op = "write_index_k(impl='tilelang')"
     views, (rows, stride16, num_slots) = _flat_views(L.index_pages(cache, op=op), k.device, op, "cache",
                                                      (torch.float8_e4m3fn, torch.float32))
+    views = (views[0][:views[0].numel() // 16 * 16].view(-1, 16), views[1])  # data in 16-byte units
     write_index_k_kernel(tl_dtype(k.dtype))(k.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
                                             stride16, num_slots)

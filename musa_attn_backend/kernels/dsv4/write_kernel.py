@@ -1,9 +1,9 @@
 """TileLang writers of DeepSeek-V4's caches: quantise rows and store them at their slots, the bytes of
 :mod:`.layout` (the rule: :mod:`.reference`).
 
-One block per ``block_T`` tokens. The cache arrives as flat byte views of its storage (e4m3 for the quantised
-values, bf16 for the RoPE values, uint8 for the exponents, float32 for the indexer scales), each from the cache's
-first byte; a token whose slot is negative or at or past the cache's slot count (``num_slots``) is skipped: no
+One block per ``block_T`` tokens. The cache arrives as views of its storage from its first byte, in 16-byte
+units for the data (e4m3 and bf16), 8-byte units for the exponents, float32 words for the indexer scales, so the
+stores of a row go out in 16-byte pieces; a token whose slot is negative or at or past the cache's slot count (``num_slots``) is skipped: no
 input writes outside the cache.
 """
 
@@ -20,15 +20,15 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
     """Quantise ``KV [T, 512]`` into 584-byte MODEL1 rows at ``slots``."""
     BT, G, TILE = block_T, L.NUM_TILES, L.TILE
     NT = T.dynamic("num_tokens")
-    NB, NH = T.dynamic("cache_bytes"), T.dynamic("cache_halves")
+    NU, NS = T.dynamic("cache_units16"), T.dynamic("cache_units8")
 
     @T.prim_func
     def write_kv_v4(
         KV: T.Tensor((NT, L.D), in_dtype),
         slots: T.Tensor((NT,), "int64"),
-        C8: T.Tensor((NB,), "float8_e4m3"),
-        CH: T.Tensor((NH,), "bfloat16"),
-        CS: T.Tensor((NB,), "uint8"),
+        C8: T.Tensor((NU, 16), "float8_e4m3"),
+        CH: T.Tensor((NU, 8), "bfloat16"),
+        CS: T.Tensor((NS, 8), "uint8"),
         rows: T.int32,
         stride16: T.int32,
         num_slots: T.int32,
@@ -37,8 +37,9 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
             x = T.alloc_fragment([BT * G, TILE], ACC)
             amax = T.alloc_fragment([BT * G], ACC)
             expo = T.alloc_fragment([BT * G], ACC)
-            base_s = T.alloc_shared([BT], "int64", scope="shared")  # a row's first byte, in 16-byte units; -1 skip
-            scale_at_s = T.alloc_shared([BT], "int64", scope="shared")
+            base_s = T.alloc_shared([BT], "int64", scope="shared")  # a row's first 16-byte unit; -1: skip
+            scale_at_s = T.alloc_shared([BT], "int64", scope="shared")  # its scales' 8-byte unit
+            e_s = T.alloc_shared([BT, L.SCALE_BYTES], "uint8", scope="shared")  # its exponent bytes and pad
             t0 = bx * BT
             for i in T.Parallel(BT):
                 s0 = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
@@ -46,7 +47,7 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
                 page = T.if_then_else(s >= 0, s // rows, 0)
                 row = T.if_then_else(s >= 0, s % rows, 0)
                 base_s[i] = T.if_then_else(s >= 0, page * stride16 + row * (L.DATA_BYTES // 16), -1)
-                scale_at_s[i] = page * stride16 * 16 + rows * L.DATA_BYTES + row * L.SCALE_BYTES
+                scale_at_s[i] = page * stride16 * 2 + rows * (L.DATA_BYTES // 8) + row
             for r, c in T.Parallel(BT * G, TILE):
                 x[r, c] = T.if_then_else(t0 + r // G < NT,
                                          T.Cast(ACC, KV[T.min(t0 + r // G, NT - 1), (r % G) * TILE + c]), 0.0)
@@ -55,17 +56,18 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
                 expo[r] = T.ceil(T.log2(T.max(amax[r], L.AMAX_FLOOR) / L.FP8_MAX))
             for r, c in T.Parallel(BT * G, TILE):
                 if base_s[r // G] >= 0:
-                    C8[base_s[r // G] * 16 + (r % G) * TILE + c] = T.Cast(
+                    C8[base_s[r // G] + (r % G) * (TILE // 16) + c // 16, c % 16] = T.Cast(
                         "float8_e4m3", T.max(T.min(x[r, c] * T.exp2(-expo[r]), L.FP8_MAX), -L.FP8_MAX))
             for r in T.Parallel(BT * G):
-                if base_s[r // G] >= 0:
-                    CS[scale_at_s[r // G] + r % G] = T.Cast("uint8", expo[r] + L.UE8M0_BIAS)
+                e_s[r // G, r % G] = T.Cast("uint8", expo[r] + L.UE8M0_BIAS)
             for i in T.Parallel(BT):
+                e_s[i, G] = T.Cast("uint8", 0)
+            for i, g in T.Parallel(BT, L.SCALE_BYTES):
                 if base_s[i] >= 0:
-                    CS[scale_at_s[i] + G] = T.Cast("uint8", 0)
+                    CS[scale_at_s[i], g] = e_s[i, g]
             for i, d in T.Parallel(BT, L.D_ROPE):
                 if base_s[i] >= 0:
-                    CH[base_s[i] * 8 + L.D_NOPE // 2 + d] = T.Cast("bfloat16", KV[t0 + i, L.D_NOPE + d])
+                    CH[base_s[i] + L.D_NOPE // 16 + d // 8, d % 8] = T.Cast("bfloat16", KV[t0 + i, L.D_NOPE + d])
 
     return write_kv_v4
 
@@ -76,13 +78,13 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
     its data) at ``slots``."""
     BT, D = block_T, L.INDEX_D
     NT = T.dynamic("num_tokens")
-    NB, NF = T.dynamic("cache_bytes"), T.dynamic("cache_words")
+    NU, NF = T.dynamic("cache_units16"), T.dynamic("cache_words")
 
     @T.prim_func
     def write_index_k(
         K: T.Tensor((NT, D), in_dtype),
         slots: T.Tensor((NT,), "int64"),
-        C8: T.Tensor((NB,), "float8_e4m3"),
+        C8: T.Tensor((NU, 16), "float8_e4m3"),
         CF: T.Tensor((NF,), "float32"),
         rows: T.int32,
         stride16: T.int32,
@@ -92,7 +94,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
             x = T.alloc_fragment([BT, D], ACC)
             amax = T.alloc_fragment([BT], ACC)
             scale = T.alloc_fragment([BT], ACC)
-            base_s = T.alloc_shared([BT], "int64", scope="shared")  # the row's first byte; -1: skip
+            base_s = T.alloc_shared([BT], "int64", scope="shared")  # the row's first 16-byte unit; -1: skip
             word_s = T.alloc_shared([BT], "int64", scope="shared")  # its scale's float32 index
             t0 = bx * BT
             for i in T.Parallel(BT):
@@ -100,7 +102,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
                 s = T.if_then_else(s0 < num_slots, s0, -1)
                 page = T.if_then_else(s >= 0, s // rows, 0)
                 row = T.if_then_else(s >= 0, s % rows, 0)
-                base_s[i] = T.if_then_else(s >= 0, page * stride16 * 16 + row * D, -1)
+                base_s[i] = T.if_then_else(s >= 0, page * stride16 + row * (D // 16), -1)
                 word_s[i] = page * stride16 * 4 + rows * (D // 4) + row
             for i, d in T.Parallel(BT, D):
                 x[i, d] = T.if_then_else(t0 + i < NT, T.Cast(ACC, K[T.min(t0 + i, NT - 1), d]), 0.0)
@@ -109,7 +111,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
                 scale[i] = T.exp2(T.ceil(T.log2(T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX)))
             for i, d in T.Parallel(BT, D):
                 if base_s[i] >= 0:
-                    C8[base_s[i] + d] = T.Cast("float8_e4m3",
+                    C8[base_s[i] + d // 16, d % 16] = T.Cast("float8_e4m3",
                                                T.max(T.min(x[i, d] / scale[i], L.FP8_MAX), -L.FP8_MAX))
             for i in T.Parallel(BT):
                 if base_s[i] >= 0:
