@@ -90,7 +90,6 @@ def main(argv=None):
                         q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, impl="reference"), graph=False,
                         rep=5, warmup=1)
                 rows.append(row(op, cfg, T, H, K, ms, peers, ceilings))
-                del q, i1, i2, out
                 torch.cuda.empty_cache()
     for name, width, row_bytes in (("write_kv_v4", 512, L.ROW_BYTES), ("write_index_k", 128, L.INDEX_ROW_BYTES)):
         T = 16384

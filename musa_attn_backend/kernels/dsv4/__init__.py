@@ -34,46 +34,36 @@ def _check_slots(op: str, slots, n: int) -> None:
     check(slots.numel() == n, lambda: f"{op}: slots has {slots.numel()} entries for {n} rows")
 
 
+def _write(op: str, x, width: int, name: str, cache, slots, pages_of, reference, impl: str) -> None:
+    """Check a writer's arguments, then run its reference or its TileLang kernel (``op``'s)."""
+    check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == width,
+          lambda: f"{op}: {name} must be [num_tokens, {width}], got {tuple(getattr(x, 'shape', ()))}")
+    check(x.dtype in _IN_DTYPES, lambda: f"{op}: {name} dtype must be bfloat16, float16 or float32, got {x.dtype}")
+    _check_slots(op, slots, x.shape[0])
+    pages_of(cache, op=op)
+    check_same_device(op, **{name: x}, cache=cache, slots=slots)
+    if resolve_impl(impl, x.device, op) == "reference" or x.shape[0] == 0:
+        reference(x, cache, slots)
+        return
+    from . import tilelang_impl
+
+    getattr(tilelang_impl, f"{op}_tilelang")(x, cache, slots)
+
+
 def write_kv_v4(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
     """Quantise ``kv [T, 512]`` (bf16; fp16/fp32 accepted) into ``cache`` (584-byte rows, :mod:`.layout`) at
     ``slots [T]`` (``page * rows + row``), in place. Bytes identical to the engines' writers (:mod:`.reference`).
     A negative slot, or one at or past the cache's slot count, is skipped: nothing is written for it, and the
     slots are not read on the host (no synchronisation, so the op can be captured in a CUDA graph). Duplicate
     slots: which row lands is unspecified."""
-    op = "write_kv_v4"
-    check(isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == D,
-          lambda: f"{op}: kv must be [num_tokens, {D}], got {tuple(getattr(kv, 'shape', ()))}")
-    check(kv.dtype in _IN_DTYPES, lambda: f"{op}: kv dtype must be bfloat16, float16 or float32, got {kv.dtype}")
-    _check_slots(op, slots, kv.shape[0])
-    layout.kv_pages(cache, op=op)
-    check_same_device(op, kv=kv, cache=cache, slots=slots)
-    which = resolve_impl(impl, kv.device, op)
-    if which == "reference" or kv.shape[0] == 0:
-        write_kv_v4_reference(kv, cache, slots)
-        return
-    from .tilelang_impl import write_kv_v4_tilelang
-
-    write_kv_v4_tilelang(kv, cache, slots)
+    _write("write_kv_v4", kv, D, "kv", cache, slots, layout.kv_pages, write_kv_v4_reference, impl)
 
 
 def write_index_k(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
     """Quantise indexer keys ``k [T, 128]`` into ``cache`` (132-byte rows: 128 FP8 bytes, then the page's float32
     scales) at ``slots [T]``, in place; slots negative or at or past the slot count are skipped, as in
     :func:`write_kv_v4`."""
-    op = "write_index_k"
-    check(isinstance(k, torch.Tensor) and k.dim() == 2 and k.shape[1] == INDEX_D,
-          lambda: f"{op}: k must be [num_tokens, {INDEX_D}], got {tuple(getattr(k, 'shape', ()))}")
-    check(k.dtype in _IN_DTYPES, lambda: f"{op}: k dtype must be bfloat16, float16 or float32, got {k.dtype}")
-    _check_slots(op, slots, k.shape[0])
-    layout.index_pages(cache, op=op)
-    check_same_device(op, k=k, cache=cache, slots=slots)
-    which = resolve_impl(impl, k.device, op)
-    if which == "reference" or k.shape[0] == 0:
-        write_index_k_reference(k, cache, slots)
-        return
-    from .tilelang_impl import write_index_k_tilelang
-
-    write_index_k_tilelang(k, cache, slots)
+    _write("write_index_k", k, INDEX_D, "k", cache, slots, layout.index_pages, write_index_k_reference, impl)
 
 
 def _check_read(op: str, pages, slots) -> None:

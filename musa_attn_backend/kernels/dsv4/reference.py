@@ -58,19 +58,24 @@ def _byte_index(pages: L.Pages, slots: torch.Tensor, offsets: torch.Tensor, row_
     return page[:, None].expand_as(cols), cols
 
 
-def write_kv_v4_reference(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Quantise ``kv [T, 512]`` and store row ``t`` at slot ``slots[t]`` of ``cache`` (negative or past the
-    cache's slots: skipped)."""
-    pages = L.kv_pages(cache, op="write_kv_v4")
+def _store(pages: L.Pages, x: torch.Tensor, slots: torch.Tensor, quantize, data_bytes: int, scale_bytes: int):
+    """Quantise the rows of ``x`` whose slot is in the cache and store their data bytes at ``row * data_bytes``
+    and their scale bytes at ``rows * data_bytes + row * scale_bytes`` of their page."""
     keep = (slots >= 0) & (slots < pages.num_slots)
     s = slots[keep].long()
     if s.numel() == 0:
         return
-    data, scales = quantize_kv_v4(kv[keep])
-    p, c = _byte_index(pages, s, _DATA_COLS, L.DATA_BYTES, 0)
+    data, scales = quantize(x[keep])
+    p, c = _byte_index(pages, s, torch.arange(data_bytes), data_bytes, 0)
     pages.pages[p, c] = data
-    p, c = _byte_index(pages, s, _SCALE_COLS, L.SCALE_BYTES, pages.rows * L.DATA_BYTES)
+    p, c = _byte_index(pages, s, torch.arange(scale_bytes), scale_bytes, pages.rows * data_bytes)
     pages.pages[p, c] = scales
+
+
+def write_kv_v4_reference(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Quantise ``kv [T, 512]`` and store row ``t`` at slot ``slots[t]`` of ``cache`` (negative or past the
+    cache's slots: skipped)."""
+    _store(L.kv_pages(cache, op="write_kv_v4"), kv, slots, quantize_kv_v4, L.DATA_BYTES, L.SCALE_BYTES)
 
 
 def read_kv_v4_reference(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -97,16 +102,11 @@ def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def write_index_k_reference(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Quantise indexer keys ``k [T, 128]`` into ``cache`` (132-byte rows) at ``slots`` (negative or past the
     cache's slots: skipped)."""
-    pages = L.index_pages(cache, op="write_index_k")
-    keep = (slots >= 0) & (slots < pages.num_slots)
-    s = slots[keep].long()
-    if s.numel() == 0:
-        return
-    data, scale = quantize_index_k(k[keep])
-    p, c = _byte_index(pages, s, torch.arange(L.INDEX_D), L.INDEX_D, 0)
-    pages.pages[p, c] = data
-    p, c = _byte_index(pages, s, torch.arange(4), 4, pages.rows * L.INDEX_D)
-    pages.pages[p, c] = scale.contiguous().view(torch.uint8).reshape(-1, 4)
+    def quantize(x):
+        data, scale = quantize_index_k(x)
+        return data, scale.contiguous().view(torch.uint8).reshape(-1, 4)
+
+    _store(L.index_pages(cache, op="write_index_k"), k, slots, quantize, L.INDEX_D, 4)
 
 
 def read_index_k_reference(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,20 @@ from . import layout as L
 ACC = "float32"
 
 
+@T.macro
+def resolve(slots, t0, NT, num_slots, rows, stride16, base_s, scale_s, BT, data_bytes, scale_bytes):
+    """Tokens ``t0 ..``'s rows: ``base_s`` their data's first 16-byte unit (-1: skip the token: no slot, or one
+    outside the cache), ``scale_s`` their scale's index in units of ``scale_bytes`` (scales follow the page's
+    ``rows x data_bytes`` data bytes)."""
+    for i in T.Parallel(BT):
+        s0 = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
+        s = T.if_then_else(s0 < num_slots, s0, -1)
+        page = T.if_then_else(s >= 0, s // rows, 0)
+        row = T.if_then_else(s >= 0, s % rows, 0)
+        base_s[i] = T.if_then_else(s >= 0, page * stride16 + row * (data_bytes // 16), -1)
+        scale_s[i] = page * stride16 * (16 // scale_bytes) + rows * (data_bytes // scale_bytes) + row
+
+
 @functools.lru_cache(maxsize=None)
 def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int = 128):
     """Quantise ``KV [T, 512]`` into 584-byte MODEL1 rows at ``slots``."""
@@ -41,13 +55,7 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
             scale_at_s = T.alloc_shared([BT], "int64", scope="shared")  # its scales' 8-byte unit
             e_s = T.alloc_shared([BT, L.SCALE_BYTES], "uint8", scope="shared")  # its exponent bytes and pad
             t0 = bx * BT
-            for i in T.Parallel(BT):
-                s0 = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
-                s = T.if_then_else(s0 < num_slots, s0, -1)
-                page = T.if_then_else(s >= 0, s // rows, 0)
-                row = T.if_then_else(s >= 0, s % rows, 0)
-                base_s[i] = T.if_then_else(s >= 0, page * stride16 + row * (L.DATA_BYTES // 16), -1)
-                scale_at_s[i] = page * stride16 * 2 + rows * (L.DATA_BYTES // 8) + row
+            resolve(slots, t0, NT, num_slots, rows, stride16, base_s, scale_at_s, BT, L.DATA_BYTES, 8)
             for r, c in T.Parallel(BT * G, TILE):
                 x[r, c] = T.if_then_else(t0 + r // G < NT,
                                          T.Cast(ACC, KV[T.min(t0 + r // G, NT - 1), (r % G) * TILE + c]), 0.0)
@@ -97,13 +105,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
             base_s = T.alloc_shared([BT], "int64", scope="shared")  # the row's first 16-byte unit; -1: skip
             word_s = T.alloc_shared([BT], "int64", scope="shared")  # its scale's float32 index
             t0 = bx * BT
-            for i in T.Parallel(BT):
-                s0 = T.if_then_else(t0 + i < NT, slots[T.min(t0 + i, NT - 1)], -1)
-                s = T.if_then_else(s0 < num_slots, s0, -1)
-                page = T.if_then_else(s >= 0, s // rows, 0)
-                row = T.if_then_else(s >= 0, s % rows, 0)
-                base_s[i] = T.if_then_else(s >= 0, page * stride16 + row * (D // 16), -1)
-                word_s[i] = page * stride16 * 4 + rows * (D // 4) + row
+            resolve(slots, t0, NT, num_slots, rows, stride16, base_s, word_s, BT, D, 4)
             for i, d in T.Parallel(BT, D):
                 x[i, d] = T.if_then_else(t0 + i < NT, T.Cast(ACC, K[T.min(t0 + i, NT - 1), d]), 0.0)
             T.reduce_absmax(x, amax, dim=1)
