@@ -120,3 +120,31 @@ def test_writers_compile_for_sm90a():
     src = ti.write_kv_v4_kernel("bfloat16", target=HOPPER).get_kernel_source()
     assert "ceilf(log2f(" in src and "fp8_e4_t" in src  # the exponent rule, the e4m3 conversion
     assert "__global__" in ti.write_index_k_kernel("bfloat16", target=HOPPER).get_kernel_source()
+
+
+def test_mp22_programs_decode_e4m3_without_fp8(use_settings):
+    """MP22 has no FP8 conversion: its sparse MQA program reads the nope bytes as uint8 and decodes them by
+    integer arithmetic (no e4m3 buffer anywhere), with P from shared memory; the writers say they are not
+    supported there."""
+    use_settings(target="mp_22")
+    programs = []
+    with _tilelang.intercepting(lambda key, build, target, pc: programs.append(build())):
+        ti.sparse_mqa_kernel(64, True, True, False, "bfloat16")
+    (func,) = programs
+    assert "float8" not in func.script() and "uint8" in str(func.buffer_map[func.params[1]].dtype)
+    assert not register_a_gemms(func)
+    with pytest.raises(ValueError, match="need an FP8 conversion, which mp_22 lacks"):
+        ti.write_kv_v4_tilelang(torch.zeros(1, 512, dtype=torch.bfloat16), L.new_kv_cache(1, 64), torch.arange(1))
+
+
+@pytest.mark.parametrize("fp8_convert", [True, False])
+def test_e4m3_decode_by_integer_arithmetic_compiles_for_sm90a(fp8_convert):
+    """Both decodings build for sm_90a (the integer one is what MP22 runs; the GPU tests run it on the H200)."""
+    if not NVCC and not in_ci():
+        pytest.skip("nvcc not installed")
+    from musa_attn_backend.kernels.dsv4.sparse_mqa_kernel import build_sparse_mqa
+
+    kernel = _tilelang.compile_cached(("test_dsv4_int_decode", fp8_convert), lambda: build_sparse_mqa(
+        64, True, True, False, fp8_convert=fp8_convert), target=HOPPER)
+    src = kernel.get_kernel_source()
+    assert ("fp8_e4_t" in src) == fp8_convert

@@ -29,10 +29,13 @@ INVALID16 = -(1 << 26)  # the offsets of an invalid entry: below the buffer
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str = "bfloat16",
-                     block_H: int = 64, block_N: int = 64, threads: int = 256, shared_p: bool = True):
+                     block_H: int = 64, block_N: int = 64, threads: int = 256, shared_p: bool = True,
+                     fp8_convert: bool = True):
     """Sparse MQA for ``H`` query heads (any count: blocks of ``block_H``, rows past ``H`` padded inside).
     ``shared_p``: the probabilities go through a shared tile to the ``P V`` product (where the target's GEMMs
-    take no register A operand), else they stay in registers."""
+    take no register A operand), else they stay in registers. ``fp8_convert``: the e4m3 bytes become values
+    through the target's FP8 conversion; without one (``platform.fp8`` false: MP22) they are decoded from their
+    sign, exponent and mantissa fields by integer arithmetic."""
     BH, BN, D = block_H, block_N, L.D
     NT = T.dynamic("num_tokens")
     K1 = T.dynamic("topk")
@@ -45,6 +48,18 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     O_shape = (SPLITS, NT, H, D) if split else (NT, H, D)
     L_shape = (SPLITS, NT, H) if split else (NT, H)
     alloc_state, _, _, softmax_step, pv_product, finish_rows = attention_macros(BH, BN, D, D, 0, 0, False, q_dtype)
+    nope_dtype = "float8_e4m3" if fp8_convert else "uint8"
+
+    def e4m3_value(b):
+        """The float32 value of an e4m3 element (``fp8_convert``) or byte (otherwise: ``(-1)^s 2^(e-7)
+        (1 + m/8)``, subnormal ``(-1)^s 2^-6 m/8``; the writers never store NaN)."""
+        if fp8_convert:
+            return T.Cast(ACC, b)
+        bits = T.Cast("int32", b)
+        e = (bits // 8) % 16
+        m = T.Cast(ACC, bits % 8)
+        mag = T.if_then_else(e == 0, m * (2.0 ** -9), (m + 8.0) * T.exp2(T.Cast(ACC, e) - 10.0))
+        return T.if_then_else(bits >= 128, -mag, mag)
 
     @T.macro
     def resolve(base_s, scale_at_s, ok_s, I, Lens, t, e0, K, slots, rows, stride16):
@@ -72,18 +87,17 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
         for j, g in T.Parallel(BN, L.SCALE_BYTES):
             S8_s[j, g] = CS[scale_at_s[j], g]
         for j, d in T.Parallel(BN, L.D_NOPE):
-            KV_s[j, d] = T.Cast(q_dtype, T.Cast(ACC, K8_s[j, d])
-                                * T.exp2(T.Cast(ACC, S8_s[j, d // L.TILE]) - 127.0))
+            KV_s[j, d] = T.Cast(q_dtype, e4m3_value(K8_s[j, d]) * T.exp2(T.Cast(ACC, S8_s[j, d // L.TILE]) - 127.0))
 
     @T.prim_func
     def sparse_mqa(
         Q: T.Tensor((NT, H, D), q_dtype),
-        C8: T.Tensor((NU1, 16), "float8_e4m3"),
+        C8: T.Tensor((NU1, 16), nope_dtype),
         CH: T.Tensor((NU1, 8), "bfloat16"),
         CS: T.Tensor((NS1, 8), "uint8"),
         I1: T.Tensor((NT, K1), "int32"),
         L1: T.Tensor((NT,), "int32"),
-        X8: T.Tensor((NU2, 16), "float8_e4m3"),
+        X8: T.Tensor((NU2, 16), nope_dtype),
         XH: T.Tensor((NU2, 8), "bfloat16"),
         XS: T.Tensor((NS2, 8), "uint8"),
         I2: T.Tensor((NT, K2), "int32"),
@@ -104,7 +118,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             Q_s = T.alloc_shared([BH, D], q_dtype)
             KV_s = T.alloc_shared([BN, D], q_dtype)
             P_s = T.alloc_shared([BH, BN], q_dtype) if shared_p else None
-            K8_s = T.alloc_shared([BN, L.D_NOPE], "float8_e4m3")
+            K8_s = T.alloc_shared([BN, L.D_NOPE], nope_dtype)
             S8_s = T.alloc_shared([BN, L.SCALE_BYTES], "uint8")
             base_s = T.alloc_shared([BN], "int32", scope="shared")
             scale_at_s = T.alloc_shared([BN], "int32", scope="shared")

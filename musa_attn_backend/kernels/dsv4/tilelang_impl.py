@@ -9,7 +9,7 @@ import torch
 
 from ..._tilelang import compile_cached, tl, tl_dtype
 from ...config import settings
-from ...platform import get_platform
+from ...platform import features_of, get_platform
 from .._common import check
 from ..attention.combine_kernel import build_combine
 from . import layout as L
@@ -23,11 +23,11 @@ _EMPTY: dict = {}
 
 
 def _unit_views(flat: torch.Tensor):
-    """The sparse MQA program's views of a cache's bytes: ``[n16, 16]`` e4m3 and ``[n16, 8]`` bf16 (16-byte
-    units), ``[n8, 8]`` uint8 (8-byte units)."""
+    """The programs' views of a cache's bytes: ``[n16, 16]`` e4m3 (uint8 where the target has no FP8
+    conversion) and ``[n16, 8]`` bf16 (16-byte units), ``[n8, 8]`` uint8 (8-byte units)."""
     n16, n8 = flat.numel() // 16, flat.numel() // 8
-    return (flat[:n16 * 16].view(torch.float8_e4m3fn).view(n16, 16), flat[:n16 * 16].view(torch.bfloat16).view(n16, 8),
-            flat[:n8 * 8].view(n8, 8))
+    nope = flat[:n16 * 16] if not _fp8_convert(None) else flat[:n16 * 16].view(torch.float8_e4m3fn)
+    return nope.view(n16, 16), flat[:n16 * 16].view(torch.bfloat16).view(n16, 8), flat[:n8 * 8].view(n8, 8)
 
 
 def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8_e4m3fn, torch.bfloat16, None),
@@ -56,9 +56,16 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
     # P through shared memory on every target for now (what MUSA needs); a register-P variant where
     # features_of(target)["gemm_a_in_registers"] holds is a tuning step still to take
     shared_p = True
-    key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N, shared_p)
+    fp8_convert = _fp8_convert(target)
+    key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N, shared_p, fp8_convert)
     return compile_cached(key, lambda: build_sparse_mqa(H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N,
-                                                        256, shared_p), target=target)
+                                                        256, shared_p, fp8_convert), target=target)
+
+
+def _fp8_convert(target) -> bool:
+    """Whether the programs for ``target`` (None: this platform's) convert e4m3 with the target's FP8
+    conversion (``platform.fp8``), rather than decoding the bytes by integer arithmetic (MP22)."""
+    return features_of(target)["fp8"]
 
 
 def combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
@@ -142,9 +149,16 @@ def write_index_k_kernel(in_dtype: str, target=None):
                           pass_configs=_writer_pass_configs())
 
 
+def _check_fp8_writes(op: str) -> None:
+    plat = get_platform()
+    check(plat.fp8, lambda: f"{op}: the TileLang writers need an FP8 conversion, which {plat.arch} lacks (MP22 "
+                            "reads these caches, but writing them there is not supported yet)")
+
+
 def write_kv_v4_tilelang(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.write_kv_v4` (arguments checked there)."""
     op = "write_kv_v4(impl='tilelang')"
+    _check_fp8_writes(op)
     views, (rows, stride16, num_slots) = _flat_views(L.kv_pages(cache, op=op), kv.device, op, "cache", units=True)
     write_kv_v4_kernel(tl_dtype(kv.dtype))(kv.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
                                            stride16, num_slots)
@@ -153,6 +167,7 @@ def write_kv_v4_tilelang(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Ten
 def write_index_k_tilelang(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.write_index_k` (arguments checked there)."""
     op = "write_index_k(impl='tilelang')"
+    _check_fp8_writes(op)
     views, (rows, stride16, num_slots) = _flat_views(L.index_pages(cache, op=op), k.device, op, "cache",
                                                      (torch.float8_e4m3fn, torch.float32))
     views = (views[0][:views[0].numel() // 16 * 16].view(-1, 16), views[1])  # data in 16-byte units
