@@ -100,7 +100,7 @@ def collect(require: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
         p = plat.get_platform()
         info["platform"] = {"device": p.kind, "name": p.device_name, "capability": p.capability, "arch": p.arch,
                             "target_kind": p.target_kind, "sm_count": p.sm_count,
-                            **{n: getattr(p, n) for n in plat.FEATURES}, "source": p.source,
+                            **plat.features_of(), "source": p.source,
                             "notes": list(p.notes)}
         info["tilelang_target"] = p.tilelang_target() if p.target_kind else None
         if p.has_gpu and not p.target_kind:

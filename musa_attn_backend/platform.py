@@ -190,8 +190,7 @@ def features_of(target=None) -> dict:
     if target is None:
         plat = get_platform()
         return {n: getattr(plat, n) for n in FEATURES}
-    feats = target_features(*parse_target(target))
-    return {n: feats[n] for n in FEATURES}
+    return _flags(target_features(*parse_target(target)))
 
 
 @functools.lru_cache(maxsize=None)
