@@ -4,8 +4,11 @@ bandwidth measured in the same run as the rooflines.
 
     python benchmarks/bench_dsv4_attention.py [--quick] [--out benchmarks/results]
 
-Rows: decode (B tokens of s_q = 1, window 128 + compressed top-K: Flash H 64 + 512, Pro H 128 + 1024) and
-prefill (T tokens, the same index sets). FLOPs = 2 * H * K * (512 + 512) per token (valid entries), bytes = q +
+Rows: decode (B requests of s_q = 1 or 2 query tokens, window 128 + compressed top-K: Flash H 64 + 512, Pro
+H 128 + 1024) and prefill (T tokens, the same index sets). Peers, where they run: SGLang's Triton FP8 sparse
+decode (``triton_fp8_attention_fwd``) and its TileLang V4 kernel (``dpsk_v4_fp8_attention_fwd``; what fails to
+import or build is recorded under ``peer_errors``), and the torch path. ``portable_ms``: the portable program
+(what MUSA runs) on the same inputs. FLOPs = 2 * H * K * (512 + 512) per token (valid entries), bytes = q +
 out + K * 584 + indices.
 """
 
@@ -43,26 +46,80 @@ def caches(tokens_ctx: int, device="cuda"):
     return swa, c4
 
 
-def row(op, cfg, T, H, K, ms, peers, ceilings):
+def row(op, cfg, T, H, K, ms, peers, ceilings, s_q=1, extra=None):
     flops = 2 * H * (K + 128) * 1024 * T
     bytes_ = T * H * 512 * 2 * 2 + T * (K + 128) * (L.ROW_BYTES + 4)
     tflops, tbps = flops / ms / 1e9, bytes_ / ms / 1e9
     roof = max(tflops / ceilings["bf16_matmul_tflops"], tbps / ceilings["copy_tbps"])
     best = min(peers.values()) if peers else None
-    r = {"op": op, "shape": dict(config=cfg, tokens=T, heads=H, topk=K + 128), "ours_ms": ms, "peers": peers,
-         "tflops": tflops, "tbps": tbps, "roofline_frac": roof,
-         "ratio_vs_best_peer": best / ms if best else None}
-    print(f"{op:8s} {cfg:5s} T={T:6d} H={H:3d} K={K + 128:5d}  ours {ms:.4f} ms  {tflops:6.1f} TFLOP/s  "
-          f"{tbps:5.2f} TB/s  roof {roof:.2f}  " + "  ".join(f"{k} {v:.4f}" for k, v in peers.items()), flush=True)
+    r = {"op": op, "shape": dict(config=cfg, tokens=T, s_q=s_q, heads=H, topk=K + 128), "ours_ms": ms,
+         "peers": peers, "tflops": tflops, "tbps": tbps, "roofline_frac": roof,
+         "ratio_vs_best_peer": best / ms if best else None, **(extra or {})}
+    print(f"{op:8s} {cfg:5s} T={T:6d} s_q={s_q} H={H:3d} K={K + 128:5d}  ours {ms:.4f} ms  {tflops:6.1f} TFLOP/s  "
+          f"{tbps:5.2f} TB/s  roof {roof:.2f}  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in {**peers, **(extra or {})}.items()),
+          flush=True)
     return r
+
+
+def fp8_matmul_tflops() -> float:
+    """The e4m3 matmul rate (torch._scaled_mm, 8192^3), the FP8 ceiling; 0 where it does not run."""
+    n = 8192
+    try:
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        ms = bench_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), graph=False)
+        return 2 * n ** 3 / ms / 1e9
+    except Exception as e:  # noqa: BLE001 - a ceiling we cannot measure is reported as 0
+        print(f"fp8 matmul: {type(e).__name__}: {e}")
+        return 0.0
+
+
+def engine_peers(errors: dict) -> dict:
+    """SGLang's FP8 sparse decode kernels that run here: ``name -> fn(q [B, s_q, H, 512], k_cache, indices,
+    extra_k_cache, extra_indices, sink)``; what does not import or build is recorded in ``errors``."""
+    peers = {}
+    try:
+        from sglang.kernels.ops.attention.dsv4.triton_sparse_decode import triton_fp8_attention_fwd
+
+        peers["sglang_triton"] = lambda q, kc, i1, xc, i2, sink: triton_fp8_attention_fwd(
+            q, kc, 512, 512 ** -0.5, i1, attn_sink=sink, extra_k_cache=xc, extra_indices_in_kvcache=i2)
+    except Exception as e:  # noqa: BLE001
+        errors["sglang_triton"] = f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        from sglang.kernels.ops.attention.dsv4.tilelang_fp8_attention import dpsk_v4_fp8_attention_fwd
+
+        peers["sglang_tilelang"] = lambda q, kc, i1, xc, i2, sink: dpsk_v4_fp8_attention_fwd(
+            q, kc, None, None, 512, None, softmax_scale=512 ** -0.5, is_fp8_kvcache=True, indices=i1,
+            attn_sink=sink, extra_k_cache=xc, extra_indices_in_kvcache=i2)
+    except Exception as e:  # noqa: BLE001
+        errors["sglang_tilelang"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return peers
+
+
+def time_peer(name, fn, errors):
+    try:
+        fn()
+        return bench_ms(fn)
+    except Exception as e:  # noqa: BLE001 - a peer that fails on a shape is recorded, not fatal
+        errors.setdefault(name, f"{type(e).__name__}: {str(e)[:300]}")
+        return None
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-portable", action="store_true", help="skip timing the portable program")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+
     ceilings = measure_ceilings()
+    ceilings["fp8_matmul_tflops"] = fp8_matmul_tflops()
+    print("ceilings", ceilings, flush=True)
+    errors: dict = {}
+    peer_fns = engine_peers(errors)
     ctx = 65536
     swa, c4 = caches(ctx)
     n_swa, n_c4 = swa.shape[0] * 256, c4.shape[0] * 64
@@ -70,27 +127,41 @@ def main(argv=None):
     decode_b = (1, 32, 64) if args.quick else (1, 8, 32, 64, 128)
     prefill_t = (4096,) if args.quick else (4096, 16384)
     g = torch.Generator(device="cuda").manual_seed(0)
+    program = tilelang_impl.sparse_mqa_program()
     for cfg, (H, K) in CONFIGS.items():
-        for op, sizes in (("decode", decode_b), ("prefill", prefill_t)):
-            for T in sizes:
-                q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)
-                i1 = torch.randint(0, n_swa, (T, 128), device="cuda", generator=g, dtype=torch.int32)
-                i2 = torch.randint(0, n_c4, (T, K), device="cuda", generator=g, dtype=torch.int32)
-                sink = torch.randn(H, device="cuda", generator=g)
-                out = torch.empty_like(q)
+        runs = [("decode", B, s_q) for s_q in (1, 2) for B in decode_b] + [("prefill", T, 1) for T in prefill_t]
+        for op, B, s_q in runs:
+            T = B * s_q
+            q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)
+            i1 = torch.randint(0, n_swa, (T, 128), device="cuda", generator=g, dtype=torch.int32)
+            i2 = torch.randint(0, n_c4, (T, K), device="cuda", generator=g, dtype=torch.int32)
+            sink = torch.randn(H, device="cuda", generator=g)
+            out = torch.empty_like(q)
 
-                def ours():
-                    dsv4.sparse_mqa(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
-                                    impl="tilelang")
+            def ours(prog=program):
+                tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
+                                                  program=prog)
 
-                ms = bench_ms(ours)
-                peers = {}
-                if T <= 4096:
-                    peers["torch_gather"] = bench_ms(lambda: dsv4.sparse_mqa(
-                        q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, impl="reference"), graph=False,
-                        rep=5, warmup=1)
-                rows.append(row(op, cfg, T, H, K, ms, peers, ceilings))
-                torch.cuda.empty_cache()
+            ms = bench_ms(ours)
+            extra = {"program": program}
+            if program != "portable" and not args.no_portable:
+                extra["portable_ms"] = bench_ms(lambda: ours("portable"))
+            peers = {}
+            if T <= 4096:
+                for name, fn in list(peer_fns.items()):
+                    q4, i14, i24 = q.view(B, s_q, H, 512), i1.view(B, s_q, 128), i2.view(B, s_q, K)
+                    t_ms = time_peer(name, lambda fn=fn: fn(q4, swa.unsqueeze(2), i14, c4.unsqueeze(2), i24, sink),
+                                     errors)
+                    if t_ms is not None:
+                        peers[name] = t_ms
+                    elif name == "sglang_tilelang":  # a build failure is not shape-specific: try it once
+                        del peer_fns[name]
+            if T <= 4096 and s_q == 1:
+                peers["torch_gather"] = bench_ms(lambda: dsv4.sparse_mqa(
+                    q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, impl="reference"), graph=False,
+                    rep=5, warmup=1)
+            rows.append(row(op, cfg, T, H, K, ms, peers, ceilings, s_q, extra))
+            torch.cuda.empty_cache()
     for name, width, row_bytes in (("write_kv_v4", 512, L.ROW_BYTES), ("write_index_k", 128, L.INDEX_ROW_BYTES)):
         T = 16384
         x = torch.randn(T, width, device="cuda", generator=g).to(torch.bfloat16)
@@ -114,7 +185,7 @@ def main(argv=None):
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
                         "python": _platform.python_version()},
-           "ceilings": ceilings, "rows": rows}
+           "ceilings": ceilings, "peer_errors": errors, "rows": rows}
     write_run(args.out, "dsv4-attention", doc)
 
 

@@ -49,12 +49,27 @@ CASES = [
     (8, 5, (8, 256, 0), 128, None, 0, False),  # SWA-only layer, no sink
     (64, 300, (8, 256, 0), 128, (40, 64, 0), 512, True),  # prefill-like: many tokens, no split
     (24, 9, (8, 256, 0), 100, (40, 64, 0), 70, True),  # K1/K2 not multiples of 64, odd heads
+    (128, 1, (4, 256, 0), 128, (30, 64, 0), 1024, True),  # Pro decode, one token: many splits
+    (8, 16384, (80, 256, 0), 128, None, 0, True),  # a 16k-token prefill
 ]
+PROGRAMS = ("warp_specialized", "portable")
+
+
+@pytest.fixture(params=PROGRAMS)
+def program(request, monkeypatch):
+    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; both build here)."""
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+
+    monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("heads,T,swa,K1,extra,K2,with_sink", CASES)
-def test_sparse_mqa_matches_reference(gpu_device, heads, T, swa, K1, extra, K2, with_sink):
-    dev = gpu_device
+def test_sparse_mqa_matches_reference(gpu_device, program, heads, T, swa, K1, extra, K2, with_sink):
+    check_case(gpu_device, heads, T, swa, K1, extra, K2, with_sink)
+
+
+def check_case(dev, heads, T, swa, K1, extra, K2, with_sink):
     cache, slots = filled_cache(*swa[:2], dev, seed=heads + T, stride=swa[2])
     idx, lens = make_indices(slots, T, K1, swa[0] * swa[1], seed=T, device=dev)
     kw = {}
@@ -75,7 +90,7 @@ def test_sparse_mqa_matches_reference(gpu_device, heads, T, swa, K1, extra, K2, 
     torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4)
 
 
-def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device):
+def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device, program):
     """Tokens whose entries are all invalid (and a cache of no pages): zeros, LSE -inf, nothing read."""
     dev = gpu_device
     cache = L.new_kv_cache(0, 64, dev)
@@ -138,5 +153,33 @@ def test_sparse_mqa_integer_e4m3_decode(gpu_device, monkeypatch):
     from musa_attn_backend.kernels.dsv4 import tilelang_impl
 
     monkeypatch.setattr(tilelang_impl, "_fp8_convert", lambda target: False)
-    test_sparse_mqa_matches_reference(gpu_device, *CASES[0])
-    test_sparse_mqa_matches_reference(gpu_device, *CASES[2])
+    monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: "portable")
+    check_case(gpu_device, *CASES[0])
+    check_case(gpu_device, *CASES[2])
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_flash_mla_with_kvcache_matches_reference(gpu_device, program, s_q):
+    """FlashMLA's decode entry with s_q 1 and 2 (MTP): [B, s_q, H, 512] queries, per-batch index rows."""
+    dev = gpu_device
+    B, H = 5, 64
+    cache, slots = filled_cache(8, 256, dev, seed=3)
+    xcache, xslots = filled_cache(40, 64, dev, seed=4)
+    idx, lens = make_indices(slots, B * s_q, 128, 8 * 256, seed=5, device=dev)
+    xidx, xlens = make_indices(xslots, B * s_q, 512, 40 * 64, seed=6, device=dev)
+    q = torch.randn(B, s_q, H, 512, device=dev).to(torch.bfloat16)
+    sink = torch.randn(H, device=dev)
+    kw = dict(indices=idx.view(B, s_q, -1), extra_k_cache=xcache.unsqueeze(2),
+              extra_indices_in_kvcache=xidx.view(B, s_q, -1), topk_length=lens.view(B, s_q)[:, 0].contiguous(),
+              extra_topk_length=xlens.view(B, s_q)[:, 0].contiguous(), attn_sink=sink, is_fp8_kvcache=True)
+    meta = dsv4.get_mla_metadata()[0]
+    out, lse = dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, 512, meta, **kw)
+    ref, ref_lse = dsv4.sparse_mqa(q.flatten(0, 1), cache, idx, lens.view(B, s_q)[:, :1].expand(B, s_q).flatten(),
+                                   extra_cache=xcache, extra_indices=xidx,
+                                   extra_lengths=xlens.view(B, s_q)[:, :1].expand(B, s_q).flatten(), sink=sink,
+                                   return_lse=True, impl="reference")
+    torch.testing.assert_close(out.flatten(0, 1).float(), ref.float(), atol=2e-2, rtol=2e-2)
+    lse = lse.transpose(1, 2).flatten(0, 1)  # FlashMLA's [B, H, s_q]
+    fin = torch.isfinite(ref_lse)
+    assert torch.isposinf(lse[~fin]).all()  # FlashMLA: +inf for a query with no valid entry
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4)

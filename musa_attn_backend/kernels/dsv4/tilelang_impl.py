@@ -14,6 +14,7 @@ from .._common import check
 from ..attention.combine_kernel import build_combine
 from . import layout as L
 from .sparse_mqa_kernel import build_sparse_mqa
+from .sparse_mqa_ws_kernel import build_sparse_mqa_ws
 from .write_kernel import build_write_index_k, build_write_kv_v4
 
 BLOCK_H = 64
@@ -52,9 +53,41 @@ def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8
     return views, (pages.rows, stride // 16, pages.num_slots)
 
 
-def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None):
-    # P through shared memory on every target for now (what MUSA needs); a register-P variant where
-    # features_of(target)["gemm_a_in_registers"] holds is a tuning step still to take
+PROGRAMS = ("warp_specialized", "portable")
+
+
+def sparse_mqa_program(target=None) -> str:
+    """Which sparse MQA program ``target`` (None: this platform's) runs: ``warp_specialized``
+    (:mod:`.sparse_mqa_ws_kernel`: a dequantising producer warp group, P in registers) where the target has warp
+    specialisation, GEMMs that read A from registers and an FP8 conversion; else ``portable``
+    (:mod:`.sparse_mqa_kernel`)."""
+    f = features_of(target)
+    return "warp_specialized" if f["warp_specialized"] and f["gemm_a_in_registers"] and f["fp8"] else "portable"
+
+
+def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None,
+                      program: Optional[str] = None):
+    """The compiled sparse MQA program (``program``: one of :data:`PROGRAMS`, default
+    :func:`sparse_mqa_program`)."""
+    program = program or sparse_mqa_program(target)
+    check(program in PROGRAMS, lambda: f"sparse_mqa: program must be one of {PROGRAMS}, got {program!r}")
+    check(program == "portable" or sparse_mqa_program(target) == program,
+          lambda: f"sparse_mqa: the {program} program needs warp specialisation, GEMMs reading A from registers "
+                  f"and an FP8 conversion, which this target lacks: {features_of(target)}")
+    if program == "warp_specialized":
+        # the program syncs its warp groups itself (named barriers and mbarriers); TileLang's automatic syncs
+        # would put a whole-block barrier inside one warp group's code
+        pc = {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+              # every read is in bounds by construction (index entries clamped into their rows and guarded by
+              # the length; cache rows read only for a valid slot; output rows guarded), so the per-access
+              # checks would only add instructions to the producer's loads
+              tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
+              # the score exchange's XOR-swizzled columns are a permutation: no two threads write one word
+              **_writer_pass_configs()}
+        key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, program, BLOCK_N)
+        return compile_cached(key, lambda: build_sparse_mqa_ws(H, has_extra, has_sink, split, q_dtype, BLOCK_N),
+                              target=target, pass_configs=pc)
+    # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
     fp8_convert = _fp8_convert(target)
     key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N, shared_p, fp8_convert)
@@ -91,8 +124,10 @@ def _lengths(lengths: Optional[torch.Tensor], T: int, K: int, device) -> torch.T
 
 
 def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
-                        extra_lengths=None, sink=None, sm_scale=L.D ** -0.5, out=None, return_lse=False):
-    """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.sparse_mqa` (arguments checked there)."""
+                        extra_lengths=None, sink=None, sm_scale=L.D ** -0.5, out=None, return_lse=False,
+                        program: Optional[str] = None):
+    """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.sparse_mqa` (arguments checked there;
+    ``program``: see :func:`sparse_mqa_kernel`)."""
     op = "sparse_mqa(impl='tilelang')"
     check(q.dtype == torch.bfloat16, lambda: f"{op}: q must be bfloat16 (the kernels' dtype), got {q.dtype}")
     T, H, _ = q.shape
@@ -122,11 +157,12 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     splits = num_splits_for(T, H, tiles, get_platform().sm_count or 132)
     args = (q, *main_views, i1, l1, *extra_views, i2, l2, sinks, float(sm_scale), *main_geo, *extra_geo, splits)
     if splits == 1:
-        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype))(*args, out, lse)
+        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype), program=program)(*args, out, lse)
     else:
         o_part = torch.empty(splits, T, H, L.D, dtype=torch.float32, device=dev)
         l_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
-        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype))(*args, o_part, l_part)
+        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype), program=program)(*args, o_part,
+                                                                                                 l_part)
         combine_kernel(H, has_sink, tl_dtype(q.dtype))(o_part, l_part, sinks, out, lse)
     return (out, lse) if return_lse else out
 
