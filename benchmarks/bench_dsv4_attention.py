@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import platform as _platform
 import sys
 from pathlib import Path
@@ -161,6 +162,8 @@ def main(argv=None):
                     q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, impl="reference"), graph=False,
                     rep=5, warmup=1)
             rows.append(row(op, cfg, T, H, K, ms, peers, ceilings, s_q, extra))
+            Path(args.out, "dsv4-attention-partial.json").write_text(json.dumps(
+                {"ceilings": ceilings, "peer_errors": errors, "rows": rows}))  # survives a cut-off run
             torch.cuda.empty_cache()
     for name, width, row_bytes in (("write_kv_v4", 512, L.ROW_BYTES), ("write_index_k", 128, L.INDEX_ROW_BYTES)):
         T = 16384
@@ -187,6 +190,7 @@ def main(argv=None):
                         "python": _platform.python_version()},
            "ceilings": ceilings, "peer_errors": errors, "rows": rows}
     write_run(args.out, "dsv4-attention", doc)
+    Path(args.out, "dsv4-attention-partial.json").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
