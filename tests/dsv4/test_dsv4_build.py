@@ -84,15 +84,45 @@ def test_musa_dsv4_programs_read_p_from_shared_memory(use_settings):
 NVCC = nvcc_path()
 
 
+@pytest.mark.parametrize("target,program", [("sm_90a", "warp_specialized"), ("sm_90", "portable"),
+                                            ("sm_80", "portable"), ("mp_31", "portable"), ("mp_22", "portable")])
+def test_each_target_runs_the_program_it_can(use_settings, target, program):
+    """The warp-specialised program needs warp specialisation (sm_90a), GEMMs reading A from registers and an
+    FP8 conversion; everything else, MUSA included, runs the portable one, and forcing the other is refused."""
+    use_settings(target=target)
+    assert ti.sparse_mqa_program() == program
+    if program == "portable":
+        with pytest.raises(ValueError, match="the warp_specialized program needs warp specialisation"):
+            ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program="warp_specialized")
+    use_settings(shared_p=True)  # MUSA_ATTN_SHARED_P: no register A operand anywhere, so no register P
+    assert ti.sparse_mqa_program() == "portable"
+
+
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("split", [False, True])
-def test_sparse_mqa_compiles_for_sm90a(split):
+@pytest.mark.parametrize("program", ti.PROGRAMS)
+def test_sparse_mqa_compiles_for_sm90a(split, program):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    src = ti.sparse_mqa_kernel(64, True, True, split, "bfloat16", target=HOPPER).get_kernel_source()
-    assert src.count("tl::wgmma_ss<") >= 2  # Q K^T and P V, both from shared memory
+    src = ti.sparse_mqa_kernel(64, True, True, split, "bfloat16", target=HOPPER, program=program).get_kernel_source()
+    if program == "portable":
+        assert src.count("tl::wgmma_ss<") >= 2  # Q K^T and P V, both from shared memory
+    else:
+        # per consumer warp group: Q K^T from shared memory, P V with P in registers; the register split
+        assert src.count("tl::wgmma_ss<") == 2 and src.count("tl::wgmma_rs<") == 2
+        assert "warpgroup_reg_alloc<216>" in src and "warpgroup_reg_dealloc<72>" in src
     if split:
         comb = ti.combine_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
         assert "__global__" in comb
+
+
+def test_warp_specialized_program_fits_hopper_shared_memory():
+    """Two dequantised 64-row stages, the query block and the score exchange: within sm_90's 227 KB."""
+    from musa_attn_backend.kernels.attention.tilelang_impl import tl
+    from musa_attn_backend.kernels.dsv4.sparse_mqa_ws_kernel import build_sparse_mqa_ws
+
+    lowered = _tilelang.lower(build_sparse_mqa_ws(128, True, True, True), HOPPER,
+                              {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+    assert 200 * 1024 < lowered.shared_bytes <= 227 * 1024
 
 
 def test_tilelang_path_refuses_non_bf16_q():
