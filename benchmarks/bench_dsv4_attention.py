@@ -112,6 +112,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-portable", action="store_true", help="skip timing the portable program")
+    ap.add_argument("--producers", default="", help="also time these producers of the warp-specialised program "
+                                                     "(comma-separated, e.g. async)")
+    ap.add_argument("--configs", default="flash,pro", help="comma-separated: flash, pro")
+    ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
+                                                          "tokens-per-block:threads, comma-separated (e.g. 16:256)")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     from musa_attn_backend.kernels.dsv4 import tilelang_impl
@@ -129,7 +134,7 @@ def main(argv=None):
     prefill_t = (4096,) if args.quick else (4096, 16384)
     g = torch.Generator(device="cuda").manual_seed(0)
     program = tilelang_impl.sparse_mqa_program()
-    for cfg, (H, K) in CONFIGS.items():
+    for cfg, (H, K) in ((c, CONFIGS[c]) for c in args.configs.split(",")):
         runs = [("decode", B, s_q) for s_q in (1, 2) for B in decode_b] + [("prefill", T, 1) for T in prefill_t]
         for op, B, s_q in runs:
             T = B * s_q
@@ -139,14 +144,20 @@ def main(argv=None):
             sink = torch.randn(H, device="cuda", generator=g)
             out = torch.empty_like(q)
 
-            def ours(prog=program):
-                tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
-                                                  program=prog)
+            def ours(prog=program, producer=tilelang_impl.WS_PRODUCER):
+                tilelang_impl.WS_PRODUCER, saved = producer, tilelang_impl.WS_PRODUCER
+                try:
+                    tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink,
+                                                      out=out, program=prog)
+                finally:
+                    tilelang_impl.WS_PRODUCER = saved
 
             ms = bench_ms(ours)
-            extra = {"program": program}
+            extra = {"program": program, "producer": tilelang_impl.WS_PRODUCER}
             if program != "portable" and not args.no_portable:
                 extra["portable_ms"] = bench_ms(lambda: ours("portable"))
+            for producer in args.producers.split(",") if program != "portable" and args.producers else ():
+                extra[f"{producer}_producer_ms"] = bench_ms(lambda p=producer: ours(program, p))
             peers = {}
             if T <= 4096:
                 for name, fn in list(peer_fns.items()):
@@ -165,6 +176,24 @@ def main(argv=None):
             Path(args.out, "dsv4-attention-partial.json").write_text(json.dumps(
                 {"ceilings": ceilings, "peer_errors": errors, "rows": rows}))  # survives a cut-off run
             torch.cuda.empty_cache()
+    writer_rows(rows, ceilings, g, args.writer_tilings)
+    import tilelang
+
+    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
+                        "python": _platform.python_version()},
+           "ceilings": ceilings, "peer_errors": errors, "rows": rows}
+    write_run(args.out, "dsv4-attention", doc)
+    Path(args.out, "dsv4-attention-partial.json").unlink(missing_ok=True)
+
+
+def writer_rows(rows, ceilings, g, tilings: str):
+    """Writer throughput at 16k rows (random distinct slots), at the default tiling and at each of ``tilings``
+    ("T:threads,..."), against the copy rate."""
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+
+    extra_tilings = [tuple(int(v) for v in t.split(":")) for t in tilings.split(",") if t]
     for name, width, row_bytes in (("write_kv_v4", 512, L.ROW_BYTES), ("write_index_k", 128, L.INDEX_ROW_BYTES)):
         T = 16384
         x = torch.randn(T, width, device="cuda", generator=g).to(torch.bfloat16)
@@ -179,18 +208,20 @@ def main(argv=None):
         ms = bench_ms(fn)
         moved = T * (width * 2 + row_bytes + 8)  # read the rows and slots, write the packed rows
         tbps = moved / ms / 1e9
+        sweep = {}
+        attr = "WRITE_KV_TILING" if name == "write_kv_v4" else "WRITE_INDEX_K_TILING"
+        default = getattr(tilelang_impl, attr)
+        for tiling in extra_tilings:
+            setattr(tilelang_impl, attr, tiling)
+            try:
+                sweep[f"{tiling[0]}x{tiling[1]}"] = bench_ms(fn)
+            finally:
+                setattr(tilelang_impl, attr, default)
         rows.append({"op": name, "shape": dict(tokens=T), "ours_ms": ms, "peers": {}, "tbps": tbps,
-                     "roofline_frac": tbps / ceilings["copy_tbps"], "ratio_vs_best_peer": None})
-        print(f"{name:14s} T={T}  {ms:.4f} ms  {tbps:.2f} TB/s  {tbps / ceilings['copy_tbps']:.2f} of copy", flush=True)
-    import tilelang
-
-    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
-                        "python": _platform.python_version()},
-           "ceilings": ceilings, "peer_errors": errors, "rows": rows}
-    write_run(args.out, "dsv4-attention", doc)
-    Path(args.out, "dsv4-attention-partial.json").unlink(missing_ok=True)
+                     "roofline_frac": tbps / ceilings["copy_tbps"], "ratio_vs_best_peer": None,
+                     "tiling": f"{default[0]}x{default[1]}", "tiling_sweep_ms": sweep})
+        print(f"{name:14s} T={T}  {ms:.4f} ms  {tbps:.2f} TB/s  {tbps / ceilings['copy_tbps']:.2f} of copy  "
+              + "  ".join(f"{k} {v:.4f}" for k, v in sweep.items()), flush=True)
 
 
 if __name__ == "__main__":

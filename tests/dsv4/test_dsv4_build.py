@@ -100,10 +100,14 @@ def test_each_target_runs_the_program_it_can(use_settings, target, program):
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("program", ti.PROGRAMS)
-def test_sparse_mqa_compiles_for_sm90a(split, program):
+@pytest.mark.parametrize("program,producer", [("portable", "rows"), ("warp_specialized", "rows"),
+                                              ("warp_specialized", "async")])
+def test_sparse_mqa_compiles_for_sm90a(split, program, producer):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    src = ti.sparse_mqa_kernel(64, True, True, split, "bfloat16", target=HOPPER, program=program).get_kernel_source()
+    src = ti.sparse_mqa_kernel(64, True, True, split, "bfloat16", target=HOPPER, program=program,
+                               producer=producer).get_kernel_source()
+    if producer == "async":  # the rows' bytes copied by cp.async, predicated (invalid rows: zero-filled, not read)
+        assert "cp_async_gs_conditional<16>" in src and "cp_async_gs_conditional<8>" in src
     if program == "portable":
         assert src.count("tl::wgmma_ss<") >= 2  # Q K^T and P V, both from shared memory
     else:
@@ -142,6 +146,15 @@ def test_writer_glue_matches_the_programs(use_settings):
         ti.write_index_k_tilelang(torch.randn(5, 128).to(torch.bfloat16), icache, torch.arange(5, dtype=torch.int32))
     assert set(kernels) == {"dsv4_write_kv", "dsv4_write_index_k"}
     assert all(len(k.calls) == 1 for k in kernels.values())
+
+
+@pytest.mark.parametrize("kv_tiling,k_tiling", [((16, 256), (32, 256)), ((1, 64), (1, 32))])
+def test_writer_tilings_build(kv_tiling, k_tiling):
+    """The writer tilings the bench sweeps lower for sm_90a (TileLang's layout inference accepts them)."""
+    from musa_attn_backend.kernels.dsv4.write_kernel import build_write_index_k, build_write_kv_v4
+
+    for func in (build_write_kv_v4("bfloat16", *kv_tiling), build_write_index_k("bfloat16", *k_tiling)):
+        assert "__global__" in _tilelang.lower(func, HOPPER, ti._writer_pass_configs()).source
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")

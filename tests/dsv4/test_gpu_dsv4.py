@@ -52,15 +52,18 @@ CASES = [
     (128, 1, (4, 256, 0), 128, (30, 64, 0), 1024, True),  # Pro decode, one token: many splits
     (8, 16384, (80, 256, 0), 128, None, 0, True),  # a 16k-token prefill
 ]
-PROGRAMS = ("warp_specialized", "portable")
+PROGRAMS = ("warp_specialized", "warp_specialized:async", "portable")  # program[:producer]
 
 
 @pytest.fixture(params=PROGRAMS)
 def program(request, monkeypatch):
-    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; both build here)."""
+    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), and each
+    producer of the warp-specialised one."""
     from musa_attn_backend.kernels.dsv4 import tilelang_impl
 
-    monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: request.param)
+    name, _, producer = request.param.partition(":")
+    monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: name)
+    monkeypatch.setattr(tilelang_impl, "WS_PRODUCER", producer or "rows")
     return request.param
 
 
@@ -145,6 +148,17 @@ def test_write_index_k_kernel_is_byte_exact(gpu_device, pages, T):
     dsv4.write_index_k(k, views[0], slots, impl="tilelang")
     dsv4.write_index_k(k, views[1], slots, impl="reference")
     assert torch.equal(bufs[0], bufs[1])
+
+
+@pytest.mark.parametrize("kv_tiling,k_tiling", [((16, 256), (32, 256)), ((1, 64), (1, 32))])
+def test_writers_byte_exact_at_other_tilings(gpu_device, monkeypatch, kv_tiling, k_tiling):
+    """The writers at the tilings the bench's sweep measures (tokens per block, threads): the same bytes."""
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+
+    monkeypatch.setattr(tilelang_impl, "WRITE_KV_TILING", kv_tiling)
+    monkeypatch.setattr(tilelang_impl, "WRITE_INDEX_K_TILING", k_tiling)
+    test_write_kv_v4_kernel_is_byte_exact(gpu_device, 9, 64, 93888, 333)
+    test_write_index_k_kernel_is_byte_exact(gpu_device, 4, 200)
 
 
 def test_sparse_mqa_integer_e4m3_decode(gpu_device, monkeypatch):

@@ -40,17 +40,28 @@ BATCH = 8  # 16-byte units loaded into registers before any is converted
 CONSUMERS = 256
 PRODUCER_THREADS = 128
 CONSUMER_REGS, PRODUCER_REGS = 216, 72
-# named barriers (0 is __syncthreads): both score halves written; consumer g's half free to overwrite
+# named barriers (0 is __syncthreads): both score halves written; consumer g's half free to overwrite; the
+# producer warp group's own sync
 EXCH_BARRIER = 3
 FREE_BARRIERS = (4, 5)
+PRODUCER_BARRIER = 6
+ROWS_PER_THREAD = 8  # producer='async': 64 rows over 4 warps of two half warps
 
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str = "bfloat16",
-                        block_N: int = 64, num_stages: int = 2):
+                        block_N: int = 64, num_stages: int = 2, producer: str = "rows"):
     """Sparse MQA for ``H`` query heads (blocks of 64, rows past ``H`` padded inside) on Hopper-class GPUs;
     ``block_N`` index entries per key tile (two producer threads per entry: ``block_N`` = 64), a ring of
-    ``num_stages`` dequantised tiles."""
+    ``num_stages`` dequantised tiles.
+
+    ``producer``: how the producer fills a stage. ``rows`` (above): one thread per half row, loads through
+    registers. ``async``: half a warp per row, lane ``l`` copying the row's 16-byte units ``l``, ``l + 16`` and
+    ``l + 32`` with ``cp.async`` (a warp's copies cover two rows' contiguous bytes; invalid rows predicated off,
+    which zero-fills them without a read), each nope unit into the second half of its 32-byte bf16 slot, the
+    RoPE units into their places and the row's scale bytes beside the stage; once the copies land, each lane
+    widens its nope units in place (e4m3 bytes read back from the slot, scaled, written as 16 bf16)."""
+    assert producer in ("rows", "async"), producer
     BH, BN, D, NS = 64, block_N, L.D, num_stages
     assert 2 * BN == PRODUCER_THREADS, "two producer threads per entry of a tile"
     NT = T.dynamic("num_tokens")
@@ -85,13 +96,13 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
                         h0 + h < H, Q[t, T.min(h0 + h, H - 1), c * 8 + v], T.Cast(q_dtype, 0))
 
     @T.macro
-    def entry_of(dst, gi, n1, j, t, I1, L1, I2, L2):
-        """``dst[0]`` <- the index of entry ``j`` of the split's tile ``gi`` of token ``t`` (-1 past its length)."""
+    def entry_of(dst, d, gi, n1, j, t, I1, L1, I2, L2):
+        """``dst[d]`` <- the index of entry ``j`` of the split's tile ``gi`` of token ``t`` (-1 past its length)."""
         if gi < n1:
-            dst[0] = T.if_then_else(gi * BN + j < T.min(L1[t], K1), I1[t, T.min(gi * BN + j, K1 - 1)], -1)
+            dst[d] = T.if_then_else(gi * BN + j < T.min(L1[t], K1), I1[t, T.min(gi * BN + j, K1 - 1)], -1)
         else:
             e = (gi - n1) * BN + j
-            dst[0] = T.if_then_else(e < T.min(L2[t], K2), I2[t, T.min(e, K2 - 1)], -1)
+            dst[d] = T.if_then_else(e < T.min(L2[t], K2), I2[t, T.min(e, K2 - 1)], -1)
 
     @T.macro
     def convert_units(dst, st, j, C8, loc, raw, sc, first, u0, n):
@@ -147,6 +158,66 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
         """The column of score ``(i, jj)`` in the exchange buffer: 8-column groups XOR-ed with the row, so the
         accumulator fragments' rows (8 apart in a warp) land in different banks."""
         return jj ^ ((i % 8) * 8)
+
+    @T.macro
+    def copy_row_async(KVl_s, KVr_s, ok_s, S_s, st, CH, CS, rows, stride16, slots, idx, j, l):
+        """Lane ``l`` of the half warp that owns row ``j``: its ``cp.async`` copies of index ``idx``'s units (see
+        ``producer='async'``); invalid: predicated off (zeros, no read)."""
+        ok = T.And(idx >= 0, idx < slots)
+        base = T.if_then_else(ok, idx // rows * stride16 + idx % rows * ROW16, 0)
+        if l == 0:
+            ok_s[st, j] = T.if_then_else(ok, 1, 0)
+        T.ptx_cp_async(T.access_ptr(KVl_s[st, j, l * 16 + 8], "w", 8), T.access_ptr(CH[base + l, 0], "r", 8), 8,
+                       ok)
+        if l < RIGHT_UNITS:
+            T.ptx_cp_async(T.access_ptr(KVr_s[st, j, l * 16 + 8], "w", 8),
+                           T.access_ptr(CH[base + LEFT_UNITS + l, 0], "r", 8), 8, ok)
+        else:  # RoPE units 0-3
+            T.ptx_cp_async(T.access_ptr(KVr_s[st, j, RIGHT_UNITS * 16 + (l - RIGHT_UNITS) * 8], "w", 8),
+                           T.access_ptr(CH[base + LEFT_UNITS + l, 0], "r", 8), 8, ok)
+        if l < ROW16 - 32:  # RoPE units 4-7
+            T.ptx_cp_async(T.access_ptr(KVr_s[st, j, RIGHT_UNITS * 16 + (l + 4) * 8], "w", 8),
+                           T.access_ptr(CH[base + 32 + l, 0], "r", 8), 8, ok)
+        if l == 4:  # the row's scale bytes
+            sc = T.if_then_else(ok, idx // rows * stride16 * 2 + rows * (L.DATA_BYTES // 8) + idx % rows, 0)
+            T.ptx_cp_async(T.access_ptr(S_s[st, j, 0], "w", 8), T.access_ptr(CS[sc, 0], "r", 8), 8, ok)
+
+    @T.macro
+    def widen_unit(X_s, S_s, st, j, col, tile, raw, wide, scale):
+        """The e4m3 bytes in the second half of the 32-byte slot at ``col`` widened to its 16 bf16 values, scaled by
+        ``2^(S_s[st, j, tile] - 127)`` (a zero-filled row has zero bytes and stays zero)."""
+        for v in T.vectorized(8):
+            raw[v] = X_s[st, j, col + 8 + v]
+        scale[0] = T.exp2(T.Cast(ACC, S_s[st, j, tile]) - 127.0)
+        for k in T.unroll(16):
+            byte = T.Cast("uint8", T.shift_right(T.reinterpret(raw[k // 2], "uint16"), (k % 2) * 8) & 255)
+            wide[k] = T.Cast(q_dtype, T.Cast(ACC, T.reinterpret(byte, "float8_e4m3")) * scale[0])
+        for v in T.vectorized(16):
+            X_s[st, j, col + v] = wide[v]
+
+    @T.macro
+    def fill_tile_async(KVl_s, KVr_s, ok_s, S_s, st, gi, n1, p, t, I1, L1, I2, L2, CH, CS, rows1, stride1, slots1, XH,
+                        XS, rows2, stride2, slots2, cur, raw, wide, scale):
+        """The split's tile ``gi`` into stage ``st`` (``producer='async'``): the 8 rows ``16 w + 2 i + half`` of this
+        thread's half warp copied, the copies awaited and seen by the whole warp group, then widened."""
+        l = p % 16
+        for i in T.unroll(ROWS_PER_THREAD):
+            entry_of(cur, i, gi, n1, (p // 32) * 16 + i * 2 + (p % 32) // 16, t, I1, L1, I2, L2)
+        for i in T.unroll(ROWS_PER_THREAD):
+            if gi < n1:
+                copy_row_async(KVl_s, KVr_s, ok_s, S_s, st, CH, CS, rows1, stride1, slots1, cur[i],
+                               (p // 32) * 16 + i * 2 + (p % 32) // 16, l)
+            else:
+                copy_row_async(KVl_s, KVr_s, ok_s, S_s, st, XH, XS, rows2, stride2, slots2, cur[i],
+                               (p // 32) * 16 + i * 2 + (p % 32) // 16, l)
+        T.ptx_commit_group()
+        T.ptx_wait_group(0)
+        T.sync_threads(PRODUCER_BARRIER, PRODUCER_THREADS)  # every lane's scale bytes seen by its half warp
+        for i in T.unroll(ROWS_PER_THREAD):
+            j = (p // 32) * 16 + i * 2 + (p % 32) // 16
+            widen_unit(KVl_s, S_s, st, j, l * 16, l // 4, raw, wide, scale)
+            if l < RIGHT_UNITS:
+                widen_unit(KVr_s, S_s, st, j, l * 16, (LEFT_UNITS + l) // 4, raw, wide, scale)
 
     # ---- consumers ------------------------------------------------------------------------------------------
 
@@ -246,6 +317,7 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
             KVr_s = T.alloc_shared([NS, BN, HD], q_dtype)
             X_s = T.alloc_shared([2, BH, BN], ACC)
             ok_s = T.alloc_shared([NS, BN], "int32")
+            S_s = T.alloc_shared([NS, BN, 8], "uint8") if producer == "async" else None
             q_full = T.alloc_barrier(PRODUCER_THREADS)
             full = T.alloc_barrier([PRODUCER_THREADS] * NS)
             empty = T.alloc_barrier([CONSUMERS] * NS)
@@ -263,41 +335,54 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
             if tx >= CONSUMERS:
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 p = tx - CONSUMERS
-                loc = T.alloc_local([3], "int32")
-                nxt = T.alloc_local([1], "int32")
-                raw = T.alloc_local([BATCH * 16], "float8_e4m3")
-                rope = T.alloc_local([L.D_ROPE], q_dtype)
-                sb = T.alloc_local([8], "uint8")
-                sc = T.alloc_local([4], ACC)
                 load_q(Q, Ql_s, Qr_s, t, h0, p)
                 T.fence_proxy_async()
                 T.mbarrier_arrive(q_full)
-                j = p % BN
-                if n_iters > 0:
-                    entry_of(nxt, it_lo, n1, j, t, I1, L1, I2, L2)
-                for k in T.serial(n_iters):
-                    st = k % NS
-                    gi = it_lo + k
-                    loc[0] = nxt[0]
-                    if k + 1 < n_iters:  # the next tile's index, read while this one is filled
-                        entry_of(nxt, gi + 1, n1, j, t, I1, L1, I2, L2)
-                    T.mbarrier_wait_parity(empty[st], ((k // NS) & 1) ^ 1)
-                    if p < BN:
-                        if gi < n1:
-                            fill_half(KVl_s, KVr_s, ok_s, st, C8, CH, CS, rows1, stride1, slots1, j, False, loc,
-                                      raw, rope, sb, sc)
+                if producer == "rows":
+                    j = p % BN
+                    loc = T.alloc_local([3], "int32")
+                    nxt = T.alloc_local([1], "int32")
+                    raw = T.alloc_local([BATCH * 16], "float8_e4m3")
+                    rope = T.alloc_local([L.D_ROPE], q_dtype)
+                    sb = T.alloc_local([8], "uint8")
+                    sc = T.alloc_local([4], ACC)
+                    if n_iters > 0:
+                        entry_of(nxt, 0, it_lo, n1, j, t, I1, L1, I2, L2)
+                    for k in T.serial(n_iters):
+                        st = k % NS
+                        gi = it_lo + k
+                        loc[0] = nxt[0]
+                        if k + 1 < n_iters:  # the next tile's index, read while this one is filled
+                            entry_of(nxt, 0, gi + 1, n1, j, t, I1, L1, I2, L2)
+                        T.mbarrier_wait_parity(empty[st], ((k // NS) & 1) ^ 1)
+                        if p < BN:
+                            if gi < n1:
+                                fill_half(KVl_s, KVr_s, ok_s, st, C8, CH, CS, rows1, stride1, slots1, j, False, loc,
+                                          raw, rope, sb, sc)
+                            else:
+                                fill_half(KVl_s, KVr_s, ok_s, st, X8, XH, XS, rows2, stride2, slots2, j, False, loc,
+                                          raw, rope, sb, sc)
                         else:
-                            fill_half(KVl_s, KVr_s, ok_s, st, X8, XH, XS, rows2, stride2, slots2, j, False, loc,
-                                      raw, rope, sb, sc)
-                    else:
-                        if gi < n1:
-                            fill_half(KVl_s, KVr_s, ok_s, st, C8, CH, CS, rows1, stride1, slots1, j, True, loc,
-                                      raw, rope, sb, sc)
-                        else:
-                            fill_half(KVl_s, KVr_s, ok_s, st, X8, XH, XS, rows2, stride2, slots2, j, True, loc,
-                                      raw, rope, sb, sc)
-                    T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
-                    T.mbarrier_arrive(full[st])
+                            if gi < n1:
+                                fill_half(KVl_s, KVr_s, ok_s, st, C8, CH, CS, rows1, stride1, slots1, j, True, loc,
+                                          raw, rope, sb, sc)
+                            else:
+                                fill_half(KVl_s, KVr_s, ok_s, st, X8, XH, XS, rows2, stride2, slots2, j, True, loc,
+                                          raw, rope, sb, sc)
+                        T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
+                        T.mbarrier_arrive(full[st])
+                else:
+                    cur = T.alloc_local([ROWS_PER_THREAD], "int32")
+                    craw = T.alloc_local([8], q_dtype)
+                    cwide = T.alloc_local([16], q_dtype)
+                    cscale = T.alloc_local([1], ACC)
+                    for k in T.serial(n_iters):
+                        st = k % NS
+                        T.mbarrier_wait_parity(empty[st], ((k // NS) & 1) ^ 1)
+                        fill_tile_async(KVl_s, KVr_s, ok_s, S_s, st, it_lo + k, n1, p, t, I1, L1, I2, L2, CH, CS, rows1,
+                                        stride1, slots1, XH, XS, rows2, stride2, slots2, cur, craw, cwide, cscale)
+                        T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
+                        T.mbarrier_arrive(full[st])
 
             consumer(0, Ql_s, KVl_s, X_s, ok_s, q_full, full, empty, n_iters, scale_log2, sinks, O, LSE, bs, t,
                      h0)

@@ -54,6 +54,9 @@ def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8
 
 
 PROGRAMS = ("warp_specialized", "portable")
+# the warp-specialised program's producer (see build_sparse_mqa_ws): "rows" is the one measured on the H200;
+# "async" (cp.async copies, widened in place) is built and awaits its first GPU run
+WS_PRODUCER = "rows"
 
 
 def sparse_mqa_program(target=None) -> str:
@@ -66,9 +69,10 @@ def sparse_mqa_program(target=None) -> str:
 
 
 def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None,
-                      program: Optional[str] = None):
+                      program: Optional[str] = None, producer: str = "rows"):
     """The compiled sparse MQA program (``program``: one of :data:`PROGRAMS`, default
-    :func:`sparse_mqa_program`)."""
+    :func:`sparse_mqa_program`; ``producer``: the warp-specialised program's, see
+    :func:`.sparse_mqa_ws_kernel.build_sparse_mqa_ws`)."""
     program = program or sparse_mqa_program(target)
     check(program in PROGRAMS, lambda: f"sparse_mqa: program must be one of {PROGRAMS}, got {program!r}")
     check(program == "portable" or sparse_mqa_program(target) == program,
@@ -84,8 +88,9 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
               tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
               # the score exchange's XOR-swizzled columns are a permutation: no two threads write one word
               **_writer_pass_configs()}
-        key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, program, BLOCK_N)
-        return compile_cached(key, lambda: build_sparse_mqa_ws(H, has_extra, has_sink, split, q_dtype, BLOCK_N),
+        key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, program, BLOCK_N, producer)
+        return compile_cached(key, lambda: build_sparse_mqa_ws(H, has_extra, has_sink, split, q_dtype, BLOCK_N,
+                                                               producer=producer),
                               target=target, pass_configs=pc)
     # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
@@ -157,12 +162,13 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     splits = num_splits_for(T, H, tiles, get_platform().sm_count or 132)
     args = (q, *main_views, i1, l1, *extra_views, i2, l2, sinks, float(sm_scale), *main_geo, *extra_geo, splits)
     if splits == 1:
-        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype), program=program)(*args, out, lse)
+        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype), program=program,
+                          producer=WS_PRODUCER)(*args, out, lse)
     else:
         o_part = torch.empty(splits, T, H, L.D, dtype=torch.float32, device=dev)
         l_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
-        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype), program=program)(*args, o_part,
-                                                                                                 l_part)
+        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype), program=program,
+                          producer=WS_PRODUCER)(*args, o_part, l_part)
         combine_kernel(H, has_sink, tl_dtype(q.dtype))(o_part, l_part, sinks, out, lse)
     return (out, lse) if return_lse else out
 
@@ -175,14 +181,21 @@ def _writer_pass_configs() -> dict:
     return {key: True} if key is not None else {}
 
 
-def write_kv_v4_kernel(in_dtype: str, target=None):
-    return compile_cached(("dsv4_write_kv", in_dtype), lambda: build_write_kv_v4(in_dtype), target=target,
-                          pass_configs=_writer_pass_configs())
+# the writers' tiling (tokens per block, threads): the programs' defaults unless a sweep picks others
+WRITE_KV_TILING = (4, 128)
+WRITE_INDEX_K_TILING = (8, 128)
 
 
-def write_index_k_kernel(in_dtype: str, target=None):
-    return compile_cached(("dsv4_write_index_k", in_dtype), lambda: build_write_index_k(in_dtype), target=target,
-                          pass_configs=_writer_pass_configs())
+def write_kv_v4_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = None):
+    tiling = tuple(tiling or WRITE_KV_TILING)
+    return compile_cached(("dsv4_write_kv", in_dtype) + tiling, lambda: build_write_kv_v4(in_dtype, *tiling),
+                          target=target, pass_configs=_writer_pass_configs())
+
+
+def write_index_k_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = None):
+    tiling = tuple(tiling or WRITE_INDEX_K_TILING)
+    return compile_cached(("dsv4_write_index_k", in_dtype) + tiling, lambda: build_write_index_k(in_dtype, *tiling),
+                          target=target, pass_configs=_writer_pass_configs())
 
 
 def _check_fp8_writes(op: str) -> None:
