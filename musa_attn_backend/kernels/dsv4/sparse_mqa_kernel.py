@@ -21,6 +21,7 @@ import functools
 from ..._tilelang import tl_lang as T
 from ..attention.tl_common import ACC, LOG2E, Tiles, attention_macros
 from . import layout as L
+from .tl_sparse import sparse_macros
 
 ROW16 = L.DATA_BYTES // 16  # a data row in 16-byte units (36)
 ROPE16 = L.D_NOPE // 16  # the RoPE values' first 16-byte unit within a data row (28)
@@ -48,6 +49,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     O_shape = (SPLITS, NT, H, D) if split else (NT, H, D)
     L_shape = (SPLITS, NT, H) if split else (NT, H)
     alloc_state, _, _, softmax_step, pv_product, finish_rows = attention_macros(BH, BN, D, D, 0, 0, False, q_dtype)
+    split_tiles, store_output = sparse_macros(H, BH, BN, has_extra, has_sink, split, q_dtype, K1, K2)
     nope_dtype = "float8_e4m3" if fp8_convert else "uint8"
 
     def e4m3_value(b):
@@ -129,11 +131,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             h0 = bh * BH
             scale_log2 = sm_scale * LOG2E
 
-            n1 = T.ceildiv(T.max(T.min(L1[t], K1), 0), BN)
-            n2 = T.ceildiv(T.max(T.min(L2[t], K2), 0), BN) if has_extra else 0
-            per_split = T.ceildiv(n1 + n2, num_splits)
-            it_lo = bs * per_split
-            n_iters = T.max(T.min(per_split, n1 + n2 - it_lo), 0)
+            n1, it_lo, n_iters = split_tiles(L1, L2, t, bs, num_splits)
 
             for h, d in T.Parallel(BH, D):
                 Q_s[h, d] = T.if_then_else(h0 + h < H, Q[t, T.min(h0 + h, H - 1), d], T.Cast(q_dtype, 0))
@@ -158,28 +156,6 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
                 pv_product(state, tiles, T.GemmWarpPolicy.FullRow)
 
             finish_rows(state, scale_log2, sinks, lambda h: h, False)  # alpha <- log2 LSE without the sink
-            acc_o, l_i, m_i, lse2 = state.acc_o, state.l_i, state.m_i, state.alpha
-            if split:
-                for h, d in T.Parallel(BH, D):
-                    if h0 + h < H:
-                        O[bs, t, h0 + h, d] = T.if_then_else(l_i[h] == 0.0, 0.0, acc_o[h, d] / l_i[h])
-                for h in T.Parallel(BH):
-                    if h0 + h < H:
-                        LSE[bs, t, h0 + h] = lse2[h]
-            else:
-                den = state.row_sum
-                for h in T.Parallel(BH):
-                    if has_sink:
-                        den[h] = l_i[h] + T.if_then_else(
-                            m_i[h] == NEG_INF, 0.0,
-                            T.exp2(sinks[T.min(h0 + h, H - 1)] * LOG2E - m_i[h] * scale_log2))
-                    else:
-                        den[h] = l_i[h]
-                for h, d in T.Parallel(BH, D):
-                    if h0 + h < H:
-                        O[t, h0 + h, d] = T.Cast(q_dtype, T.if_then_else(l_i[h] == 0.0, 0.0, acc_o[h, d] / den[h]))
-                for h in T.Parallel(BH):
-                    if h0 + h < H:
-                        LSE[t, h0 + h] = lse2[h] / LOG2E
+            store_output(state, O, LSE, sinks, scale_log2, t, bs, h0, 0, D, True)
 
     return sparse_mqa
