@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import platform as _platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -99,6 +100,43 @@ def engine_peers(errors: dict) -> dict:
     return peers
 
 
+def _compile(job):
+    """One kernel of :func:`precompile` (in a worker process: it lands in the kernel cache on disk)."""
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+
+    kind, args, kwargs = job
+    getattr(ti, kind)(*args, **kwargs)
+    return job
+
+
+def precompile(configs, producers, portable: bool, tilings: str, workers: int = 8) -> None:
+    """Compile every kernel the run launches in parallel worker processes first (TileLang compiles one at a time
+    per process; the run then loads them from the kernel cache), reporting failures without stopping."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+
+    ws = ti.sparse_mqa_program() != "portable"
+    variants = [dict(program=ti.sparse_mqa_program(), producer=ti.WS_PRODUCER)]
+    variants += [dict(program="portable")] if ws and portable else []
+    variants += [dict(program="warp_specialized", producer=p) for p in producers if ws]
+    jobs = [("sparse_mqa_kernel", (CONFIGS[c][0], True, True, split, "bfloat16"), v)
+            for c in configs for split in (False, True) for v in variants]
+    jobs += [("combine_kernel", (CONFIGS[c][0], True, "bfloat16"), {}) for c in configs]
+    extra = [tuple(int(v) for v in t.split(":")) for t in tilings.split(",") if t]
+    jobs += [(k, ("bfloat16",), {"tiling": t}) for k in ("write_kv_v4_kernel", "write_index_k_kernel")
+             for t in [None] + extra]
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for job, fut in [(j, pool.submit(_compile, j)) for j in jobs]:
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - the run itself reports what cannot launch
+                print(f"precompile {job}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f} s", flush=True)
+
+
 def time_peer(name, fn, errors):
     try:
         fn()
@@ -115,12 +153,16 @@ def main(argv=None):
     ap.add_argument("--producers", default="", help="also time these producers of the warp-specialised program "
                                                      "(comma-separated, e.g. async)")
     ap.add_argument("--configs", default="flash,pro", help="comma-separated: flash, pro")
+    ap.add_argument("--no-precompile", action="store_true", help="compile each kernel at its first launch instead")
     ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
                                                           "tokens-per-block:threads, comma-separated (e.g. 16:256)")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     from musa_attn_backend.kernels.dsv4 import tilelang_impl
 
+    producers = [p for p in args.producers.split(",") if p]
+    if not args.no_precompile:
+        precompile(args.configs.split(","), producers, not args.no_portable, args.writer_tilings)
     ceilings = measure_ceilings()
     ceilings["fp8_matmul_tflops"] = fp8_matmul_tflops()
     print("ceilings", ceilings, flush=True)
@@ -156,7 +198,7 @@ def main(argv=None):
             extra = {"program": program, "producer": tilelang_impl.WS_PRODUCER}
             if program != "portable" and not args.no_portable:
                 extra["portable_ms"] = bench_ms(lambda: ours("portable"))
-            for producer in args.producers.split(",") if program != "portable" and args.producers else ():
+            for producer in producers if program != "portable" else ():
                 extra[f"{producer}_producer_ms"] = bench_ms(lambda p=producer: ours(program, p))
             peers = {}
             if T <= 4096:
