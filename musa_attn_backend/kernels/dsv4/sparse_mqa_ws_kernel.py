@@ -239,6 +239,8 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
             for k in T.serial(n_iters):
                 st = k % NS
                 T.mbarrier_wait_parity(full[st], (k // NS) & 1)
+                if producer == "async":
+                    T.fence_proxy_async()  # part of the stage arrived by cp.async: order it for the WGMMAs too
                 T.wgmma_gemm(Q_g, KV_g[st, :, :], acc_s, transpose_B=True,
                              policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
                 T.wait_wgmma(0)
