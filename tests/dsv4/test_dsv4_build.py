@@ -94,6 +94,9 @@ def test_each_target_runs_the_program_it_can(use_settings, target, program):
     if program == "portable":
         with pytest.raises(ValueError, match="the warp_specialized program needs warp specialisation"):
             ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program="warp_specialized")
+    else:
+        with pytest.raises(ValueError, match="producer must be one of"):
+            ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", producer="tma")
     use_settings(shared_p=True)  # MUSA_ATTN_SHARED_P: no register A operand anywhere, so no register P
     assert ti.sparse_mqa_program() == "portable"
 
@@ -154,7 +157,7 @@ def test_writer_tilings_build(kv_tiling, k_tiling):
     from musa_attn_backend.kernels.dsv4.write_kernel import build_write_index_k, build_write_kv_v4
 
     for func in (build_write_kv_v4("bfloat16", *kv_tiling), build_write_index_k("bfloat16", *k_tiling)):
-        assert "__global__" in _tilelang.lower(func, HOPPER, ti._writer_pass_configs()).source
+        assert "__global__" in _tilelang.lower(func, HOPPER, ti._no_race_check()).source
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")

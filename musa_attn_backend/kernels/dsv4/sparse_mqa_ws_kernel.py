@@ -36,7 +36,6 @@ ROPE16 = L.D_NOPE // 16  # the RoPE values' first 16-byte unit within a data row
 HD = L.D // 2  # output columns per consumer warp group
 LEFT_UNITS = HD // 16  # nope units of the left half (16)
 RIGHT_UNITS = (L.D_NOPE - HD) // 16  # nope units of the right half (12); then the 64 RoPE values
-RIGHT_FIRST = LEFT_UNITS  # the right half's first nope unit
 BATCH = 8  # 16-byte units loaded into registers before any is converted
 CONSUMERS = 256
 PRODUCER_THREADS = 128
@@ -132,7 +131,7 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
             loc[2] = loc[0] // rows * stride16 * 2 + rows * (L.DATA_BYTES // 8) + loc[0] % rows  # its scales
             for v in T.vectorized(8):
                 sb[v] = CS[loc[2], v]
-            first = RIGHT_FIRST if right else 0
+            first = LEFT_UNITS if right else 0  # the half's first nope unit
             units = RIGHT_UNITS if right else LEFT_UNITS
             dst = KVr_s if right else KVl_s
             for k in T.unroll(4):
@@ -147,14 +146,9 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
                     for v in T.vectorized(8):
                         KVr_s[st, j, RIGHT_UNITS * 16 + u * 8 + v] = rope[u * 8 + v]
         else:
-            if not right:
-                for c in T.unroll(HD // 8):
-                    for v in T.vectorized(8):
-                        KVl_s[st, j, c * 8 + v] = T.Cast(q_dtype, 0)
-            else:
-                for c in T.unroll(HD // 8):
-                    for v in T.vectorized(8):
-                        KVr_s[st, j, c * 8 + v] = T.Cast(q_dtype, 0)
+            for c in T.unroll(HD // 8):
+                for v in T.vectorized(8):
+                    (KVr_s if right else KVl_s)[st, j, c * 8 + v] = T.Cast(q_dtype, 0)
 
     def swizzled(i, jj):
         """The column of score ``(i, jj)`` in the exchange buffer: 8-column groups XOR-ed with the row, so the

@@ -57,6 +57,7 @@ PROGRAMS = ("warp_specialized", "portable")
 # the warp-specialised program's producer (see build_sparse_mqa_ws): "rows" is the one measured on the H200;
 # "async" (cp.async copies, widened in place) is built and awaits its first GPU run
 WS_PRODUCER = "rows"
+WS_PRODUCERS = ("rows", "async")
 
 
 def sparse_mqa_program(target=None) -> str:
@@ -79,6 +80,8 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
           lambda: f"sparse_mqa: the {program} program needs warp specialisation, GEMMs reading A from registers "
                   f"and an FP8 conversion, which this target lacks: {features_of(target)}")
     if program == "warp_specialized":
+        check(producer in WS_PRODUCERS,
+              lambda: f"sparse_mqa: producer must be one of {WS_PRODUCERS}, got {producer!r}")
         # the program syncs its warp groups itself (named barriers and mbarriers); TileLang's automatic syncs
         # would put a whole-block barrier inside one warp group's code
         pc = {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
@@ -87,7 +90,7 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
               # checks would only add instructions to the producer's loads
               tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
               # the score exchange's XOR-swizzled columns are a permutation: no two threads write one word
-              **_writer_pass_configs()}
+              **_no_race_check()}
         key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, program, BLOCK_N, producer)
         return compile_cached(key, lambda: build_sparse_mqa_ws(H, has_extra, has_sink, split, q_dtype, BLOCK_N,
                                                                producer=producer),
@@ -173,10 +176,11 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     return (out, lse) if return_lse else out
 
 
-def _writer_pass_configs() -> dict:
-    # TileLang cannot tell that the stores of different tokens go to different bytes (their slots come from
-    # memory): distinct slots write disjoint rows. Duplicate slots in one call are the caller's; which row lands
-    # is then unspecified, as in the engines' writers.
+def _no_race_check() -> dict:
+    """The pass config that turns off TileLang's data-race check (where this TileLang has it), for stores whose
+    disjointness it cannot prove: the writers' rows (their slots come from memory: distinct slots write disjoint
+    rows; duplicate slots in one call are the caller's, and which row lands is then unspecified, as in the
+    engines' writers) and the sparse MQA program's XOR-swizzled score exchange."""
     key = getattr(tl.PassConfigKey, "TL_DISABLE_DATA_RACE_CHECK", None)
     return {key: True} if key is not None else {}
 
@@ -189,13 +193,13 @@ WRITE_INDEX_K_TILING = (8, 128)
 def write_kv_v4_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = None):
     tiling = tuple(tiling or WRITE_KV_TILING)
     return compile_cached(("dsv4_write_kv", in_dtype) + tiling, lambda: build_write_kv_v4(in_dtype, *tiling),
-                          target=target, pass_configs=_writer_pass_configs())
+                          target=target, pass_configs=_no_race_check())
 
 
 def write_index_k_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = None):
     tiling = tuple(tiling or WRITE_INDEX_K_TILING)
     return compile_cached(("dsv4_write_index_k", in_dtype) + tiling, lambda: build_write_index_k(in_dtype, *tiling),
-                          target=target, pass_configs=_writer_pass_configs())
+                          target=target, pass_configs=_no_race_check())
 
 
 def _check_fp8_writes(op: str) -> None:
