@@ -153,6 +153,8 @@ def main(argv=None):
     ap.add_argument("--producers", default="", help="also time these producers of the warp-specialised program "
                                                      "(comma-separated, e.g. async)")
     ap.add_argument("--configs", default="flash,pro", help="comma-separated: flash, pro")
+    ap.add_argument("--ops", default="decode,decode_mtp,prefill",
+                    help="comma-separated: decode (s_q 1), decode_mtp (s_q 2), prefill; the writers always run")
     ap.add_argument("--no-precompile", action="store_true", help="compile each kernel at its first launch instead")
     ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
                                                           "tokens-per-block:threads, comma-separated (e.g. 16:256)")
@@ -177,7 +179,10 @@ def main(argv=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     program = tilelang_impl.sparse_mqa_program()
     for cfg, (H, K) in ((c, CONFIGS[c]) for c in args.configs.split(",")):
-        runs = [("decode", B, s_q) for s_q in (1, 2) for B in decode_b] + [("prefill", T, 1) for T in prefill_t]
+        ops = set(args.ops.split(","))
+        runs = ([("decode", B, 1) for B in decode_b if "decode" in ops]
+                + [("decode", B, 2) for B in decode_b if "decode_mtp" in ops]
+                + [("prefill", T, 1) for T in prefill_t if "prefill" in ops])
         for op, B, s_q in runs:
             T = B * s_q
             q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)

@@ -2,6 +2,8 @@
 not compiled, and every argument the launcher passes is checked against the parameter it lands in), the MUSA
 programs' TIR (P from shared memory), and real sm_90a builds with nvcc."""
 
+import re
+
 import pytest
 import torch
 
@@ -151,13 +153,47 @@ def test_writer_glue_matches_the_programs(use_settings):
     assert all(len(k.calls) == 1 for k in kernels.values())
 
 
-@pytest.mark.parametrize("kv_tiling,k_tiling", [((16, 256), (32, 256)), ((1, 64), (1, 32))])
-def test_writer_tilings_build(kv_tiling, k_tiling):
-    """The writer tilings the bench sweeps lower for sm_90a (TileLang's layout inference accepts them)."""
+def unguarded_cache_stores(source: str, caches=("C8", "CH", "CS", "CF")) -> list:
+    """The lines of lowered CUDA ``source`` that store into a cache buffer with no enclosing ``if`` on the row's
+    slot (``base_s``): the stores a skipped token (negative slot, block tail) would make."""
+    store = re.compile(r"^\s*(\*\([^)]*\*\)\()?(%s)[\[ +]" % "|".join(caches))
+    guard = re.compile(r"\(int64_t\)0 <= base_s\w*\[")  # the slot test itself, not a bounds check on an offset
+    opened, bad = [], []  # the statement that opened each enclosing brace
+    for line in source.splitlines():
+        if store.match(line) and "=" in line and not any(guard.search(o) for o in opened):
+            bad.append(line.strip())
+        for ch in line:
+            if ch == "{":
+                opened.append(line)
+            elif ch == "}" and opened:
+                opened.pop()
+    return bad
+
+
+def test_unguarded_store_checker_sees_a_store_outside_the_guard():
+    guarded = "if ((int64_t)0 <= base_s[i]) {\n  *(fp8_e4_16_t*)(C8 + u) = v;\n}\n"
+    assert unguarded_cache_stores(guarded) == []
+    # a bounds check on the unit (base_s plus an offset) is not the slot guard: a skipped row passes it
+    bounds_only = "if ((int64_t)0 <= (u + base_s[i])) {\n  *(fp8_e4_16_t*)(C8 + u) = v;\n}\n"
+    assert unguarded_cache_stores(bounds_only) == ["*(fp8_e4_16_t*)(C8 + u) = v;"]
+
+
+# the default tilings, the ones the bench sweeps, and the shape TileLang 0.1.15 once lowered with the cast guarded
+# but the store not (32 x 256)
+WRITER_TILINGS = [(4, 128), (8, 128), (16, 256), (32, 256), (64, 256), (64, 512), (128, 512), (1, 64), (1, 32),
+                  ti.WRITE_KV_TILING, ti.WRITE_INDEX_K_TILING]
+
+
+@pytest.mark.parametrize("tiling", sorted(set(WRITER_TILINGS)))
+def test_writer_tilings_lower_with_every_store_guarded(tiling):
+    """Each writer tiling lowers for sm_90a, and every store into the cache in the lowered code sits under the
+    row's slot guard: a skipped token writes nothing."""
     from musa_attn_backend.kernels.dsv4.write_kernel import build_write_index_k, build_write_kv_v4
 
-    for func in (build_write_kv_v4("bfloat16", *kv_tiling), build_write_index_k("bfloat16", *k_tiling)):
-        assert "__global__" in _tilelang.lower(func, HOPPER, ti._no_race_check()).source
+    for build in (build_write_kv_v4, build_write_index_k):
+        src = _tilelang.lower(build("bfloat16", *tiling), HOPPER, ti._no_race_check()).source
+        assert "__global__" in src
+        assert unguarded_cache_stores(src) == [], f"{build.__name__} {tiling}"
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")

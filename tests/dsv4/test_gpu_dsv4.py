@@ -150,7 +150,7 @@ def test_write_index_k_kernel_is_byte_exact(gpu_device, pages, T):
     assert torch.equal(bufs[0], bufs[1])
 
 
-@pytest.mark.parametrize("kv_tiling,k_tiling", [((16, 256), (32, 256)), ((1, 64), (1, 32))])
+@pytest.mark.parametrize("kv_tiling,k_tiling", [((4, 128), (8, 128)), ((128, 512), (64, 512)), ((1, 64), (1, 32))])
 def test_writers_byte_exact_at_other_tilings(gpu_device, monkeypatch, kv_tiling, k_tiling):
     """The writers at the tilings the bench's sweep measures (tokens per block, threads): the same bytes."""
     from musa_attn_backend.kernels.dsv4 import tilelang_impl

@@ -185,9 +185,10 @@ def _no_race_check() -> dict:
     return {key: True} if key is not None else {}
 
 
-# the writers' tiling (tokens per block, threads): the programs' defaults unless a sweep picks others
-WRITE_KV_TILING = (4, 128)
-WRITE_INDEX_K_TILING = (8, 128)
+# the writers' tiling (tokens per block, threads), picked by the bench's --writer-tilings sweep
+# (benchmarks/results/dsv4-attention-*.json): fewer, larger blocks keep more row stores in flight per SM
+WRITE_KV_TILING = (32, 256)
+WRITE_INDEX_K_TILING = (32, 256)
 
 
 def write_kv_v4_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = None):

@@ -51,6 +51,7 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
             x = T.alloc_fragment([BT * G, TILE], ACC)
             amax = T.alloc_fragment([BT * G], ACC)
             expo = T.alloc_fragment([BT * G], ACC)
+            q8 = T.alloc_fragment([BT * G, TILE], "float8_e4m3")
             base_s = T.alloc_shared([BT], "int64", scope="shared")  # a row's first 16-byte unit; -1: skip
             scale_at_s = T.alloc_shared([BT], "int64", scope="shared")  # its scales' 8-byte unit
             e_s = T.alloc_shared([BT, L.SCALE_BYTES], "uint8", scope="shared")  # its exponent bytes and pad
@@ -62,10 +63,14 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
             T.reduce_absmax(x, amax, dim=1)
             for r in T.Parallel(BT * G):
                 expo[r] = T.ceil(T.log2(T.max(amax[r], L.AMAX_FLOOR) / L.FP8_MAX))
+            # quantise for every row, then store under the row's guard: with the cast inside the guarded store,
+            # TileLang 0.1.15 guards the cast but not the vectorised store for some tilings (32 x 256), and a
+            # skipped row then wrote stale values at the cache's first units
+            for r, c in T.Parallel(BT * G, TILE):
+                q8[r, c] = T.Cast("float8_e4m3", T.max(T.min(x[r, c] * T.exp2(-expo[r]), L.FP8_MAX), -L.FP8_MAX))
             for r, c in T.Parallel(BT * G, TILE):
                 if base_s[r // G] >= 0:
-                    C8[base_s[r // G] + (r % G) * (TILE // 16) + c // 16, c % 16] = T.Cast(
-                        "float8_e4m3", T.max(T.min(x[r, c] * T.exp2(-expo[r]), L.FP8_MAX), -L.FP8_MAX))
+                    C8[base_s[r // G] + (r % G) * (TILE // 16) + c // 16, c % 16] = q8[r, c]
             for r in T.Parallel(BT * G):
                 e_s[r // G, r % G] = T.Cast("uint8", expo[r] + L.UE8M0_BIAS)
             for i in T.Parallel(BT):
@@ -102,6 +107,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
             x = T.alloc_fragment([BT, D], ACC)
             amax = T.alloc_fragment([BT], ACC)
             scale = T.alloc_fragment([BT], ACC)
+            q8 = T.alloc_fragment([BT, D], "float8_e4m3")
             base_s = T.alloc_shared([BT], "int64", scope="shared")  # the row's first 16-byte unit; -1: skip
             word_s = T.alloc_shared([BT], "int64", scope="shared")  # its scale's float32 index
             t0 = bx * BT
@@ -111,10 +117,11 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
             T.reduce_absmax(x, amax, dim=1)
             for i in T.Parallel(BT):
                 scale[i] = T.exp2(T.ceil(T.log2(T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX)))
+            for i, d in T.Parallel(BT, D):  # quantise, then store under the guard (as in build_write_kv_v4)
+                q8[i, d] = T.Cast("float8_e4m3", T.max(T.min(x[i, d] / scale[i], L.FP8_MAX), -L.FP8_MAX))
             for i, d in T.Parallel(BT, D):
                 if base_s[i] >= 0:
-                    C8[base_s[i] + d // 16, d % 16] = T.Cast("float8_e4m3",
-                                               T.max(T.min(x[i, d] / scale[i], L.FP8_MAX), -L.FP8_MAX))
+                    C8[base_s[i] + d // 16, d % 16] = q8[i, d]
             for i in T.Parallel(BT):
                 if base_s[i] >= 0:
                     CF[word_s[i]] = scale[i]
