@@ -230,3 +230,54 @@ def test_e4m3_decode_by_integer_arithmetic_compiles_for_sm90a(fp8_convert):
         64, True, True, False, fp8_convert=fp8_convert), target=HOPPER)
     src = kernel.get_kernel_source()
     assert ("fp8_e4_t" in src) == fp8_convert
+
+
+# ---- the indexer's programs -------------------------------------------------------------------------------
+
+
+def test_indexer_glue_matches_the_programs(use_settings):
+    """Both logits launches hand their programs arguments of the parameters' dtypes and ranks, with the cache
+    as views of its storage (a packed page stride)."""
+    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
+
+    use_settings(target="sm_90a")
+    kernels = {}
+    with _tilelang.intercepting(lambda key, build, target, pc: kernels.setdefault(key, SignatureCheck(build()))):
+        q = torch.randn(5, 64, 128).to(torch.float8_e4m3fn)
+        k = torch.randn(70, 128).to(torch.float8_e4m3fn)
+        se = torch.zeros(5, dtype=torch.int32)
+        out = it.indexer_logits_tilelang(q, torch.randn(5, 64), k, torch.ones(70), se, se + 70, True)
+        assert out.shape == (5, 70)
+        buf = torch.zeros(3 * 93888, dtype=torch.uint8)
+        cache = buf.as_strided((3, 64, L.INDEX_ROW_BYTES), (93888, L.INDEX_ROW_BYTES, 1))
+        q4 = torch.randn(2, 2, 64, 128).to(torch.float8_e4m3fn)
+        out = it.paged_indexer_logits_tilelang(q4, torch.randn(4, 64), cache, torch.ones(2, 2, dtype=torch.int32),
+                                               torch.zeros(2, 3, dtype=torch.int32), 150, False)
+        assert out.shape == (4, 150)
+    assert {key[0] for key in kernels} == {"dsv4_indexer_logits", "dsv4_paged_indexer_logits"}
+    assert all(len(k.calls) == 1 for k in kernels.values())
+
+
+@pytest.mark.parametrize("kind,args", [("prefill", (64, True)), ("prefill", (32, False)), ("paged", (64, 1, True)),
+                                       ("paged", (64, 2, False))])
+def test_indexer_programs_lower_for_sm90a_with_shared_operands(kind, args):
+    """The logits programs lower for sm_90a with FP8 tensor-core GEMMs whose operands are both in shared memory
+    (what MUSA MP31 lowers), and their key loads are bounds-checked copies."""
+    from musa_attn_backend.kernels.dsv4.indexer_logits_kernel import build_indexer_logits, build_paged_indexer_logits
+
+    func = (build_indexer_logits if kind == "prefill" else build_paged_indexer_logits)(*args)
+    ops = gemm_operands(func)
+    assert len(ops) == 1 and ops[0].a_scope.startswith("shared") and ops[0].b_scope.startswith("shared")
+    src = _tilelang.lower(func, HOPPER, ti._no_race_check()).source
+    assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3" in src
+    assert "cp_async_gs_conditional" in src
+
+
+def test_indexer_kernels_refuse_a_target_without_fp8(use_settings):
+    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
+
+    use_settings(target="mp_22")
+    q = torch.randn(1, 64, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="FP8 GEMMs, which mp_22 lacks"):
+        it.indexer_logits_tilelang(q, torch.randn(1, 64), q[0], torch.ones(64), torch.zeros(1, dtype=torch.int32),
+                                   torch.ones(1, dtype=torch.int32), True)

@@ -1,0 +1,70 @@
+"""Launch the TileLang indexer kernels (:mod:`.indexer_logits_kernel`): the cache's byte views, the split count
+of paged decode, the output buffers. Arguments arrive checked by :mod:`.indexer`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._tilelang import compile_cached
+from ...platform import get_platform
+from .._common import check
+from . import layout as L
+from .indexer_logits_kernel import build_indexer_logits, build_paged_indexer_logits
+from .tilelang_impl import _flat_views, _no_race_check
+
+PAGE = 64  # keys a page of the indexer-key cache holds
+MAX_SPLITS = 32
+
+
+def _check_fp8(op: str) -> None:
+    plat = get_platform()
+    check(plat.fp8, lambda: f"{op}: the TileLang indexer kernels run FP8 GEMMs, which {plat.arch} lacks; use "
+                            "impl='reference' there")
+
+
+def indexer_logits_kernel(H: int, clean: bool, target=None):
+    return compile_cached(("dsv4_indexer_logits", H, clean), lambda: build_indexer_logits(H, clean), target=target,
+                          pass_configs=_no_race_check())
+
+
+def paged_indexer_logits_kernel(H: int, next_n: int, clean: bool, target=None):
+    return compile_cached(("dsv4_paged_indexer_logits", H, next_n, clean),
+                          lambda: build_paged_indexer_logits(H, next_n, clean), target=target,
+                          pass_configs=_no_race_check())
+
+
+def indexer_logits_tilelang(q, w, k, k_scale, starts, ends, clean: bool) -> torch.Tensor:
+    op = "indexer_logits(impl='tilelang')"
+    _check_fp8(op)
+    T_, H, D = q.shape
+    S = k.shape[0]
+    check(T_ * S < 2 ** 31 and T_ * H < 2 ** 31, lambda: f"{op}: [T, S] = [{T_}, {S}] has more than 2^31 elements")
+    out = torch.empty(T_, S, dtype=torch.float32, device=q.device)
+    indexer_logits_kernel(H, clean)(q.reshape(T_ * H, D).contiguous(), w.contiguous(), k.contiguous(),
+                                    k_scale.contiguous(), starts.to(torch.int32).contiguous(),
+                                    ends.to(torch.int32).contiguous(), out)
+    return out
+
+
+def paged_splits(batch: int, max_len: int, sm_count: int) -> int:
+    """How many blocks share a request's pages: enough for about two blocks per SM, at most one per page."""
+    pages = max(1, math.ceil(max_len / PAGE))
+    return max(1, min(MAX_SPLITS, pages, math.ceil(2 * max(sm_count, 1) / max(batch, 1))))
+
+
+def paged_indexer_logits_tilelang(q, w, cache, context_lens, block_table, max_len: int, clean: bool) -> torch.Tensor:
+    op = "paged_indexer_logits(impl='tilelang')"
+    _check_fp8(op)
+    B, next_n, H, D = q.shape
+    pages = L.index_pages(cache, op=op)
+    views, (rows, stride16, _) = _flat_views(pages, q.device, op, "cache", (torch.float8_e4m3fn, torch.float32))
+    data = views[0][:views[0].numel() // 16 * 16].view(-1, 16)
+    out = torch.empty(B * next_n, max_len, dtype=torch.float32, device=q.device)
+    splits = paged_splits(B, max_len, get_platform().sm_count)
+    paged_indexer_logits_kernel(H, next_n, clean)(
+        q.reshape(B * next_n * H, D).contiguous(), w.contiguous(), data, views[1],
+        context_lens.reshape(-1).to(torch.int32).contiguous(), block_table.to(torch.int32).contiguous(),
+        stride16, pages.num_pages, splits, out)
+    return out
