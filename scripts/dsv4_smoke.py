@@ -1,5 +1,6 @@
-"""One DeepSeek-V4 sparse MQA launch per program and mode against the reference, on the GPU: a quick check (run
-under `timeout`) before the full GPU tests, which would hang on a deadlocked program."""
+"""One DeepSeek-V4 sparse MQA launch per program and mode, and one launch of each indexer program, against the
+references, on the GPU: a quick check (run under `timeout`) before the full GPU tests, which would hang on a
+deadlocked program."""
 
 import sys
 import time
@@ -38,7 +39,49 @@ def main() -> int:
             bad += not ok
             print(f"{program:16s} {producer:5s} T={T:4d} H={H:3d} max|out-ref| {err:.2e} max|lse-ref| {lerr:.2e} "
                   f"{'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
+    bad += indexer_smoke(dev)
     return 1 if bad else 0
+
+
+def indexer_smoke(dev) -> int:
+    """One launch of each indexer program (prefill logits, paged logits with MTP rows, top-k) against its
+    reference."""
+    bad = 0
+    q = torch.randn(9, 64, 128, device=dev).to(torch.float8_e4m3fn)
+    w = torch.randn(9, 64, device=dev)
+    k = torch.randn(3000, 128, device=dev).to(torch.float8_e4m3fn)
+    ks = torch.rand(3000, device=dev) + 0.5
+    starts = torch.randint(0, 100, (9,), device=dev, dtype=torch.int32)
+    ends = starts + torch.randint(0, 2900, (9,), device=dev, dtype=torch.int32)
+    cache = dsv4.paged_view(torch.zeros(50, L.index_page_bytes(64), dtype=torch.uint8, device=dev), 64,
+                            L.INDEX_ROW_BYTES)
+    dsv4.write_index_k(torch.randn(3200, 128, device=dev), cache, torch.arange(3200, device=dev))
+    q4 = torch.randn(3, 2, 64, 128, device=dev).to(torch.float8_e4m3fn)
+    table = torch.randint(0, 50, (3, 20), device=dev, dtype=torch.int32)
+    lens = torch.randint(0, 1280, (3, 2), device=dev, dtype=torch.int32)
+    runs = [("indexer_logits", lambda impl: dsv4.indexer_logits(q, w, k, ks, starts, ends, impl=impl)),
+            ("paged_indexer_logits", lambda impl: dsv4.paged_indexer_logits(q4, w[:6], cache, lens, table, 1280,
+                                                                            impl=impl))]
+    for name, fn in runs:
+        t0 = time.time()
+        got = fn("tilelang")
+        torch.cuda.synchronize()
+        ref = fn("reference")
+        fin = torch.isfinite(ref)
+        ok = torch.equal(torch.isneginf(got), torch.isneginf(ref)) and bool(
+            ((got - ref).abs().where(fin, 0) <= 1e-3 * ref.abs().where(fin, 0).amax() + 1e-3 * ref.abs()).all())
+        bad += not ok
+        print(f"{name:22s} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
+    logits = torch.randn(5, 4000, device=dev)
+    n = torch.tensor([4000, 100, 3000, 513, 2000], device=dev, dtype=torch.int32)
+    t0 = time.time()
+    got = dsv4.indexer_topk(logits, n, 512, impl="tilelang")
+    torch.cuda.synchronize()
+    ref = dsv4.indexer_topk(logits, n, 512, impl="reference")
+    ok = torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values)  # no ties in random floats
+    bad += not ok
+    print(f"{'indexer_topk':22s} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
+    return bad
 
 
 if __name__ == "__main__":

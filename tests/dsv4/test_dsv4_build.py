@@ -254,7 +254,14 @@ def test_indexer_glue_matches_the_programs(use_settings):
         out = it.paged_indexer_logits_tilelang(q4, torch.randn(4, 64), cache, torch.ones(2, 2, dtype=torch.int32),
                                                torch.zeros(2, 3, dtype=torch.int32), 150, False)
         assert out.shape == (4, 150)
-    assert {key[0] for key in kernels} == {"dsv4_indexer_logits", "dsv4_paged_indexer_logits"}
+        logits = torch.randn(3, 700)[:, :600]  # a row stride past the columns
+        lens = torch.full((3,), 600, dtype=torch.int32)
+        assert it.indexer_topk_tilelang(logits, lens, 512, None, None, 64, None).shape == (3, 512)
+        table = torch.zeros(3, 10, dtype=torch.int32)
+        out = torch.empty(3, 1024, dtype=torch.int32)
+        assert it.indexer_topk_tilelang(logits, lens, 1024, lens * 0, table, 64, out) is out
+    assert {key[0] for key in kernels} == {"dsv4_indexer_logits", "dsv4_paged_indexer_logits", "dsv4_indexer_topk"}
+    assert {key[1:] for key in kernels if key[0] == "dsv4_indexer_topk"} == {(512, 0), (1024, 64)}
     assert all(len(k.calls) == 1 for k in kernels.values())
 
 
@@ -271,6 +278,19 @@ def test_indexer_programs_lower_for_sm90a_with_shared_operands(kind, args):
     src = _tilelang.lower(func, HOPPER, ti._no_race_check()).source
     assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3" in src
     assert "cp_async_gs_conditional" in src
+
+
+@pytest.mark.parametrize("k,page_rows", [(512, 0), (1024, 64)])
+def test_topk_program_lowers_for_sm90a(k, page_rows):
+    """The top-k program lowers for sm_90a with its hand-placed barriers only (TileLang's automatic placement
+    off), its histogram and output-slot atomics in shared memory, and NaN told apart on the bits."""
+    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
+    from musa_attn_backend.kernels.dsv4.topk_kernel import build_indexer_topk
+
+    src = _tilelang.lower(build_indexer_topk(k, page_rows), HOPPER, it._topk_pass_configs()).source
+    assert src.count("__syncthreads()") == 8 and "AtomicAddRet((&(count[0]))" in src
+    assert "(uint)2139095040 < (bits & (uint)2147483647)" in src  # the NaN test survived simplification
+    assert ("table[" in src) == (page_rows > 0)
 
 
 def test_indexer_kernels_refuse_a_target_without_fp8(use_settings):

@@ -223,3 +223,11 @@ def test_indexer_argument_errors():
         dsv4.indexer_topk(logits, lens, 4, page_table=table, page_rows=48)
     with pytest.raises(ValueError, match=r"out must be a contiguous int32 \[2, 4\]"):
         dsv4.indexer_topk(logits, lens, 4, out=torch.empty(2, 4, dtype=torch.int64))
+
+
+def test_paged_indexer_logits_on_an_empty_cache_is_minus_inf():
+    cache = dsv4.paged_view(torch.zeros(0, L.index_page_bytes(64), dtype=torch.uint8), 64, L.INDEX_ROW_BYTES)
+    q = fp8(torch.randn(2, 1, 64, 128))
+    got = dsv4.paged_indexer_logits(q, torch.randn(2, 64), cache, torch.tensor([100, 0], dtype=torch.int32),
+                                    torch.zeros(2, 4, dtype=torch.int32), 256)
+    assert got.shape == (2, 256) and torch.isneginf(got).all()

@@ -62,7 +62,7 @@ def paged_indexer_logits_reference(q: torch.Tensor, w: torch.Tensor, cache: torc
     R = pages.rows
     for b in range(B):
         n = int(lens[b].clamp(min=0, max=max_len).max()) if next_n else 0
-        if n == 0:
+        if n == 0 or pages.num_pages == 0:  # no key, or none that is real: -inf
             continue
         entries = block_table[b, :(n + R - 1) // R].long().to(q.device)
         ok = (entries >= 0) & (entries < pages.num_pages)

@@ -1,5 +1,5 @@
-"""Launch the TileLang indexer kernels (:mod:`.indexer_logits_kernel`): the cache's byte views, the split count
-of paged decode, the output buffers. Arguments arrive checked by :mod:`.indexer`."""
+"""Launch the TileLang indexer kernels (:mod:`.indexer_logits_kernel`, :mod:`.topk_kernel`): the cache's byte
+views, the split count of paged decode, the output buffers. Arguments arrive checked by :mod:`.indexer`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import math
 
 import torch
 
-from ..._tilelang import compile_cached
+from ..._tilelang import compile_cached, tl
 from ...platform import get_platform
 from .._common import check
 from . import layout as L
 from .indexer_logits_kernel import build_indexer_logits, build_paged_indexer_logits
+from .topk_kernel import build_indexer_topk
 from .tilelang_impl import _flat_views, _no_race_check
 
 PAGE = 64  # keys a page of the indexer-key cache holds
@@ -67,4 +68,33 @@ def paged_indexer_logits_tilelang(q, w, cache, context_lens, block_table, max_le
         q.reshape(B * next_n * H, D).contiguous(), w.contiguous(), data, views[1],
         context_lens.reshape(-1).to(torch.int32).contiguous(), block_table.to(torch.int32).contiguous(),
         stride16, pages.num_pages, splits, out)
+    return out
+
+
+def _topk_pass_configs() -> dict:
+    """The top-k program places its barriers itself (outside every branch; see :mod:`.topk_kernel`)."""
+    return {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+
+
+def indexer_topk_kernel(k: int, page_rows: int, target=None):
+    return compile_cached(("dsv4_indexer_topk", k, page_rows), lambda: build_indexer_topk(k, page_rows),
+                          target=target, pass_configs=_topk_pass_configs())
+
+
+def indexer_topk_tilelang(logits, lengths, k: int, starts, page_table, page_rows: int, out) -> torch.Tensor:
+    op = "indexer_topk(impl='tilelang')"
+    T_, N = logits.shape
+    check(T_ == 1 or logits.stride(0) >= N, lambda: f"{op}: logits rows overlap (row stride {logits.stride(0)} < {N})")
+    span = (T_ - 1) * logits.stride(0) + N
+    check(span < 2 ** 31, lambda: f"{op}: logits spans {span} elements; at most 2^31 are addressed")
+    flat = logits.as_strided((span,), (1,))
+    dev = logits.device
+    starts = torch.zeros(T_, dtype=torch.int32, device=dev) if starts is None else starts.to(torch.int32).contiguous()
+    if page_table is None:
+        table, page_rows = torch.zeros(T_, 1, dtype=torch.int32, device=dev), 0
+    else:
+        table = page_table.to(torch.int32).contiguous()
+    out = torch.empty(T_, k, dtype=torch.int32, device=dev) if out is None else out
+    indexer_topk_kernel(k, page_rows)(flat, lengths.to(torch.int32).contiguous(), starts, table,
+                                      logits.stride(0) if T_ > 1 else N, N, out)
     return out
