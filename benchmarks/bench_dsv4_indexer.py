@@ -1,0 +1,184 @@
+"""DeepSeek-V4 indexer benchmark: our TileLang logits (prefill and paged decode) and top-k against the peers that
+run here, in one run, with the FP8 matmul rate (``torch._scaled_mm``, 8192^3) and the copy bandwidth measured in
+the same run as the ceilings.
+
+    python benchmarks/bench_dsv4_indexer.py [--quick] [--out benchmarks/results]
+
+Rows:
+- ``logits_prefill``: T query tokens x S compressed keys, 64 heads. ``causal``: token t sees keys
+  ``[0, (S * (t + 1)) // T)`` (the shape of a fresh prefill); ``full``: every key. FLOPs = 2 * 64 * 128 per
+  (token, visible key); the roofline is the FP8 matmul rate.
+- ``logits_paged``: B requests of 1 query row at ``context`` compressed keys each (8k-256k tokens: 2k-64k keys),
+  pages of 64 shuffled over the cache. Bytes = keys x 132 + logits x 4; the roofline is the copy rate.
+- ``topk``: B rows of L logits, k 512 / 1024; bytes = B x L x 4.
+
+Peers: ``torch_ref`` (our float32 reference run on the GPU), SGLang's TileLang ``tilelang_fp8_paged_mqa_logits``
+and torch ``fp8_paged_mqa_logits_torch`` (paged, where SGLang is importable; what fails is recorded under
+``peer_errors``), ``torch.topk`` (top-k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import platform as _platform
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_attention import bench_ms, git_commit, measure_ceilings, write_run  # noqa: E402
+from bench_dsv4_attention import fp8_matmul_tflops  # noqa: E402
+
+from musa_attn_backend.kernels import dsv4  # noqa: E402
+from musa_attn_backend.kernels.dsv4 import layout as L  # noqa: E402
+
+H = 64
+
+
+def row(op, shape, ms, peers, ceilings, flops=0.0, bytes_=0.0):
+    tflops, tbps = flops / ms / 1e9, bytes_ / ms / 1e9
+    roof = max(tflops / ceilings["fp8_matmul_tflops"] if ceilings["fp8_matmul_tflops"] else 0.0,
+               tbps / ceilings["copy_tbps"])
+    best = min(peers.values()) if peers else None
+    r = {"op": op, "shape": shape, "ours_ms": ms, "peers": peers, "tflops": tflops, "tbps": tbps,
+         "roofline_frac": roof, "ratio_vs_best_peer": best / ms if best else None}
+    print(f"{op:15s} {shape}  ours {ms:.4f} ms  {tflops:6.1f} TFLOP/s  {tbps:5.2f} TB/s  roof {roof:.2f}  "
+          + "  ".join(f"{k} {v:.4f}" for k, v in peers.items()), flush=True)
+    return r
+
+
+def time_peer(name, fn, errors, **kw):
+    try:
+        fn()
+        return bench_ms(fn, **kw)
+    except Exception as e:  # noqa: BLE001 - a peer that fails is recorded, not fatal
+        errors.setdefault(name, f"{type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
+def sglang_paged_peers(errors: dict) -> dict:
+    """SGLang's paged indexer logits that run here: ``name -> fn(q [B, 1, 64, 128], cache [P, 64, 1, 132], w,
+    lens [B], table [B, W], max_len)``."""
+    peers = {}
+    try:
+        from sglang.srt.layers.attention.dsv4.indexer import fp8_paged_mqa_logits_torch
+
+        peers["sglang_torch"] = lambda q, c, w, n, t, m: fp8_paged_mqa_logits_torch(q, c, w, n, t, None, m, False)
+    except Exception as e:  # noqa: BLE001
+        errors["sglang_torch"] = f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        from sglang.kernels.ops.attention.dsa.tilelang_kernel import tilelang_fp8_paged_mqa_logits
+
+        peers["sglang_tilelang"] = lambda q, c, w, n, t, m: tilelang_fp8_paged_mqa_logits(q, c, w, n, t, None, m,
+                                                                                         False)
+    except Exception as e:  # noqa: BLE001
+        errors["sglang_tilelang"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return peers
+
+
+def prefill_rows(rows, ceilings, errors, g, quick):
+    shapes = [(4096, 16384)] if quick else [(4096, 16384), (4096, 65536), (16384, 65536)]
+    for T, S in shapes:
+        q = torch.randn(T, H, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+        w = torch.randn(T, H, device="cuda", generator=g)
+        k = torch.randn(S, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+        ks = torch.rand(S, device="cuda", generator=g) + 0.5
+        for mode in ("causal", "full"):
+            t = torch.arange(T, device="cuda")
+            ends = ((S * (t + 1)) // T if mode == "causal" else torch.full_like(t, S)).to(torch.int32)
+            starts = torch.zeros_like(ends)
+            pairs = float(ends.sum())
+            ms = bench_ms(lambda: dsv4.indexer_logits(q, w, k, ks, starts, ends, impl="tilelang"), graph=False)
+            peers = {}
+            if T * S <= 4096 * 16384:
+                t_ms = time_peer("torch_ref", lambda: dsv4.indexer_logits(q, w, k, ks, starts, ends,
+                                                                          impl="reference"), errors, graph=False,
+                                 rep=3, warmup=1)
+                if t_ms:
+                    peers["torch_ref"] = t_ms
+            rows.append(row("logits_prefill", dict(tokens=T, keys=S, heads=H, mode=mode), ms, peers, ceilings,
+                            flops=2 * H * 128 * pairs, bytes_=T * S * 4 + S * 132))
+            torch.cuda.empty_cache()
+
+
+def paged_rows(rows, ceilings, errors, g, quick):
+    peers_fns = sglang_paged_peers(errors)
+    batches = (1, 32, 128) if quick else (1, 8, 32, 128)
+    contexts = (2048, 16384) if quick else (2048, 16384, 65536)
+    for ctx in contexts:
+        pages_per_req = ctx // 64
+        for B in batches:
+            n_pages = B * pages_per_req
+            buf = torch.empty(n_pages, L.index_page_bytes(64), dtype=torch.uint8, device="cuda")
+            cache = dsv4.paged_view(buf, 64, L.INDEX_ROW_BYTES)
+            for s0 in range(0, n_pages * 64, 1 << 20):
+                s = torch.arange(s0, min(n_pages * 64, s0 + (1 << 20)), device="cuda")
+                dsv4.write_index_k(torch.randn(len(s), 128, device="cuda", generator=g), cache, s)
+            table = torch.randperm(n_pages, device="cuda", generator=g).view(B, pages_per_req).to(torch.int32)
+            lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(B, 1, H, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
+            w = torch.randn(B, H, device="cuda", generator=g)
+            ms = bench_ms(lambda: dsv4.paged_indexer_logits(q, w, cache, lens, table, ctx, clean=False,
+                                                            impl="tilelang"))
+            peers = {}
+            c4 = cache.view(n_pages, 64, 1, L.INDEX_ROW_BYTES)
+            for name, fn in peers_fns.items():
+                t_ms = time_peer(name, lambda fn=fn: fn(q, c4, w, lens, table, ctx), errors)
+                if t_ms:
+                    peers[name] = t_ms
+            rows.append(row("logits_paged", dict(batch=B, keys=ctx), ms, peers, ceilings,
+                            flops=2 * H * 128 * B * ctx, bytes_=B * ctx * (132 + 4)))
+            torch.cuda.empty_cache()
+
+
+def topk_rows(rows, ceilings, errors, g, quick):
+    for k in (512, 1024):
+        for B in ((1, 128) if quick else (1, 32, 128)):
+            for n in ((2048, 65536) if quick else (2048, 16384, 65536)):
+                logits = torch.randn(B, n, device="cuda", generator=g)
+                lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+                ms = bench_ms(lambda: dsv4.indexer_topk(logits, lens, k, impl="tilelang"))
+                peers = {}
+                t_ms = time_peer("torch_topk", lambda: torch.topk(logits, k, dim=1, sorted=False), errors)
+                if t_ms:
+                    peers["torch_topk"] = t_ms
+                rows.append(row("topk", dict(rows=B, length=n, k=k), ms, peers, ceilings, bytes_=B * n * 4))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ops", default="prefill,paged,topk", help="comma-separated: prefill, paged, topk")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    ceilings = measure_ceilings()
+    ceilings["fp8_matmul_tflops"] = fp8_matmul_tflops()
+    print("ceilings", ceilings, flush=True)
+    errors: dict = {}
+    rows: list = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ops = set(args.ops.split(","))
+    for name, fn in (("topk", topk_rows), ("paged", paged_rows), ("prefill", prefill_rows)):
+        if name in ops:
+            try:
+                fn(rows, ceilings, errors, g, args.quick)
+            except Exception as e:  # noqa: BLE001 - keep the rows measured so far
+                errors[f"ours_{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"{name}: {type(e).__name__}: {e}", flush=True)
+    import tilelang
+
+    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
+                        "python": _platform.python_version()},
+           "ceilings": ceilings, "peer_errors": errors, "rows": rows}
+    write_run(args.out, "dsv4-indexer", doc)
+
+
+if __name__ == "__main__":
+    main()
