@@ -231,3 +231,90 @@ def test_paged_indexer_logits_on_an_empty_cache_is_minus_inf():
     got = dsv4.paged_indexer_logits(q, torch.randn(2, 64), cache, torch.tensor([100, 0], dtype=torch.int32),
                                     torch.zeros(2, 4, dtype=torch.int32), 256)
     assert got.shape == (2, 256) and torch.isneginf(got).all()
+
+
+def hadamard64(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+@pytest.mark.parametrize("rotate,scale,bf16_rope", [(True, "exact", False), (False, "pow2", True)])
+def test_indexer_q_matches_float64(rotate, scale, bf16_rope):
+    g = torch.Generator().manual_seed(int(rotate))
+    T, H = 9, 64
+    q = torch.randn(T, H, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 100, (T,), generator=g)
+    ang = torch.rand(100, 32, generator=g) * 6.3
+    q8, wo = dsv4.indexer_q(q, w, pos, ang.cos(), ang.sin(), rotate=rotate, scale=scale, bf16_rope=bf16_rope)
+    x = q.double()
+    c, s = ang.cos().double()[pos][:, None], ang.sin().double()[pos][:, None]
+    r = x[..., 64:].clone()
+    x[..., 64::2] = r[..., 0::2] * c - r[..., 1::2] * s
+    x[..., 65::2] = r[..., 0::2] * s + r[..., 1::2] * c
+    if bf16_rope:
+        x = x.to(torch.bfloat16).double()
+    if rotate:
+        x = x @ hadamard64(128).T
+    sc = x.abs().amax(-1).clamp(min=1e-4) / 448
+    if scale == "pow2":
+        sc = torch.exp2(torch.ceil(torch.log2(sc)))
+    assert torch.allclose(wo.double(), w.double() * 128 ** -0.5 * 64 ** -0.5 * sc, rtol=1e-5)
+    back = q8.double() * sc[..., None]
+    assert ((back - x).abs() <= sc[..., None] * 448 / 14 + 1e-9).all()  # e4m3: 3 mantissa bits
+    assert q8.float().abs().amax() <= 448
+
+
+def test_c4_layer_path_equals_dense_attention_over_the_selected_rows():
+    """A C4 layer end to end on the CPU: the compressors fill the C4 cache and the indexer-key cache from one
+    request's tokens, the indexer (q, paged logits, top-k through the compressed page table) picks rows, and
+    sparse MQA over window + picked rows equals a float64 softmax (with the sink) over exactly those rows,
+    dequantised."""
+    from musa_attn_backend.kernels.dsv4.compressor import compress
+
+    g = torch.Generator().manual_seed(11)
+    S, topk, H = 600, 64, 16
+    n_c = S // 4  # compressed rows: 150
+    ang = torch.rand(S + 1, 32, generator=g) * 6.3
+    cos, sin = ang.cos(), ang.sin()
+    c4 = L.new_kv_cache(4, 64)
+    ik = dsv4.paged_view(torch.zeros(4, L.index_page_bytes(64), dtype=torch.uint8), 64, L.INDEX_ROW_BYTES)
+    page_table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)  # compressed position i -> page i // 64
+    pos = torch.arange(S)
+    slots = (page_table[0].long()[pos // 4 // 64] * 64 + (pos // 4) % 64)
+    common = dict(positions=pos, token_req=torch.zeros(S, dtype=torch.int32),
+                  query_start=torch.tensor([0, S], dtype=torch.int32), seq_lens=torch.tensor([S], dtype=torch.int32),
+                  ratio=4, state_table=torch.zeros(1, 3, dtype=torch.int32), state_block=256, state_ring=8, eps=1e-6,
+                  cos=cos, sin=sin, out_slots=slots)
+    compress(torch.randn(S, 2048, generator=g), torch.randn(4, 1024, generator=g), state=torch.zeros(8, 2048),
+             norm_weight=torch.ones(512), cache=c4, **common)
+    compress(torch.randn(S, 512, generator=g), torch.randn(4, 256, generator=g), state=torch.zeros(8, 512),
+             norm_weight=torch.ones(128), cache=ik, rotate=True, index_scale="exact", **common)
+    # one decode token at position S - 1: its indexer query and weights, the logits over the 150 keys, the top-k
+    q8, w = dsv4.indexer_q(torch.randn(1, 64, 128, generator=g), torch.randn(1, 64, generator=g),
+                           torch.tensor([S - 1]), cos, sin)
+    lens = torch.tensor([n_c], dtype=torch.int32)
+    logits = dsv4.paged_indexer_logits(q8.view(1, 1, 64, 128), w, ik, lens, page_table, 256)
+    picked = dsv4.indexer_topk(logits, lens, topk, page_table=page_table)
+    assert (picked >= 0).all() and len(set(picked[0].tolist())) == topk
+    # the window: the last 128 raw tokens, in a SWA cache of their own
+    swa = L.new_kv_cache(1, 128)
+    win_rows = torch.randn(128, 512, generator=g).to(torch.bfloat16)
+    dsv4.write_kv_v4(win_rows, swa, torch.arange(128))
+    q = torch.randn(1, H, 512, generator=g).to(torch.bfloat16)
+    sink = torch.randn(H, generator=g)
+    win_idx = torch.arange(128, dtype=torch.int32)[None]
+    out = dsv4.sparse_mqa(q, swa, win_idx, extra_cache=c4, extra_indices=picked, sink=sink)
+    rows = torch.cat([dsv4.read_kv_v4(swa, win_idx[0].long()), dsv4.read_kv_v4(c4, picked[0].long())]).double()
+    s = (q[0].double() @ rows.T) * 512 ** -0.5  # [H, 128 + topk]
+    m = torch.maximum(s.amax(-1), sink.double())
+    p = torch.exp(s - m[:, None])
+    want = (p @ rows) / (p.sum(-1) + torch.exp(sink.double() - m))[:, None]
+    assert torch.allclose(out[0].double(), want, atol=2e-2, rtol=2e-2)
+    # and the picked rows are the indexer's top-k: every picked logit >= every unpicked one
+    pos_of = {int(page_table[0, i // 64]) * 64 + i % 64: i for i in range(n_c)}
+    chosen = {pos_of[int(v)] for v in picked[0]}
+    lo = min(float(logits[0, i]) for i in chosen)
+    assert all(float(logits[0, i]) <= lo for i in range(n_c) if i not in chosen)

@@ -13,7 +13,8 @@ import torch
 
 from .._common import check, check_same_device, resolve_impl
 from . import layout as L
-from .indexer_reference import indexer_logits_reference, indexer_topk_reference, paged_indexer_logits_reference
+from .indexer_reference import (indexer_logits_reference, indexer_q_reference, indexer_topk_reference,
+                                paged_indexer_logits_reference)
 
 INDEX_HEADS = (16, 32, 64)  # indexer heads per rank (V4: 64; a tensor-parallel split of them)
 MAX_NEXT_N = 2  # query rows per request in paged decode (MTP: 2)
@@ -144,3 +145,36 @@ def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts:
     from .indexer_tilelang import indexer_topk_tilelang
 
     return indexer_topk_tilelang(logits, lengths, k, starts, page_table, page_rows, out)
+
+
+def indexer_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, *, weight_scale: Optional[float] = None, rotate: bool = True, scale: str = "exact",
+              bf16_rope: bool = False, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's FP8 query rows and weights, from ``q [T, H, 128]`` (``wq_b``'s output) and ``weights
+    [T, H]`` (``weights_proj``'s): RoPE of dims 64..127 at ``positions [T]`` (``cos``, ``sin [max_pos, 32]``,
+    GPT-J pairs), the Hadamard rotation, per (token, head) FP8 quantisation, the q scale and ``weight_scale``
+    (default ``128 ** -0.5 * H ** -0.5``: the softmax scale and the head count) folded into the weights.
+    Defaults as SGLang's ``fused_q_indexer_rope_hadamard_quant``; vLLM's ``fused_indexer_q_rope_quant``:
+    ``rotate=False, scale="pow2", bf16_rope=True``. Returns ``(q e4m3fn [T, H, 128], w float32 [T, H])``, the
+    inputs of :func:`indexer_logits` / :func:`paged_indexer_logits`. The TileLang kernel is not built yet: every
+    device runs the reference."""
+    op = "indexer_q"
+    check(isinstance(q, torch.Tensor) and q.is_floating_point() and q.dim() == 3 and q.shape[2] == L.INDEX_D,
+          lambda: f"{op}: q must be a floating [T, heads, {L.INDEX_D}] tensor, got {tuple(getattr(q, 'shape', ()))}")
+    T, H, _ = q.shape
+    check(H in INDEX_HEADS, lambda: f"{op}: the number of indexer heads must be one of {INDEX_HEADS}, got {H}")
+    check(isinstance(weights, torch.Tensor) and weights.is_floating_point() and tuple(weights.shape) == (T, H),
+          lambda: f"{op}: weights must be a floating [{T}, {H}] tensor")
+    check(_is_int(positions) and positions.dim() == 1 and positions.numel() == T,
+          lambda: f"{op}: positions must be an integer [{T}] tensor")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 and t.shape[1] == 32,
+              lambda: f"{op}: {name} must be a floating [max_pos, 32] tensor")
+    check(scale in ("exact", "pow2"), lambda: f"{op}: scale must be 'exact' or 'pow2', got {scale!r}")
+    check_same_device(op, q=q, weights=weights, positions=positions, cos=cos, sin=sin)
+    check(impl != "tilelang", f"{op}: the TileLang kernel is not built yet; impl='auto' or 'reference' runs the "
+                              "reference on any device")
+    resolve_impl(impl, q.device, op)
+    ws = (L.INDEX_D ** -0.5) * (H ** -0.5) if weight_scale is None else float(weight_scale)
+    return indexer_q_reference(q, weights, positions, cos, sin, weight_scale=ws, rotate=rotate, scale=scale,
+                               bf16_rope=bf16_rope)

@@ -108,3 +108,27 @@ def indexer_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int, 
         slot = entry * page_rows + pos % page_rows
         out = torch.where((out >= 0) & (page < pt.shape[1]) & (entry >= 0), slot, torch.full_like(out, -1))
     return out.to(torch.int32)
+
+
+def indexer_q_reference(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, *, weight_scale: float, rotate: bool = True, scale: str = "exact",
+                        bf16_rope: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's query rows: GPT-J RoPE of dims 64..127 of ``q [T, H, 128]`` at ``positions`` (float32;
+    ``bf16_rope``: the result rounded to bf16, as vLLM does), the Hadamard rotation (``rotate``), then per
+    (token, head) FP8 with ``scale = max(amax, 1e-4) / 448`` (``"exact"``: SGLang) or its power of two ceiling
+    (``"pow2"``: vLLM). Returns ``(q e4m3 [T, H, 128], w [T, H] float32 = weights * weight_scale * scale)``."""
+    from .compressor_reference import hadamard, rope_gptj
+
+    x = q.float()
+    at = positions.to(q.device).long()
+    rot = rope_gptj(x[..., 64:], cos[at].float()[:, None, :], sin[at].float()[:, None, :])
+    x = torch.cat([x[..., :64], rot], dim=-1)
+    if bf16_rope:
+        x = x.to(torch.bfloat16).float()
+    if rotate:
+        x = hadamard(x)
+    s = x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR) / L.FP8_MAX
+    if scale == "pow2":
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    q8 = (x / s[..., None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
+    return q8, weights.float() * weight_scale * s

@@ -1,0 +1,150 @@
+"""PyTorch reference of DeepSeek-V4's KV compressors (ratio 4 with overlapping windows, ratio 128), the same
+signature as :func:`musa_attn_backend.kernels.dsv4.compressor.compress`, vectorised, math in float32.
+
+The model math (DeepSeek-V4's ``inference/model.py``, class ``Compressor``), as both engines' kernels run it. Each
+token carries a projected row ``[kv | score]`` of ``2 * coff * d`` floats (``coff`` 2 for ratio 4, 1 for ratio
+128). The compressed row ``c`` of a request (emitted by the token at position ``p = c * r + r - 1``) pools the
+window of ``coff * r`` positions ``p - coff * r + 1 .. p``: window slot ``i`` (position ``w``) contributes, per
+dimension, its kv half ``h = i // r`` (ratio 4: the previous chunk's first ``d`` dims, the current chunk's last
+``d``; ratio 128: the one half) with weight ``softmax_i(score_h(w) + ape[w % r, h])``; a position below 0 has kv 0
+and score ``-inf``. Then RMSNorm (float32, ``weight``, ``eps``), GPT-J RoPE of the last 64 dims at position
+``c * r`` (pairs ``(2j, 2j + 1)`` rotated by ``cos[c * r, j]``, ``sin[c * r, j]``), for the indexer's compressor
+(``d = 128``) optionally the Hadamard rotation (natural order, ``128 ** -0.5``), and the quantised store: main
+rows (``d = 512``) as 584-byte rows (the nope values rounded to bf16 first, the RoPE values stored as bf16),
+indexer keys as 132-byte rows with a power-of-two scale (after a bf16 rounding) or the exact ``amax / 448``.
+The official code also rounds the pooled row to bf16 before the norm; the engines do not, and neither does this.
+
+State: the rows ``[kv | score]`` of earlier tokens live in the engine's buffer (``state``), at rows
+``state_table[b, w // state_block] * state_ring + w % state_ring``; a window position at or past the request's
+prefix (``seq_lens[b]`` minus its tokens in this call) comes from this call's input instead. After every
+compressed row is computed, the tokens' rows go to ``state_rows`` (their score with ape added when
+``state_has_ape``, as vLLM keeps them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import layout as L
+from .reference import quantize_index_k, write_kv_v4_reference, _store
+
+ROPE = 64
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The Walsh-Hadamard transform of the last dim (a power of two, natural (Sylvester) order), times
+    ``n ** -0.5``."""
+    n = x.shape[-1]
+    y = x.reshape(-1, n).clone()
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2).reshape(-1, n)
+        h *= 2
+    return (y * n ** -0.5).view(x.shape)
+
+
+def rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J rotation of the pairs ``(x[..., 2j], x[..., 2j + 1])`` by ``cos[..., j]``, ``sin[..., j]``."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+
+
+def state_row_views(state: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``state`` as ``[blocks, block_rows, width]`` (a 2-D ``[rows, width]`` buffer is one row a block)."""
+    return (state[:, None] if state.dim() == 2 else state), (1 if state.dim() == 2 else state.shape[1])
+
+
+def quantize_index_k_exact(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k [T, 128]`` -> (FP8 bytes, float32 scales ``max(amax, 1e-4) / 448``: SGLang's indexer-key rule)."""
+    x = k.float()
+    scale = x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR) / L.FP8_MAX
+    q = (x / scale[:, None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
+
+
+def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, positions: torch.Tensor,
+                       token_req: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+                       state: torch.Tensor, state_table: torch.Tensor, state_block: int, state_ring: int,
+                       norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: torch.Tensor, out_slots: torch.Tensor, *, state_rows: Optional[torch.Tensor] = None,
+                       state_has_ape: bool = False, rotate: bool = False, index_scale: str = "pow2",
+                       return_rows: bool = False) -> Optional[torch.Tensor]:
+    """See the module docstring; ``return_rows``: also return the compressed rows ``[T, d]`` float32 before
+    quantisation (NaN where a token emits none)."""
+    T, width = kv_score.shape
+    coff = 2 if ratio == 4 else 1
+    d = width // (2 * coff)
+    win = coff * ratio
+    dev = kv_score.device
+    x = kv_score.float()
+    ape = ape.float().reshape(ratio, coff * d)
+    pos = positions.to(dev).long()
+    req = token_req.to(dev).long()
+    qs = query_start.to(dev).long()
+    prefix = seq_lens.to(dev).long() - (qs[1:] - qs[:-1])
+    emit = (req >= 0) & ((pos + 1) % ratio == 0) & (out_slots.to(dev).long() >= 0)
+    e_tok = emit.nonzero().flatten()
+    rows_out = None
+    if return_rows:
+        rows_out = torch.full((T, d), float("nan"), device=dev)
+    blocks, block_rows = state_row_views(state)
+    if e_tok.numel():
+        b = req[e_tok]
+        w = pos[e_tok, None] - win + 1 + torch.arange(win, device=dev)[None, :]  # [E, win] window positions
+        from_input = w >= prefix[b, None]
+        in_row = (qs[b, None] + w - prefix[b, None]).clamp(0, max(T - 1, 0))
+        st_row = (state_table.to(dev).long()[b[:, None].expand_as(w), (w.clamp(min=0) // state_block)]
+                  * state_ring + w.clamp(min=0) % state_ring)
+        st = blocks[st_row // block_rows, st_row % block_rows].float()  # [E, win, width]
+        src = torch.where(from_input[..., None], x[in_row], st)
+        half = (torch.arange(win, device=dev) // ratio)  # [win]: the kv / score half each slot uses
+        cols = half[:, None] * d + torch.arange(d, device=dev)[None, :]  # [win, d]
+        kv = src.gather(2, cols[None].expand(len(e_tok), win, d))
+        score = src.gather(2, (coff * d + cols)[None].expand(len(e_tok), win, d))
+        bias = ape[w.clamp(min=0) % ratio].gather(2, cols[None].expand(len(e_tok), win, d))
+        add = from_input if state_has_ape else torch.ones_like(from_input)  # rows whose score lacks ape
+        score = score + torch.where(add[..., None], bias, torch.zeros_like(bias))
+        neg = (w < 0)[..., None]
+        score = score.masked_fill(neg, float("-inf"))
+        kv = kv.masked_fill(neg, 0.0)
+        pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [E, d]
+        y = pooled * torch.rsqrt(pooled.square().mean(-1, keepdim=True) + eps) * norm_weight.float()
+        at = pos[e_tok] + 1 - ratio
+        y = torch.cat([y[:, :d - ROPE], rope_gptj(y[:, d - ROPE:], cos[at].float(), sin[at].float())], dim=1)
+        if rotate:
+            y = hadamard(y)
+        if rows_out is not None:
+            rows_out[e_tok] = y
+        slots = out_slots.to(dev).long()[e_tok]
+        if d == L.D:
+            row = torch.cat([y[:, :L.D_NOPE].to(torch.bfloat16), y[:, L.D_NOPE:].to(torch.bfloat16)], dim=1)
+            write_kv_v4_reference(row, cache, slots)
+        else:
+            pages = L.index_pages(cache, op="compress")
+
+            def quantize(v):
+                data, scale = (quantize_index_k(v.to(torch.bfloat16)) if index_scale == "pow2"
+                               else quantize_index_k_exact(v))
+                return data, scale.contiguous().view(torch.uint8).reshape(-1, 4)
+
+            _store(pages, y, slots, quantize, L.INDEX_D, 4)
+    # the state writes, after every read (SGLang's rings alias the rows a window reads)
+    if state_rows is None:
+        b_all = req.clamp(min=0)
+        sr = state_table.to(dev).long()[b_all, pos.clamp(min=0) // state_block] * state_ring + pos % state_ring
+        sr = torch.where(req >= 0, sr, torch.full_like(sr, -1))
+    else:
+        sr = state_rows.to(dev).long()
+    keep = sr >= 0
+    if keep.any():
+        new = x[keep].clone()
+        if state_has_ape:
+            new[:, coff * d:] += ape[pos[keep] % ratio]
+        r = sr[keep]
+        blocks[r // block_rows, r % block_rows] = new.to(blocks.dtype)
+    return rows_out
+
