@@ -81,6 +81,34 @@ def indexer_smoke(dev) -> int:
     ok = torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values)  # no ties in random floats
     bad += not ok
     print(f"{'indexer_topk':22s} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
+    for ratio, d in ((4, 512), (128, 128)):
+        coff = 2 if ratio == 4 else 1
+        T = 300
+        kv = torch.randn(T, 2 * coff * d, device=dev)
+        ape = torch.randn(ratio, coff * d, device=dev)
+        ang = torch.rand(T + 1, 32, device=dev) * 6.3
+        runs = []
+        for impl in ("tilelang", "reference"):
+            state = torch.zeros(T, 2 * coff * d, device=dev)
+            cache = (L.new_kv_cache(8, 64, dev) if d == 512 else
+                     dsv4.paged_view(torch.zeros(8, L.index_page_bytes(64), dtype=torch.uint8, device=dev), 64,
+                                     L.INDEX_ROW_BYTES))
+            t0 = time.time()
+            rows = dsv4.compress(kv, ape, torch.arange(T, device=dev), torch.zeros(T, dtype=torch.int32, device=dev),
+                                 torch.tensor([0, T], dtype=torch.int32, device=dev),
+                                 torch.tensor([T], dtype=torch.int32, device=dev), ratio=ratio, state=state,
+                                 state_table=torch.zeros(1, 4, dtype=torch.int32, device=dev), state_block=T,
+                                 state_ring=T, norm_weight=torch.ones(d, device=dev), eps=1e-6, cos=ang.cos(),
+                                 sin=ang.sin(), cache=cache, out_slots=torch.arange(T, device=dev) // ratio,
+                                 rotate=d == 128, return_rows=True, impl=impl)
+            torch.cuda.synchronize()
+            runs.append((rows, state, time.time() - t0))
+        (a, sa, dt), (b, sb, _) = runs
+        fin = ~torch.isnan(b)
+        ok = torch.equal(torch.isnan(a), torch.isnan(b)) and torch.allclose(a[fin], b[fin], rtol=1e-4, atol=1e-4) \
+            and torch.equal(sa, sb)
+        bad += not ok
+        print(f"{'compress r=' + str(ratio) + ' d=' + str(d):22s} {'ok' if ok else 'FAIL'} ({dt:.1f} s)", flush=True)
     return bad
 
 

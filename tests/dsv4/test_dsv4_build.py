@@ -301,3 +301,45 @@ def test_indexer_kernels_refuse_a_target_without_fp8(use_settings):
     with pytest.raises(ValueError, match="FP8 GEMMs, which mp_22 lacks"):
         it.indexer_logits_tilelang(q, torch.randn(1, 64), q[0], torch.ones(64), torch.zeros(1, dtype=torch.int32),
                                    torch.ones(1, dtype=torch.int32), True)
+
+
+# ---- the compressors' programs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio,d,state_dims", [(4, 512, 3), (128, 128, 2)])
+def test_compressor_glue_matches_the_programs(use_settings, ratio, d, state_dims):
+    """The compressor's two launches get arguments of their parameters' dtypes and ranks (the state as a flat
+    view of a packed 3-D buffer or a 2-D ring)."""
+    from musa_attn_backend.kernels.dsv4.compressor_tilelang import compress_tilelang
+
+    use_settings(target="sm_90a")
+    coff = 2 if ratio == 4 else 1
+    width = 2 * coff * d
+    T = 8
+    state = (torch.zeros(6 * (4 * width + 16)).as_strided((6, 4, width), (4 * width + 16, width, 1))
+             if state_dims == 3 else torch.zeros(300, width))  # vLLM's packed blocks, SGLang's ring
+    cache = L.new_kv_cache(2, 64) if d == 512 else dsv4.paged_view(
+        torch.zeros(2, L.index_page_bytes(64), dtype=torch.uint8), 64, L.INDEX_ROW_BYTES)
+    kernels = {}
+    with _tilelang.intercepting(lambda key, build, target, pc: kernels.setdefault(key[0], SignatureCheck(build()))):
+        rows = compress_tilelang(
+            torch.randn(T, width), torch.zeros(ratio, coff * d), ratio, torch.arange(T),
+            torch.zeros(T, dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32),
+            torch.tensor([T], dtype=torch.int32), state, torch.zeros(1, 4, dtype=torch.int32), 4, 4, torch.ones(d), 1e-6,
+            torch.ones(16, 32), torch.zeros(16, 32), cache, torch.arange(T), state_rows=None, state_has_ape=True,
+            rotate=d == 128, index_scale="exact", return_rows=True)
+    assert rows.shape == (T, d)
+    assert set(kernels) == {"dsv4_compress_rows", "dsv4_save_state"}
+    assert all(len(k.calls) == 1 for k in kernels.values())
+
+
+@pytest.mark.parametrize("args", [(512, 4, False, True, "bfloat16"), (512, 128, False, False, "bfloat16"),
+                                  (128, 4, True, False, "float32"), (128, 4, False, True, "bfloat16")])
+def test_compressor_programs_lower_for_sm90a(args):
+    from musa_attn_backend.kernels.dsv4.compress_kernel import build_compress_rows, build_save_state
+    from musa_attn_backend.kernels.dsv4.compressor_tilelang import _pass_configs
+
+    src = _tilelang.lower(build_compress_rows(*args), HOPPER, _pass_configs()).source
+    assert src.count("__syncthreads()") == (5 if args[2] else 4)  # the hand-placed barriers only
+    assert "__global__" in _tilelang.lower(build_save_state(2 * (2 if args[1] == 4 else 1) * args[0], args[1],
+                                                            args[3]), HOPPER).source

@@ -340,3 +340,24 @@ def test_flash_mla_sparse_fwd_matches_float64():
         o = torch.softmax(s, -1) @ kvt * torch.sigmoid(l64 - sink.double())[:, None]
         assert torch.allclose(out[t].double(), o, atol=2e-2, rtol=2e-2)
     assert (out[:4, 1] == 0).all()  # sink +inf: zero output
+
+
+def test_write_index_k_exact_scale_is_byte_exact():
+    """``scale="exact"`` (SGLang's indexer keys): the float32 ``max(amax, 1e-4) / 448`` itself, the values
+    ``e4m3(x / scale)`` of the float32 quotient."""
+    rows = 64
+    buf = torch.full((2, L.index_page_bytes(rows)), 0x5A, dtype=torch.uint8)
+    cache = dsv4.paged_view(buf, rows, dsv4.INDEX_ROW_BYTES)
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(30, 128, generator=g) * torch.rand(30, 1, generator=g) * 50
+    k[0] = 0.0  # the floor
+    slots = torch.tensor(random.Random(2).sample(range(2 * rows), 30))
+    dsv4.write_index_k(k, cache, slots, scale="exact")
+    for t, s in enumerate(slots.tolist()):
+        page, row = divmod(s, rows)
+        scale = (torch.tensor(max(float(k[t].abs().max()), 1e-4), dtype=torch.float32) / 448).item()
+        q = (k[t] / torch.tensor(scale, dtype=torch.float32)).double()
+        assert torch.equal(buf[page, row * 128: row * 128 + 128], e4m3_bits(q)), t
+        assert buf[page, rows * 128 + row * 4: rows * 128 + row * 4 + 4].view(torch.float32).item() == scale
+    with pytest.raises(ValueError, match="scale must be 'pow2' or 'exact'"):
+        dsv4.write_index_k(k, cache, slots, scale="ue8m0")

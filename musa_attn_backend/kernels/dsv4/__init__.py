@@ -39,7 +39,7 @@ def _check_slots(op: str, slots, n: int) -> None:
     check(slots.numel() == n, lambda: f"{op}: slots has {slots.numel()} entries for {n} rows")
 
 
-def _write(op: str, x, width: int, name: str, cache, slots, pages_of, reference, impl: str) -> None:
+def _write(op: str, x, width: int, name: str, cache, slots, pages_of, reference, impl: str, **kernel_args) -> None:
     """Check a writer's arguments, then run its reference or its TileLang kernel (``op``'s)."""
     check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == width,
           lambda: f"{op}: {name} must be [num_tokens, {width}], got {tuple(getattr(x, 'shape', ()))}")
@@ -52,7 +52,7 @@ def _write(op: str, x, width: int, name: str, cache, slots, pages_of, reference,
         return
     from . import tilelang_impl
 
-    getattr(tilelang_impl, f"{op}_tilelang")(x, cache, slots)
+    getattr(tilelang_impl, f"{op}_tilelang")(x, cache, slots, **kernel_args)
 
 
 def write_kv_v4(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
@@ -64,11 +64,15 @@ def write_kv_v4(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, i
     _write("write_kv_v4", kv, D, "kv", cache, slots, layout.kv_pages, write_kv_v4_reference, impl)
 
 
-def write_index_k(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, impl: str = "auto") -> None:
+def write_index_k(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, scale: str = "pow2",
+                  impl: str = "auto") -> None:
     """Quantise indexer keys ``k [T, 128]`` into ``cache`` (132-byte rows: 128 FP8 bytes, then the page's float32
     scales) at ``slots [T]``, in place; slots negative or at or past the slot count are skipped, as in
-    :func:`write_kv_v4`."""
-    _write("write_index_k", k, INDEX_D, "k", cache, slots, layout.index_pages, write_index_k_reference, impl)
+    :func:`write_kv_v4`. ``scale``: a row's ``max(amax, 1e-4) / 448`` rounded up to a power of two (``"pow2"``:
+    vLLM) or as is (``"exact"``: SGLang)."""
+    check(scale in ("pow2", "exact"), lambda: f"write_index_k: scale must be 'pow2' or 'exact', got {scale!r}")
+    _write("write_index_k", k, INDEX_D, "k", cache, slots, layout.index_pages,
+           lambda x, c, s: write_index_k_reference(x, c, s, scale), impl, scale_rule=scale)
 
 
 def _check_read(op: str, pages, slots) -> None:

@@ -2,8 +2,8 @@
 quantised row of the compressed cache. The running state between calls stays in the engine's own buffer,
 addressed through a table, so SGLang's rings and vLLM's paged state cache are both served without a copy.
 
-The math: :mod:`.compressor_reference`. The op checks every argument before anything runs. The TileLang kernel is
-not built yet: every device runs the reference (``impl="tilelang"`` is refused with a message saying so).
+The math: :mod:`.compressor_reference` (the path on a CPU); on a GPU the TileLang programs of
+:mod:`.compress_kernel` and the writers. The op checks every argument before anything runs.
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ def compress(kv_score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
     check(_is_int(query_start) and query_start.dim() == 1 and query_start.numel() == B + 1,
           lambda: f"{op}: query_start must be an integer [{B + 1}] tensor")
     check(isinstance(state, torch.Tensor) and state.dtype == torch.float32 and state.dim() in (2, 3)
-          and state.shape[-1] == width and state.stride(-1) == 1,
-          lambda: f"{op}: state must be float32 [rows, {width}] or [blocks, block_rows, {width}] with unit last "
-                  f"stride, got {getattr(state, 'dtype', None)} {tuple(getattr(state, 'shape', ()))}")
+          and state.shape[-1] == width and state.stride(-1) == 1
+          and (state.dim() == 2 or state.shape[1] == 1 or state.stride(1) == width),
+          lambda: f"{op}: state must be float32 [rows, {width}] or [blocks, block_rows, {width}] with dense rows "
+                  f"(any block stride), got {getattr(state, 'dtype', None)} {tuple(getattr(state, 'shape', ()))}")
     check(_is_int(state_table) and state_table.dim() == 2 and state_table.shape[0] == B,
           lambda: f"{op}: state_table must be an integer [{B}, width] tensor")
     for name, v in (("state_block", state_block), ("state_ring", state_ring)):
@@ -95,10 +96,14 @@ def compress(kv_score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                       query_start=query_start, seq_lens=seq_lens, state=state, state_table=state_table,
                       norm_weight=norm_weight, cos=cos, sin=sin, cache=cache, out_slots=out_slots,
                       state_rows=state_rows)
-    check(impl != "tilelang", f"{op}: the TileLang compressor kernel is not built yet; impl='auto' or 'reference' "
-                              "runs the reference on any device")
-    resolve_impl(impl, kv_score.device, op)
+    kwargs = dict(state_rows=state_rows, state_has_ape=state_has_ape, rotate=rotate, index_scale=index_scale,
+                  return_rows=return_rows)
+    if resolve_impl(impl, kv_score.device, op) == "tilelang":
+        from .compressor_tilelang import compress_tilelang
+
+        return compress_tilelang(kv_score, ape, ratio, positions, token_req, query_start, seq_lens, state,
+                                 state_table, state_block, state_ring, norm_weight, eps, cos, sin, cache, out_slots,
+                                 **kwargs)
     return compress_reference(kv_score, ape, ratio, positions, token_req, query_start, seq_lens, state,
                               state_table, state_block, state_ring, norm_weight, eps, cos, sin, cache, out_slots,
-                              state_rows=state_rows, state_has_ape=state_has_ape, rotate=rotate,
-                              index_scale=index_scale, return_rows=return_rows)
+                              **kwargs)

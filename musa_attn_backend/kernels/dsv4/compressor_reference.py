@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import layout as L
-from .reference import quantize_index_k, write_kv_v4_reference, _store
+from .reference import write_index_k_reference, write_kv_v4_reference
 
 ROPE = 64
 
@@ -56,14 +56,6 @@ def rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 def state_row_views(state: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``state`` as ``[blocks, block_rows, width]`` (a 2-D ``[rows, width]`` buffer is one row a block)."""
     return (state[:, None] if state.dim() == 2 else state), (1 if state.dim() == 2 else state.shape[1])
-
-
-def quantize_index_k_exact(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k [T, 128]`` -> (FP8 bytes, float32 scales ``max(amax, 1e-4) / 448``: SGLang's indexer-key rule)."""
-    x = k.float()
-    scale = x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR) / L.FP8_MAX
-    q = (x / scale[:, None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8), scale
 
 
 def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, positions: torch.Tensor,
@@ -123,15 +115,8 @@ def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, po
         if d == L.D:
             row = torch.cat([y[:, :L.D_NOPE].to(torch.bfloat16), y[:, L.D_NOPE:].to(torch.bfloat16)], dim=1)
             write_kv_v4_reference(row, cache, slots)
-        else:
-            pages = L.index_pages(cache, op="compress")
-
-            def quantize(v):
-                data, scale = (quantize_index_k(v.to(torch.bfloat16)) if index_scale == "pow2"
-                               else quantize_index_k_exact(v))
-                return data, scale.contiguous().view(torch.uint8).reshape(-1, 4)
-
-            _store(pages, y, slots, quantize, L.INDEX_D, 4)
+        else:  # vLLM rounds the key to bf16 before its power-of-two scale, SGLang quantises the float32 key
+            write_index_k_reference(y.to(torch.bfloat16) if index_scale == "pow2" else y, cache, slots, index_scale)
     # the state writes, after every read (SGLang's rings alias the rows a window reads)
     if state_rows is None:
         b_all = req.clamp(min=0)

@@ -90,20 +90,22 @@ def _gather_rows(pages: L.Pages, s: torch.Tensor) -> torch.Tensor:
     return dequantize_kv_v4(data, pages.pages[p, c])
 
 
-def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k [T, 128]`` -> (FP8 bytes ``[T, 128]`` uint8, scales ``[T]`` float32, powers of two)."""
+def quantize_index_k(k: torch.Tensor, scale_rule: str = "pow2") -> tuple[torch.Tensor, torch.Tensor]:
+    """``k [T, 128]`` -> (FP8 bytes ``[T, 128]`` uint8, scales ``[T]`` float32: ``max(amax, 1e-4) / 448`` rounded
+    up to a power of two (``"pow2"``: vLLM's writer) or as is (``"exact"``: SGLang's))."""
     x = k.float()
     amax = x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / L.FP8_MAX)))
+    scale = amax / L.FP8_MAX if scale_rule == "exact" else torch.exp2(torch.ceil(torch.log2(amax / L.FP8_MAX)))
     q = (x / scale[:, None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
 
 
-def write_index_k_reference(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+def write_index_k_reference(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                            scale_rule: str = "pow2") -> None:
     """Quantise indexer keys ``k [T, 128]`` into ``cache`` (132-byte rows) at ``slots`` (negative or past the
-    cache's slots: skipped)."""
+    cache's slots: skipped), the scale by ``scale_rule`` (:func:`quantize_index_k`)."""
     def quantize(x):
-        data, scale = quantize_index_k(x)
+        data, scale = quantize_index_k(x, scale_rule)
         return data, scale.contiguous().view(torch.uint8).reshape(-1, 4)
 
     _store(L.index_pages(cache, op="write_index_k"), k, slots, quantize, L.INDEX_D, 4)

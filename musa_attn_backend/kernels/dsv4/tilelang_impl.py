@@ -197,10 +197,12 @@ def write_kv_v4_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = Non
                           target=target, pass_configs=_no_race_check())
 
 
-def write_index_k_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = None):
+def write_index_k_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = None, scale_rule: str = "pow2"):
     tiling = tuple(tiling or WRITE_INDEX_K_TILING)
-    return compile_cached(("dsv4_write_index_k", in_dtype) + tiling, lambda: build_write_index_k(in_dtype, *tiling),
-                          target=target, pass_configs=_no_race_check())
+    exact = scale_rule == "exact"
+    key = ("dsv4_write_index_k", in_dtype) + tiling + (("exact",) if exact else ())
+    return compile_cached(key, lambda: build_write_index_k(in_dtype, *tiling, exact=exact), target=target,
+                          pass_configs=_no_race_check())
 
 
 def _check_fp8_writes(op: str) -> None:
@@ -218,12 +220,12 @@ def write_kv_v4_tilelang(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Ten
                                            stride16, num_slots)
 
 
-def write_index_k_tilelang(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+def write_index_k_tilelang(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale_rule: str = "pow2") -> None:
     """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.write_index_k` (arguments checked there)."""
     op = "write_index_k(impl='tilelang')"
     _check_fp8_writes(op)
     views, (rows, stride16, num_slots) = _flat_views(L.index_pages(cache, op=op), k.device, op, "cache",
                                                      (torch.float8_e4m3fn, torch.float32))
     views = (views[0][:views[0].numel() // 16 * 16].view(-1, 16), views[1])  # data in 16-byte units
-    write_index_k_kernel(tl_dtype(k.dtype))(k.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
+    write_index_k_kernel(tl_dtype(k.dtype), scale_rule=scale_rule)(k.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
                                             stride16, num_slots)

@@ -86,9 +86,10 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
 
 
 @functools.lru_cache(maxsize=None)
-def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: int = 128):
+def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: int = 128, exact: bool = False):
     """Quantise indexer keys ``K [T, 128]`` into 132-byte rows (128 e4m3 bytes; the page's float32 scales after
-    its data) at ``slots``."""
+    its data) at ``slots``; the scale ``max(amax, 1e-4) / 448`` rounded up to a power of two, or as is
+    (``exact``)."""
     BT, D = block_T, L.INDEX_D
     NT = T.dynamic("num_tokens")
     NU, NF = T.dynamic("cache_units16"), T.dynamic("cache_words")
@@ -116,7 +117,10 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
                 x[i, d] = T.if_then_else(t0 + i < NT, T.Cast(ACC, K[T.min(t0 + i, NT - 1), d]), 0.0)
             T.reduce_absmax(x, amax, dim=1)
             for i in T.Parallel(BT):
-                scale[i] = T.exp2(T.ceil(T.log2(T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX)))
+                if exact:
+                    scale[i] = T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX
+                else:
+                    scale[i] = T.exp2(T.ceil(T.log2(T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX)))
             for i, d in T.Parallel(BT, D):  # quantise, then store under the guard (as in build_write_kv_v4)
                 q8[i, d] = T.Cast("float8_e4m3", T.max(T.min(x[i, d] / scale[i], L.FP8_MAX), -L.FP8_MAX))
             for i, d in T.Parallel(BT, D):
