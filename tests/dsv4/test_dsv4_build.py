@@ -343,3 +343,11 @@ def test_compressor_programs_lower_for_sm90a(args):
     assert src.count("__syncthreads()") == (5 if args[2] else 4)  # the hand-placed barriers only
     assert "__global__" in _tilelang.lower(build_save_state(2 * (2 if args[1] == 4 else 1) * args[0], args[1],
                                                             args[3]), HOPPER).source
+
+
+def test_exact_scale_index_writer_lowers_with_every_store_guarded():
+    from musa_attn_backend.kernels.dsv4.write_kernel import build_write_index_k
+
+    src = _tilelang.lower(build_write_index_k("float32", *ti.WRITE_INDEX_K_TILING, exact=True), HOPPER,
+                          ti._no_race_check()).source
+    assert unguarded_cache_stores(src) == [] and "log2f" not in src  # no power-of-two rounding

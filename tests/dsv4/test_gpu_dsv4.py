@@ -148,6 +148,13 @@ def test_write_index_k_kernel_is_byte_exact(gpu_device, pages, T):
     dsv4.write_index_k(k, views[0], slots, impl="tilelang")
     dsv4.write_index_k(k, views[1], slots, impl="reference")
     assert torch.equal(bufs[0], bufs[1])
+    # SGLang's exact scale, from float32 keys
+    for buf in bufs:
+        buf.fill_(0x5A)
+    k32 = k.float() * 1.37
+    dsv4.write_index_k(k32, views[0], slots, scale="exact", impl="tilelang")
+    dsv4.write_index_k(k32, views[1], slots, scale="exact", impl="reference")
+    assert torch.equal(bufs[0], bufs[1])
 
 
 @pytest.mark.parametrize("kv_tiling,k_tiling", [((4, 128), (8, 128)), ((128, 512), (64, 512)), ((1, 64), (1, 32))])
