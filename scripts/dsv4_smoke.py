@@ -72,6 +72,17 @@ def indexer_smoke(dev) -> int:
             ((got - ref).abs().where(fin, 0) <= 1e-3 * ref.abs().where(fin, 0).amax() + 1e-3 * ref.abs()).all())
         bad += not ok
         print(f"{name:22s} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
+    qb = torch.randn(7, 64, 128, device=dev).to(torch.bfloat16)
+    wb = torch.randn(7, 64, device=dev).to(torch.bfloat16)
+    ang = torch.rand(100, 32, device=dev) * 6.3
+    pos = torch.randint(0, 100, (7,), device=dev)
+    t0 = time.time()
+    q8, wq = dsv4.indexer_q(qb, wb, pos, ang.cos(), ang.sin(), impl="tilelang")
+    torch.cuda.synchronize()
+    r8, rq = dsv4.indexer_q(qb, wb, pos, ang.cos(), ang.sin(), impl="reference")
+    ok = torch.allclose(wq, rq, rtol=1e-5) and (q8.float() == r8.float()).float().mean().item() > 0.99
+    bad += not ok
+    print(f"{'indexer_q':22s} {'ok' if ok else 'FAIL'} ({time.time() - t0:.1f} s)", flush=True)
     logits = torch.randn(5, 4000, device=dev)
     n = torch.tensor([4000, 100, 3000, 513, 2000], device=dev, dtype=torch.int32)
     t0 = time.time()

@@ -351,3 +351,21 @@ def test_exact_scale_index_writer_lowers_with_every_store_guarded():
     src = _tilelang.lower(build_write_index_k("float32", *ti.WRITE_INDEX_K_TILING, exact=True), HOPPER,
                           ti._no_race_check()).source
     assert unguarded_cache_stores(src) == [] and "log2f" not in src  # no power-of-two rounding
+
+
+@pytest.mark.parametrize("rotate,pow2,bf16_rope", [(True, False, False), (False, True, True)])
+def test_indexer_q_program_lowers_and_matches_its_glue(use_settings, rotate, pow2, bf16_rope):
+    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
+    from musa_attn_backend.kernels.dsv4.indexer_q_kernel import build_indexer_q
+
+    src = _tilelang.lower(build_indexer_q(64, "bfloat16", rotate, pow2, bf16_rope), HOPPER,
+                          it._topk_pass_configs()).source
+    assert src.count("__syncthreads()") == (6 if rotate else 5) and ("log2f" in src) == pow2
+    use_settings(target="sm_90a")
+    kernels = {}
+    with _tilelang.intercepting(lambda key, build, target, pc: kernels.setdefault(key, SignatureCheck(build()))):
+        q8, w = it.indexer_q_tilelang(torch.randn(3, 64, 128).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16),
+                                      torch.arange(3), torch.ones(8, 32), torch.zeros(8, 32), 0.01, rotate,
+                                      "pow2" if pow2 else "exact", bf16_rope)
+    assert q8.dtype == torch.float8_e4m3fn and w.shape == (3, 64)
+    assert [len(k.calls) for k in kernels.values()] == [1]

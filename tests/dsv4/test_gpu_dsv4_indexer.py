@@ -167,3 +167,23 @@ def test_indexer_topk_kernel_page_slots_and_strided_rows(gpu_device):
     want = torch.where((pos >= 0) & (entry >= 0), entry * 64 + pos.long().clamp(min=0) % 64, -1)
     # the order within a row follows the kernel's atomics, so rows are compared as sorted lists (no ties here)
     assert torch.equal(slots.long().sort(dim=1).values, want.sort(dim=1).values)
+
+
+@pytest.mark.parametrize("rotate,scale,bf16_rope", [(True, "exact", False), (False, "pow2", True)])
+@pytest.mark.parametrize("T,H", [(1, 64), (300, 64), (17, 32)])
+def test_indexer_q_kernel(gpu_device, rotate, scale, bf16_rope, T, H):
+    g = torch.Generator().manual_seed(T + H)
+    q = torch.randn(T, H, 128, generator=g).to(torch.bfloat16).to(gpu_device)
+    w = torch.randn(T, H, generator=g).to(torch.bfloat16).to(gpu_device)
+    pos = torch.randint(0, 5000, (T,), generator=g).to(gpu_device)
+    ang = (torch.rand(5000, 32, generator=g) * 6.3).to(gpu_device)
+    kw = dict(rotate=rotate, scale=scale, bf16_rope=bf16_rope)
+    q8, wo = dsv4.indexer_q(q, w, pos, ang.cos(), ang.sin(), impl="tilelang", **kw)
+    r8, ro = dsv4.indexer_q(q, w, pos, ang.cos(), ang.sin(), impl="reference", **kw)
+    assert torch.allclose(wo, ro, rtol=1e-5, atol=0)
+    # in units of the (equal) scales: within one e4m3 step of each other (a value at a rounding boundary may go
+    # either way; the step is at most 32, at the top of the range), and nearly all equal
+    d = (q8.float() - r8.float()).abs()
+    step = torch.exp2(torch.floor(torch.log2(r8.float().abs().clamp(min=2 ** -6)))) / 8
+    assert (d <= step * 1.01 + 2 ** -9).all()
+    assert (d == 0).float().mean() > 0.99

@@ -156,8 +156,7 @@ def indexer_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, c
     (default ``128 ** -0.5 * H ** -0.5``: the softmax scale and the head count) folded into the weights.
     Defaults as SGLang's ``fused_q_indexer_rope_hadamard_quant``; vLLM's ``fused_indexer_q_rope_quant``:
     ``rotate=False, scale="pow2", bf16_rope=True``. Returns ``(q e4m3fn [T, H, 128], w float32 [T, H])``, the
-    inputs of :func:`indexer_logits` / :func:`paged_indexer_logits`. The TileLang kernel is not built yet: every
-    device runs the reference."""
+    inputs of :func:`indexer_logits` / :func:`paged_indexer_logits`."""
     op = "indexer_q"
     check(isinstance(q, torch.Tensor) and q.is_floating_point() and q.dim() == 3 and q.shape[2] == L.INDEX_D,
           lambda: f"{op}: q must be a floating [T, heads, {L.INDEX_D}] tensor, got {tuple(getattr(q, 'shape', ()))}")
@@ -172,9 +171,10 @@ def indexer_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, c
               lambda: f"{op}: {name} must be a floating [max_pos, 32] tensor")
     check(scale in ("exact", "pow2"), lambda: f"{op}: scale must be 'exact' or 'pow2', got {scale!r}")
     check_same_device(op, q=q, weights=weights, positions=positions, cos=cos, sin=sin)
-    check(impl != "tilelang", f"{op}: the TileLang kernel is not built yet; impl='auto' or 'reference' runs the "
-                              "reference on any device")
-    resolve_impl(impl, q.device, op)
     ws = (L.INDEX_D ** -0.5) * (H ** -0.5) if weight_scale is None else float(weight_scale)
+    if resolve_impl(impl, q.device, op) == "tilelang":
+        from .indexer_tilelang import indexer_q_tilelang
+
+        return indexer_q_tilelang(q, weights, positions, cos, sin, ws, rotate, scale, bf16_rope)
     return indexer_q_reference(q, weights, positions, cos, sin, weight_scale=ws, rotate=rotate, scale=scale,
                                bf16_rope=bf16_rope)

@@ -7,11 +7,12 @@ import math
 
 import torch
 
-from ..._tilelang import compile_cached, tl
+from ..._tilelang import compile_cached, tl, tl_dtype
 from ...platform import get_platform
 from .._common import check
 from . import layout as L
 from .indexer_logits_kernel import build_indexer_logits, build_paged_indexer_logits
+from .indexer_q_kernel import build_indexer_q
 from .topk_kernel import build_indexer_topk
 from .tilelang_impl import _flat_views, _no_race_check
 
@@ -72,7 +73,8 @@ def paged_indexer_logits_tilelang(q, w, cache, context_lens, block_table, max_le
 
 
 def _topk_pass_configs() -> dict:
-    """The top-k program places its barriers itself (outside every branch; see :mod:`.topk_kernel`)."""
+    """The top-k and q programs place their barriers themselves (outside every branch the block does not share;
+    see :mod:`.topk_kernel`, :mod:`.indexer_q_kernel`)."""
     return {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
@@ -98,3 +100,24 @@ def indexer_topk_tilelang(logits, lengths, k: int, starts, page_table, page_rows
     indexer_topk_kernel(k, page_rows)(flat, lengths.to(torch.int32).contiguous(), starts, table,
                                       logits.stride(0) if T_ > 1 else N, N, out)
     return out
+
+
+def indexer_q_kernel(H: int, in_dtype: str, rotate: bool, pow2: bool, bf16_rope: bool, target=None):
+    return compile_cached(("dsv4_indexer_q", H, in_dtype, rotate, pow2, bf16_rope),
+                          lambda: build_indexer_q(H, in_dtype, rotate, pow2, bf16_rope), target=target,
+                          pass_configs=_topk_pass_configs())
+
+
+def indexer_q_tilelang(q, weights, positions, cos, sin, weight_scale: float, rotate: bool, scale: str,
+                       bf16_rope: bool):
+    op = "indexer_q(impl='tilelang')"
+    _check_fp8(op)
+    T_, H, D = q.shape
+    dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    q8 = torch.empty(T_, H, D, dtype=torch.float8_e4m3fn, device=q.device)
+    w = torch.empty(T_, H, dtype=torch.float32, device=q.device)
+    if T_:
+        indexer_q_kernel(H, tl_dtype(dtype), rotate, scale == "pow2", bf16_rope)(
+            q.to(dtype).contiguous(), weights.to(dtype).contiguous(), positions.to(torch.int64).contiguous(),
+            cos.float().contiguous(), sin.float().contiguous(), float(weight_scale), q8, w)
+    return q8, w
