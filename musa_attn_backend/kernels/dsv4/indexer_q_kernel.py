@@ -28,7 +28,7 @@ def build_indexer_q(H: int, in_dtype: str, rotate: bool, pow2: bool, bf16_rope: 
         Q8: T.Tensor((NT, H, D), "float8_e4m3"),
         Wout: T.Tensor((NT, H), ACC),
     ):
-        with T.Kernel(H, NT, threads=D) as (h, t):
+        with T.Kernel(NT, H, threads=D) as (t, h):  # tokens on x: any count
             x = T.get_thread_binding()
             v_s = T.alloc_shared([D], ACC)
             a_s = T.alloc_shared([D], ACC)
