@@ -224,15 +224,19 @@ def main(argv=None):
                 {"ceilings": ceilings, "peer_errors": errors, "rows": rows}))  # survives a cut-off run
             torch.cuda.empty_cache()
     writer_rows(rows, ceilings, g, args.writer_tilings)
+    write_run(args.out, "dsv4-attention", run_document(ceilings, errors, rows))
+    Path(args.out, "dsv4-attention-partial.json").unlink(missing_ok=True)
+
+
+def run_document(ceilings: dict, errors: dict, rows: list) -> dict:
+    """A run's JSON: device, commit, date, versions, the ceilings, the peers' errors, the rows."""
     import tilelang
 
-    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
-                        "python": _platform.python_version()},
-           "ceilings": ceilings, "peer_errors": errors, "rows": rows}
-    write_run(args.out, "dsv4-attention", doc)
-    Path(args.out, "dsv4-attention-partial.json").unlink(missing_ok=True)
+    return {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
+                         "python": _platform.python_version()},
+            "ceilings": ceilings, "peer_errors": errors, "rows": rows}
 
 
 def writer_rows(rows, ceilings, g, tilings: str):

@@ -20,8 +20,6 @@ and torch ``fp8_paged_mqa_logits_torch`` (paged, where SGLang is importable; wha
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import platform as _platform
 import sys
 from pathlib import Path
 
@@ -31,8 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_attention import bench_ms, git_commit, measure_ceilings, write_run  # noqa: E402
-from bench_dsv4_attention import fp8_matmul_tflops  # noqa: E402
+from bench_attention import bench_ms, measure_ceilings, write_run  # noqa: E402
+from bench_dsv4_attention import fp8_matmul_tflops, run_document  # noqa: E402
 
 from musa_attn_backend.kernels import dsv4  # noqa: E402
 from musa_attn_backend.kernels.dsv4 import layout as L  # noqa: E402
@@ -170,14 +168,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - keep the rows measured so far
                 errors[f"ours_{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"{name}: {type(e).__name__}: {e}", flush=True)
-    import tilelang
-
-    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "versions": {"torch": torch.__version__, "tilelang": tilelang.__version__,
-                        "python": _platform.python_version()},
-           "ceilings": ceilings, "peer_errors": errors, "rows": rows}
-    write_run(args.out, "dsv4-indexer", doc)
+    write_run(args.out, "dsv4-indexer", run_document(ceilings, errors, rows))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 from musa_attn_backend.kernels import dsv4
 from musa_attn_backend.kernels.dsv4 import layout as L
 from musa_attn_backend.kernels.dsv4.compressor import compress
+from musa_attn_backend.testing.dsv4_compress import make_case, run_calls
 
 
 def official_pooled(x: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -51,78 +52,20 @@ def finish64(pooled, weight, eps, cos, sin, ratio, rotate):
 
 
 def simulate(ratio, d, layout, schedules, rotate=False, index_scale="pow2", seed=0):
-    """Run requests through calls (``schedules[b][i]``: request b's new tokens in call i); returns
-    (rows emitted [b] -> {c: row}, expected [b] -> [n, d] float64, cache, out slot of (b, c))."""
-    g = torch.Generator().manual_seed(seed)
-    coff = 2 if ratio == 4 else 1
-    width = 2 * coff * d
-    B = len(schedules)
-    totals = [sum(s) for s in schedules]
-    xs = [torch.randn(n, width, generator=g) * torch.cat([torch.ones(coff * d), torch.full((coff * d,), 2.0)])
-          for n in totals]
-    ape = torch.randn(ratio, coff * d, generator=g)
-    weight = torch.rand(d, generator=g) + 0.5
-    eps = 1e-6
-    ang = torch.rand(max(totals) + 1, 32, generator=g) * 6.3
-    cos, sin = ang.cos(), ang.sin()
-    max_rows = max(totals) // ratio + 1
-    rows_per_page = 64 if (d == 128 or ratio == 4) else 2
-    n_pages = B * max_rows // rows_per_page + 2
-    if d == L.D:
-        cache = L.new_kv_cache(n_pages, rows_per_page)
-    else:
-        cache = dsv4.paged_view(torch.zeros(n_pages, L.index_page_bytes(64), dtype=torch.uint8), 64,
-                                L.INDEX_ROW_BYTES)
-    if layout == "paged":  # vLLM: every token, blocks of 4 / 8, ape stored
-        block = 4 if ratio == 4 else 8
-        nblk = B * max(math.ceil(n / block) for n in totals) + 3
-        bstride = block * width + 16  # blocks packed with NaN between them, as vLLM packs its groups
-        store = torch.full((nblk * bstride,), float("nan"))
-        state = store.as_strided((nblk, block, width), (bstride, width, 1))
-        perm = torch.randperm(nblk, generator=g)
-        wtab = max(math.ceil(n / block) for n in totals)
-        table = perm[:B * wtab].view(B, wtab).to(torch.int32)
-        sblock = sring = block
-        has_ape = True
-    else:  # SGLang: rings of 8 rows per 256-token page (C4) or 128 per request (C128), the tail only
-        has_ape = False
-        if ratio == 4:
-            sblock, sring = 256, 8
-            wtab = max(totals) // 256 + 1
-            table = torch.randperm(B * wtab + 2, generator=g)[:B * wtab].view(B, wtab).to(torch.int32)
-            state = torch.full(((B * wtab + 2) * sring, width), float("nan"))
-        else:
-            sblock = sring = 128
-            wtab = max(totals) // 128 + 1
-            table = torch.arange(B, dtype=torch.int32)[:, None].expand(B, wtab)  # stride 0: req id everywhere
-            state = torch.full((B * sring, width), float("nan"))
-    done = [0] * B
-    emitted = [dict() for _ in range(B)]
-    for call in range(max(len(s) for s in schedules)):
-        new = [schedules[b][call] if call < len(schedules[b]) else 0 for b in range(B)]
-        qs = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32)
-        seq = torch.tensor([done[b] + new[b] for b in range(B)], dtype=torch.int32)
-        pos = torch.cat([torch.arange(done[b], done[b] + new[b]) for b in range(B)])
-        req = torch.cat([torch.full((new[b],), b) for b in range(B)]).to(torch.int32)
-        kvs = torch.cat([xs[b][done[b]:done[b] + new[b]] for b in range(B)])
-        out_slots = torch.where((pos + 1) % ratio == 0, req.long() * max_rows + pos // ratio, torch.zeros_like(pos))
-        rows = None
-        if layout == "ring":  # keep the last `ring` positions of each request
-            rows = torch.where(pos >= seq.long()[req.long()] - sring,
-                               table.long()[req.long(), pos // sblock] * sring + pos % sring, torch.full_like(pos, -1))
-        got = compress(kvs, ape, pos, req, qs, seq, ratio=ratio, state=state, state_table=table,
-                       state_block=sblock, state_ring=sring, norm_weight=weight, eps=eps, cos=cos, sin=sin,
-                       cache=cache, out_slots=out_slots, state_rows=rows, state_has_ape=has_ape, rotate=rotate,
-                       index_scale=index_scale, return_rows=True)
+    """Run ``schedules`` through the reference; returns (rows emitted [b] -> {c: row}, expected [b] -> [n, d]
+    float64 from the whole sequences, the cache, rows a request)."""
+    case = make_case(ratio, d, layout, schedules, seed=seed)
+    emitted = [dict() for _ in schedules]
+    for pos, req, got in run_calls(case, "reference", rotate, index_scale):
         for t in range(len(pos)):
             if (int(pos[t]) + 1) % ratio == 0:
+                assert int(pos[t]) // ratio not in emitted[int(req[t])]
                 emitted[int(req[t])][int(pos[t]) // ratio] = got[t]
             else:
                 assert torch.isnan(got[t]).all()
-        done = [done[b] + new[b] for b in range(B)]
-    expected = [finish64(official_pooled(xs[b], ape, ratio), weight, eps, cos, sin, ratio, rotate)
-                for b in range(B)]
-    return emitted, expected, cache, max_rows
+    expected = [finish64(official_pooled(x, case.ape, ratio), case.norm_weight, case.eps, case.cos, case.sin, ratio,
+                         rotate) for x in case.xs]
+    return emitted, expected, case.cache, case.max_rows
 
 
 SCHEDULES = {4: [[13, 11, 1, 1, 1, 1, 1, 9], [5, 1, 1, 1, 30, 1, 1, 0], [0, 0, 8, 1, 1, 1, 1, 1]],

@@ -20,6 +20,22 @@ THREADS = 128
 ROPE = 64
 
 
+@T.macro
+def hadamard_128(buf, x):
+    """The Walsh-Hadamard transform (natural order, unnormalised) of the 128 values of the shared ``buf``, in
+    place: seven stages of butterflies by threads 0..63, a barrier after each (every thread of the block calls
+    it)."""
+    for s in T.unroll(7):
+        hh = 1 << s
+        if x < 64:
+            a = (x // hh) * 2 * hh + x % hh
+            x0 = buf[a]
+            x1 = buf[a + hh]
+            buf[a] = x0 + x1
+            buf[a + hh] = x0 - x1
+        T.sync_threads()
+
+
 @functools.lru_cache(maxsize=None)
 def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, out_dtype: str = "bfloat16"):
     """Rows ``Out [T, d]`` of the tokens that end a window (see the module docstring)."""
@@ -124,16 +140,8 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
                     else:
                         nxt_s[c] = row_s[c]
                 T.sync_threads()
-                if rotate:  # the Walsh-Hadamard butterflies (natural order), then the scale
-                    for s in T.unroll(7):
-                        hh = 1 << s
-                        if tx < d // 2:
-                            a = (tx // hh) * 2 * hh + tx % hh
-                            x0 = nxt_s[a]
-                            x1 = nxt_s[a + hh]
-                            nxt_s[a] = x0 + x1
-                            nxt_s[a + hh] = x0 - x1
-                        T.sync_threads()
+                if rotate:  # d is 128 (checked by the op); the 128^-0.5 at the store
+                    hadamard_128(nxt_s, tx)
                 for j in T.serial(per):
                     c = j * THREADS + tx
                     Out[t, c] = T.Cast(out_dtype, nxt_s[c] * (d ** -0.5 if rotate else 1.0))

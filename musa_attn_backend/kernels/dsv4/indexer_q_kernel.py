@@ -7,6 +7,7 @@ import functools
 
 from ..._tilelang import tl_lang as T
 from . import layout as L
+from .compress_kernel import hadamard_128
 
 ACC = "float32"
 D = L.INDEX_D
@@ -49,16 +50,8 @@ def build_indexer_q(H: int, in_dtype: str, rotate: bool, pow2: bool, bf16_rope: 
             T.sync_threads()
             v_s[x] = y
             T.sync_threads()
-            if rotate:  # Walsh-Hadamard butterflies, natural order; the 128^-0.5 after
-                for s in T.unroll(7):
-                    hh = 1 << s
-                    if x < D // 2:
-                        a = (x // hh) * 2 * hh + x % hh
-                        x0 = v_s[a]
-                        x1 = v_s[a + hh]
-                        v_s[a] = x0 + x1
-                        v_s[a + hh] = x0 - x1
-                    T.sync_threads()
+            if rotate:
+                hadamard_128(v_s, x)
                 y = v_s[x] * (D ** -0.5)
             else:
                 y = v_s[x]
