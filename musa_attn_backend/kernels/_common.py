@@ -20,6 +20,11 @@ def check(cond: bool, msg: Union[str, Callable[[], str]]) -> None:
         raise ValueError(msg() if callable(msg) else msg)
 
 
+def is_int_tensor(t) -> bool:
+    """``t`` is a tensor of an integer dtype (bool excluded): what index, slot and length arguments must be."""
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool
+
+
 def resolve_impl(impl: str, device: torch.device, op: str) -> str:
     """``auto`` → ``tilelang`` on a GPU tensor, ``reference`` on a CPU tensor."""
     check(impl in IMPLS, lambda: f"{op}: impl must be one of {IMPLS}, got {impl!r}")

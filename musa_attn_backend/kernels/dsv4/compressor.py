@@ -12,16 +12,12 @@ from typing import Optional
 
 import torch
 
-from .._common import check, check_same_device, resolve_impl
+from .._common import check, check_same_device, is_int_tensor, resolve_impl
 from . import layout as L
 from .compressor_reference import compress_reference
 
 RATIOS = (4, 128)
 INDEX_SCALES = ("pow2", "exact")
-
-
-def _is_int(t) -> bool:
-    return isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool
 
 
 def compress(kv_score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor, token_req: torch.Tensor,
@@ -67,21 +63,21 @@ def compress(kv_score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
           lambda: f"{op}: ape must be [{ratio}, {coff * d}] (the checkpoint's layout), got "
                   f"{tuple(getattr(ape, 'shape', ()))}")
     for name, t in (("positions", positions), ("token_req", token_req), ("out_slots", out_slots)):
-        check(_is_int(t) and t.dim() == 1 and t.numel() == T, lambda: f"{op}: {name} must be an integer [{T}] tensor")
-    check(_is_int(seq_lens) and seq_lens.dim() == 1, lambda: f"{op}: seq_lens must be an integer [B] tensor")
+        check(is_int_tensor(t) and t.dim() == 1 and t.numel() == T, lambda: f"{op}: {name} must be an integer [{T}] tensor")
+    check(is_int_tensor(seq_lens) and seq_lens.dim() == 1, lambda: f"{op}: seq_lens must be an integer [B] tensor")
     B = seq_lens.numel()
-    check(_is_int(query_start) and query_start.dim() == 1 and query_start.numel() == B + 1,
+    check(is_int_tensor(query_start) and query_start.dim() == 1 and query_start.numel() == B + 1,
           lambda: f"{op}: query_start must be an integer [{B + 1}] tensor")
     check(isinstance(state, torch.Tensor) and state.dtype == torch.float32 and state.dim() in (2, 3)
           and state.shape[-1] == width and state.stride(-1) == 1
           and (state.dim() == 2 or state.shape[1] == 1 or state.stride(1) == width),
           lambda: f"{op}: state must be float32 [rows, {width}] or [blocks, block_rows, {width}] with dense rows "
                   f"(any block stride), got {getattr(state, 'dtype', None)} {tuple(getattr(state, 'shape', ()))}")
-    check(_is_int(state_table) and state_table.dim() == 2 and state_table.shape[0] == B,
+    check(is_int_tensor(state_table) and state_table.dim() == 2 and state_table.shape[0] == B,
           lambda: f"{op}: state_table must be an integer [{B}, width] tensor")
     for name, v in (("state_block", state_block), ("state_ring", state_ring)):
         check(isinstance(v, int) and v >= 1, lambda: f"{op}: {name} must be a positive int, got {v!r}")
-    check(state_rows is None or (_is_int(state_rows) and state_rows.dim() == 1 and state_rows.numel() == T),
+    check(state_rows is None or (is_int_tensor(state_rows) and state_rows.dim() == 1 and state_rows.numel() == T),
           lambda: f"{op}: state_rows must be None or an integer [{T}] tensor")
     check(isinstance(norm_weight, torch.Tensor) and norm_weight.is_floating_point() and norm_weight.numel() == d,
           lambda: f"{op}: norm_weight must be a floating [{d}] tensor")

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .._common import check, check_same_device, resolve_impl
+from .._common import check, check_same_device, is_int_tensor, resolve_impl
 from . import layout as L
 from .indexer_reference import (indexer_logits_reference, indexer_q_reference, indexer_topk_reference,
                                 paged_indexer_logits_reference)
@@ -19,10 +19,6 @@ from .indexer_reference import (indexer_logits_reference, indexer_q_reference, i
 INDEX_HEADS = (16, 32, 64)  # indexer heads per rank (V4: 64; a tensor-parallel split of them)
 MAX_NEXT_N = 2  # query rows per request in paged decode (MTP: 2)
 MAX_TOPK = 2048
-
-
-def _is_int(t) -> bool:
-    return isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool
 
 
 def _check_q_w(op: str, q, w, rows: int, heads_dim: int) -> int:
@@ -57,7 +53,7 @@ def indexer_logits(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: t
     check(isinstance(k_scale, torch.Tensor) and k_scale.dtype == torch.float32 and k_scale.numel() == S,
           lambda: f"{op}: k_scale must be float32 [{S}]")
     for name, t in (("starts", starts), ("ends", ends)):
-        check(_is_int(t) and t.dim() == 1 and t.numel() == T, lambda: f"{op}: {name} must be an integer [{T}] tensor")
+        check(is_int_tensor(t) and t.dim() == 1 and t.numel() == T, lambda: f"{op}: {name} must be an integer [{T}] tensor")
     check_same_device(op, q=q, w=w, k=k, k_scale=k_scale, starts=starts, ends=ends)
     if resolve_impl(impl, q.device, op) == "reference" or T == 0 or S == 0:
         return indexer_logits_reference(q, w, k, k_scale.reshape(S), starts, ends, clean=clean)
@@ -86,11 +82,11 @@ def paged_indexer_logits(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, 
     _check_q_w(op, q, w, B * next_n, 2)
     pages = L.index_pages(cache, op=op)
     check(pages.rows == 64, lambda: f"{op}: the indexer-key cache must have 64 rows a page, got {pages.rows}")
-    check(_is_int(context_lens) and (tuple(context_lens.shape) == (B, next_n)
+    check(is_int_tensor(context_lens) and (tuple(context_lens.shape) == (B, next_n)
                                      or (next_n == 1 and tuple(context_lens.shape) == (B,))),
           lambda: f"{op}: context_lens must be an integer [{B}, {next_n}] tensor (or [{B}] when next_n is 1): each "
                   f"query row's own key count; got {tuple(getattr(context_lens, 'shape', ()))}")
-    check(_is_int(block_table) and block_table.dim() == 2 and block_table.shape[0] == B,
+    check(is_int_tensor(block_table) and block_table.dim() == 2 and block_table.shape[0] == B,
           lambda: f"{op}: block_table must be an integer [{B}, pages] tensor")
     check(isinstance(max_len, int) and 0 <= max_len <= block_table.shape[1] * 64,
           lambda: f"{op}: max_len must be an int in [0, {block_table.shape[1] * 64}] (the block table's keys), "
@@ -123,12 +119,12 @@ def indexer_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, *, starts:
                   f"{getattr(logits, 'dtype', None)} {tuple(getattr(logits, 'shape', ()))}")
     T = logits.shape[0]
     check(isinstance(k, int) and 1 <= k <= MAX_TOPK, lambda: f"{op}: k must be an int in [1, {MAX_TOPK}], got {k!r}")
-    check(_is_int(lengths) and lengths.dim() == 1 and lengths.numel() == T,
+    check(is_int_tensor(lengths) and lengths.dim() == 1 and lengths.numel() == T,
           lambda: f"{op}: lengths must be an integer [{T}] tensor")
-    check(starts is None or (_is_int(starts) and starts.dim() == 1 and starts.numel() == T),
+    check(starts is None or (is_int_tensor(starts) and starts.dim() == 1 and starts.numel() == T),
           lambda: f"{op}: starts must be an integer [{T}] tensor")
     if page_table is not None:
-        check(_is_int(page_table) and page_table.dim() == 2 and page_table.shape[0] == T,
+        check(is_int_tensor(page_table) and page_table.dim() == 2 and page_table.shape[0] == T,
               lambda: f"{op}: page_table must be an integer [{T}, pages] tensor")
         check(isinstance(page_rows, int) and page_rows >= 1 and page_rows & (page_rows - 1) == 0,
               lambda: f"{op}: page_rows must be a power of two, got {page_rows!r}")
@@ -164,7 +160,7 @@ def indexer_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, c
     check(H in INDEX_HEADS, lambda: f"{op}: the number of indexer heads must be one of {INDEX_HEADS}, got {H}")
     check(isinstance(weights, torch.Tensor) and weights.is_floating_point() and tuple(weights.shape) == (T, H),
           lambda: f"{op}: weights must be a floating [{T}, {H}] tensor")
-    check(_is_int(positions) and positions.dim() == 1 and positions.numel() == T,
+    check(is_int_tensor(positions) and positions.dim() == 1 and positions.numel() == T,
           lambda: f"{op}: positions must be an integer [{T}] tensor")
     for name, t in (("cos", cos), ("sin", sin)):
         check(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 and t.shape[1] == 32,

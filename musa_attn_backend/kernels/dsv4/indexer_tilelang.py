@@ -14,16 +14,14 @@ from . import layout as L
 from .indexer_logits_kernel import build_indexer_logits, build_paged_indexer_logits
 from .indexer_q_kernel import build_indexer_q
 from .topk_kernel import build_indexer_topk
-from .tilelang_impl import _flat_views, _no_race_check
+from .tilelang_impl import _flat_views, _no_race_check, check_fp8
 
 PAGE = 64  # keys a page of the indexer-key cache holds
 MAX_SPLITS = 32
 
 
 def _check_fp8(op: str) -> None:
-    plat = get_platform()
-    check(plat.fp8, lambda: f"{op}: the TileLang indexer kernels run FP8 GEMMs, which {plat.arch} lacks; use "
-                            "impl='reference' there")
+    check_fp8(op, "the TileLang indexer kernels run FP8 GEMMs", "; use impl='reference' there")
 
 
 def indexer_logits_kernel(H: int, clean: bool, target=None):

@@ -205,10 +205,16 @@ def write_index_k_kernel(in_dtype: str, target=None, tiling: Optional[tuple] = N
                           pass_configs=_no_race_check())
 
 
-def _check_fp8_writes(op: str) -> None:
+def check_fp8(op: str, needs: str, then: str = "") -> None:
+    """Refuse, naming ``op``, a platform without an FP8 conversion (MP22): ``"{op}: {needs}, which <arch>
+    lacks{then}"``."""
     plat = get_platform()
-    check(plat.fp8, lambda: f"{op}: the TileLang writers need an FP8 conversion, which {plat.arch} lacks (MP22 "
-                            "reads these caches, but writing them there is not supported yet)")
+    check(plat.fp8, lambda: f"{op}: {needs}, which {plat.arch} lacks{then}")
+
+
+def _check_fp8_writes(op: str) -> None:
+    check_fp8(op, "the TileLang writers need an FP8 conversion",
+              " (MP22 reads these caches, but writing them there is not supported yet)")
 
 
 def write_kv_v4_tilelang(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
