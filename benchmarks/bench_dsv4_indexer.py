@@ -11,6 +11,11 @@ Rows:
 - ``logits_paged``: B requests of 1 query row at ``context`` compressed keys each (8k-256k tokens: 2k-64k keys),
   pages of 64 shuffled over the cache. Bytes = keys x 132 + logits x 4; the roofline is the copy rate.
 - ``topk``: B rows of L logits, k 512 / 1024; bytes = B x L x 4.
+- ``compress``: one call of the compressor (ratio 4 / 128, the attention (512) or indexer (128) width, vLLM's
+  paged state or SGLang's rings): ``prefill`` 4096 new tokens of one request; ``decode`` one token for each of B
+  requests at a position that emits a row (their earlier tokens compressed before timing). Bytes = the
+  ``[kv | score]`` rows read (the new tokens' and, for decode, the window's from the state) + the state rows
+  written + the cache rows written; the roofline is the copy rate.
 
 Peers: ``torch_ref`` (our float32 reference run on the GPU), SGLang's TileLang ``tilelang_fp8_paged_mqa_logits``
 and torch ``fp8_paged_mqa_logits_torch`` (paged, where SGLang is importable; what fails is recorded under
@@ -34,6 +39,7 @@ from bench_dsv4_attention import fp8_matmul_tflops, run_document  # noqa: E402
 
 from musa_attn_backend.kernels import dsv4  # noqa: E402
 from musa_attn_backend.kernels.dsv4 import layout as L  # noqa: E402
+from musa_attn_backend.testing.dsv4_compress import call_args, make_case  # noqa: E402
 
 H = 64
 
@@ -148,10 +154,42 @@ def topk_rows(rows, ceilings, errors, g, quick):
                 rows.append(row("topk", dict(rows=B, length=n, k=k), ms, peers, ceilings, bytes_=B * n * 4))
 
 
+COMPRESS_CASES = [(4, L.D, "paged", False, "pow2"), (4, L.INDEX_D, "ring", True, "exact"),
+                  (128, L.D, "paged", False, "pow2"), (128, L.D, "ring", False, "pow2")]
+
+
+def compress_rows(rows, ceilings, errors, g, quick):
+    for ratio, d, layout, rotate, scale in COMPRESS_CASES:
+        coff = 2 if ratio == 4 else 1
+        width = 2 * coff * d
+        row_bytes = L.ROW_BYTES if d == L.D else L.INDEX_ROW_BYTES
+        win = coff * ratio
+        for mode, B in [("prefill", 1)] + [("decode", b) for b in ((128,) if quick else (1, 32, 128))]:
+            # decode: each request's earlier tokens first, so the timed token (position 1023) emits a row
+            schedules = [[4096]] * B if mode == "prefill" else [[1023, 1]] * B
+            case = make_case(ratio, d, layout, schedules, "cuda", seed=ratio + d)
+            calls = list(call_args(case, rotate, scale)) if mode == "prefill" else None
+            if calls is None:
+                it = call_args(case, rotate, scale)
+                dsv4.compress(**next(it), impl="tilelang")
+                calls = [next(it)]
+            kw = calls[-1]
+            T = kw["kv_score"].shape[0]
+            emitted = T // ratio if mode == "prefill" else T
+            state_writes = T if layout == "paged" else min(T, case.addr["state_ring"] * B)
+            reads = T * width * 4 + (T * (win - 1) * width * 4 if mode == "decode" else 0)
+            bytes_ = reads + state_writes * width * 4 + emitted * row_bytes
+            ms = bench_ms(lambda: dsv4.compress(**kw, impl="tilelang"))
+            rows.append(row("compress", dict(mode=mode, batch=B, tokens=T, ratio=ratio, width=d, state=layout,
+                                             rotate=rotate, scale=scale), ms, {}, ceilings, bytes_=bytes_))
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ops", default="prefill,paged,topk", help="comma-separated: prefill, paged, topk")
+    ap.add_argument("--ops", default="prefill,paged,topk,compress",
+                    help="comma-separated: prefill, paged, topk, compress")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     ceilings = measure_ceilings()
@@ -161,7 +199,8 @@ def main(argv=None):
     rows: list = []
     g = torch.Generator(device="cuda").manual_seed(0)
     ops = set(args.ops.split(","))
-    for name, fn in (("topk", topk_rows), ("paged", paged_rows), ("prefill", prefill_rows)):
+    for name, fn in (("topk", topk_rows), ("paged", paged_rows), ("compress", compress_rows),
+                     ("prefill", prefill_rows)):
         if name in ops:
             try:
                 fn(rows, ceilings, errors, g, args.quick)

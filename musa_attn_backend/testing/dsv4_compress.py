@@ -80,13 +80,12 @@ def make_case(ratio: int, d: int, layout: str, schedules: list, device="cpu", se
                         ang.sin().to(device), cache, state, table, addr, max_rows)
 
 
-def run_calls(case: CompressCase, impl: str, rotate: bool = False, index_scale: str = "pow2") -> list:
-    """Feed every call of ``case`` through :func:`dsv4.compress`; returns, per call, (positions, token_req,
-    the returned rows [T, d])."""
+def call_args(case: CompressCase, rotate: bool = False, index_scale: str = "pow2"):
+    """Yield, call by call, the keyword arguments of :func:`dsv4.compress` for ``case`` (without ``impl``); the
+    caller runs each before asking for the next (a call's state is the previous calls')."""
     dev = case.xs[0].device
     B, r = len(case.schedules), case.ratio
     done = [0] * B
-    out = []
     for call in range(max(len(s) for s in case.schedules)):
         new = [case.schedules[b][call] if call < len(case.schedules[b]) else 0 for b in range(B)]
         qs = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=dev)
@@ -101,10 +100,18 @@ def run_calls(case: CompressCase, impl: str, rotate: bool = False, index_scale: 
             rows = torch.where(pos >= seq.long()[req.long()] - ring,
                                case.table.long()[req.long(), pos // blk] * ring + pos % ring,
                                torch.full_like(pos, -1))
-        got = dsv4.compress(kvs, case.ape, pos, req, qs, seq, ratio=r, state=case.state, state_table=case.table,
-                            norm_weight=case.norm_weight, eps=case.eps, cos=case.cos, sin=case.sin,
-                            cache=case.cache, out_slots=slots, state_rows=rows, rotate=rotate,
-                            index_scale=index_scale, return_rows=True, impl=impl, **case.addr)
-        out.append((pos, req, got))
+        yield dict(kv_score=kvs, ape=case.ape, positions=pos, token_req=req, query_start=qs, seq_lens=seq,
+                   ratio=r, state=case.state, state_table=case.table, norm_weight=case.norm_weight, eps=case.eps,
+                   cos=case.cos, sin=case.sin, cache=case.cache, out_slots=slots, state_rows=rows, rotate=rotate,
+                   index_scale=index_scale, **case.addr)
         done = [done[b] + new[b] for b in range(B)]
+
+
+def run_calls(case: CompressCase, impl: str, rotate: bool = False, index_scale: str = "pow2") -> list:
+    """Feed every call of ``case`` through :func:`dsv4.compress`; returns, per call, (positions, token_req,
+    the returned rows [T, d])."""
+    out = []
+    for kw in call_args(case, rotate, index_scale):
+        got = dsv4.compress(**kw, return_rows=True, impl=impl)
+        out.append((kw["positions"], kw["token_req"], got))
     return out

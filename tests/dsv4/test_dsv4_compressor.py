@@ -80,7 +80,8 @@ def test_compress_over_calls_matches_the_official_prefill(ratio, layout, d, rota
     for b, want in enumerate(expected):
         assert sorted(emitted[b]) == list(range(len(want))), b  # one row per full window, none twice
         got = torch.stack([emitted[b][c] for c in range(len(want))]).double()
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (b, (got - want).abs().max())
+        rtol = 1e-4 if scale == "exact" else 2.0 ** -8 + 1e-4  # "pow2" rows are rounded to bf16 (2^-8 at most)
+        assert torch.allclose(got, want, rtol=rtol, atol=1e-4), (b, (got - want).abs().max())
         slots = torch.arange(len(want)) + b * max_rows
         back = (dsv4.read_kv_v4(cache, slots).double() if d == L.D else dsv4.read_index_k(cache, slots).double())
         # FP8 e4m3 keeps 3 mantissa bits: within 1/16 of each value's tile scale (the bf16 RoPE values closer)

@@ -1,8 +1,9 @@
 """DeepSeek-V4's compressors on the GPU: the TileLang programs against the reference on the same inputs, over
 several calls (chunks and decode steps), in both engines' state layouts (vLLM's packed paged state with ape
 stored, NaN between its blocks; SGLang's rings holding the tail), ratio 4 and 128, both widths, the Hadamard and
-both indexer scales. Tolerances: rows before quantisation ``rtol = atol = 1e-4`` (float32, the kernel's exp
-differs from torch's in the last bits); the state bit for bit (a copy and one float32 add); the cache read back
+both indexer scales. Tolerances: the rows the writer quantises ``rtol = atol = 1e-4`` where they are float32 (the
+kernel's exp differs from torch's in the last bits), one bf16 step where they are rounded to bf16 (a value near a
+rounding boundary may round the other way); the state bit for bit (a copy and one float32 add); the cache read back
 within one e4m3 step of the reference's (a value at a rounding boundary may round the other way)."""
 
 import pytest
@@ -31,7 +32,8 @@ def test_compress_kernel_matches_the_reference(gpu_device, ratio, layout, d, rot
     for r, g in zip(ref_rows, got_rows):
         assert torch.equal(torch.isnan(r), torch.isnan(g))
         fin = ~torch.isnan(r)
-        assert torch.allclose(g[fin], r[fin], rtol=1e-4, atol=1e-4), (g[fin] - r[fin]).abs().max()
+        rtol = 1e-4 if scale == "exact" else 2.0 ** -7  # one bf16 step is at most 2^-7 of the value
+        assert torch.allclose(g[fin], r[fin], rtol=rtol, atol=1e-4), (g[fin] - r[fin]).abs().max()
     assert torch.equal(torch.isnan(got_state), torch.isnan(ref_state))
     assert torch.equal(got_state.nan_to_num(), ref_state.nan_to_num())
     n = got_cache.shape[0] * got_cache.shape[1]

@@ -47,7 +47,8 @@ def compress(kv_score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
       skipped); other tokens' slots are not read (SGLang passes 0 there, vLLM -1).
     - ``rotate``: the Hadamard rotation (the indexer's keys; SGLang rotates, vLLM does not); ``index_scale``:
       the indexer keys' FP8 scale, ``"pow2"`` (vLLM) or ``"exact"`` ``amax / 448`` (SGLang).
-    - ``return_rows``: return the rows ``[T, d]`` float32 before quantisation (NaN for tokens that emit none).
+    - ``return_rows``: return the rows ``[T, d]`` the writer quantises, as float32 (bf16 values for the MODEL1
+      cache and the ``"pow2"`` rule; NaN for tokens that emit none).
     """
     op = "compress"
     check(ratio in RATIOS, lambda: f"{op}: ratio must be one of {RATIOS}, got {ratio!r}")

@@ -65,8 +65,9 @@ def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, po
                        cache: torch.Tensor, out_slots: torch.Tensor, *, state_rows: Optional[torch.Tensor] = None,
                        state_has_ape: bool = False, rotate: bool = False, index_scale: str = "pow2",
                        return_rows: bool = False) -> Optional[torch.Tensor]:
-    """See the module docstring; ``return_rows``: also return the compressed rows ``[T, d]`` float32 before
-    quantisation (NaN where a token emits none)."""
+    """See the module docstring; ``return_rows``: also return the compressed rows ``[T, d]`` as the writer
+    quantises them, as float32: rounded to bf16 for the MODEL1 cache and the ``"pow2"`` index rule, float32 for
+    ``"exact"`` (NaN where a token emits none)."""
     T, width = kv_score.shape
     coff = 2 if ratio == 4 else 1
     d = width // (2 * coff)
@@ -109,14 +110,15 @@ def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, po
         y = torch.cat([y[:, :d - ROPE], rope_gptj(y[:, d - ROPE:], cos[at].float(), sin[at].float())], dim=1)
         if rotate:
             y = hadamard(y)
+        bf16_row = d == L.D or index_scale == "pow2"  # the writer takes the row rounded to bf16
         if rows_out is not None:
-            rows_out[e_tok] = y
+            rows_out[e_tok] = y.to(torch.bfloat16).float() if bf16_row else y
         slots = out_slots.to(dev).long()[e_tok]
+        row = y.to(torch.bfloat16) if bf16_row else y
         if d == L.D:
-            row = torch.cat([y[:, :L.D_NOPE].to(torch.bfloat16), y[:, L.D_NOPE:].to(torch.bfloat16)], dim=1)
             write_kv_v4_reference(row, cache, slots)
         else:  # vLLM rounds the key to bf16 before its power-of-two scale, SGLang quantises the float32 key
-            write_index_k_reference(y.to(torch.bfloat16) if index_scale == "pow2" else y, cache, slots, index_scale)
+            write_index_k_reference(row, cache, slots, index_scale)
     # the state writes, after every read (SGLang's rings alias the rows a window reads)
     if state_rows is None:
         b_all = req.clamp(min=0)

@@ -6,6 +6,11 @@ Both programs put the keys on the GEMM's M side and one token's heads on its N s
 each key tile for all its tokens, one GEMM per token. Every output element a block owns is written exactly once:
 a computed logit inside its token's range, ``-inf`` outside (``clean``; else the columns outside are left as
 they were). Key rows are read at clamped indices (never past the keys) and their results masked.
+
+Both key loops run a block-dependent number of steps. TileLang 0.1.15 cannot pipeline such a loop over more than
+one stage: its pipeline epilogue waits on a cp.async group count that depends on the loop variable, and CUDA code
+generation rejects it (``cp.async.wait_group`` takes an immediate). So ``num_stages`` defaults to 1 (each step's
+loads are still asynchronous); the blocks resident on an SM overlap one another's loads.
 """
 
 import functools
@@ -47,7 +52,7 @@ def tile_logits(NR: int, H: int, clean: bool):
 
 @functools.lru_cache(maxsize=None)
 def build_indexer_logits(H: int, clean: bool, block_T: int = 4, block_N: int = 128, tiles: int = 8,
-                         num_stages: int = 2, threads: int = 256):
+                         num_stages: int = 1, threads: int = 256):
     """Logits of ``Q [T * H, 128]`` against ``K [S, 128]`` for per-token key ranges ``[starts, ends)``. One block
     per (``tiles * block_N`` keys, ``block_T`` tokens): its tiles that meet some token's range run the GEMMs
     (pipelined), the others only write ``-inf`` (``clean``)."""
@@ -119,7 +124,7 @@ def build_indexer_logits(H: int, clean: bool, block_T: int = 4, block_N: int = 1
 
 
 @functools.lru_cache(maxsize=None)
-def build_paged_indexer_logits(H: int, next_n: int, clean: bool, num_stages: int = 2, threads: int = 128):
+def build_paged_indexer_logits(H: int, next_n: int, clean: bool, num_stages: int = 1, threads: int = 128):
     """Logits of ``Q [B * next_n * H, 128]`` against the paged indexer keys: one block per (split, request),
     one 64-key page per step. The cache comes in as views of its storage from its first byte (``C8 [units, 16]``
     e4m3 in 16-byte units, ``CF [words]`` float32); page ``p``'s keys start at unit ``p * stride16``, their

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import layout as L
+from .reference import fp8_scale
 
 _MAX_ELEMS = 1 << 25  # float32 elements of one chunk of q . k products (128 MB)
 
@@ -127,7 +128,7 @@ def indexer_q_reference(q: torch.Tensor, weights: torch.Tensor, positions: torch
         x = x.to(torch.bfloat16).float()
     if rotate:
         x = hadamard(x)
-    s = x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR) / L.FP8_MAX
+    s = fp8_scale(x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR))
     if scale == "pow2":
         s = torch.exp2(torch.ceil(torch.log2(s)))
     q8 = (x / s[..., None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)

@@ -28,13 +28,20 @@ _DATA_COLS = torch.arange(L.DATA_BYTES)
 _SCALE_COLS = torch.arange(L.SCALE_BYTES)
 
 
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` in float32, rounded once (IEEE division, as the engines' CUDA writers and ours compute it).
+    Not ``amax / 448.0``: on CUDA, torch divides by a Python number as a multiplication by its rounded
+    reciprocal, one bit off for some values."""
+    return amax / torch.full_like(amax, L.FP8_MAX)
+
+
 def quantize_kv_v4(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``kv [T, 512]`` -> (data ``[T, 576]`` uint8: e4m3 nope then bf16 RoPE bytes, scales ``[T, 8]`` uint8: 7
     exponents and a zero pad byte)."""
     x = kv.float()
     nope = x[:, :L.D_NOPE].reshape(-1, L.NUM_TILES, L.TILE)
     amax = nope.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR)
-    e = torch.ceil(torch.log2(amax / L.FP8_MAX))
+    e = torch.ceil(torch.log2(fp8_scale(amax)))
     q = (nope / torch.exp2(e)[..., None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
     rope = kv[:, L.D_NOPE:].to(torch.bfloat16).contiguous()
     data = torch.cat([q.reshape(-1, L.D_NOPE).view(torch.uint8), rope.view(torch.uint8)], dim=1)
@@ -95,7 +102,9 @@ def quantize_index_k(k: torch.Tensor, scale_rule: str = "pow2") -> tuple[torch.T
     up to a power of two (``"pow2"``: vLLM's writer) or as is (``"exact"``: SGLang's))."""
     x = k.float()
     amax = x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR)
-    scale = amax / L.FP8_MAX if scale_rule == "exact" else torch.exp2(torch.ceil(torch.log2(amax / L.FP8_MAX)))
+    scale = fp8_scale(amax)
+    if scale_rule != "exact":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (x / scale[:, None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
 

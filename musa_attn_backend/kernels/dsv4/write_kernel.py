@@ -62,7 +62,7 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
                                          T.Cast(ACC, KV[T.min(t0 + r // G, NT - 1), (r % G) * TILE + c]), 0.0)
             T.reduce_absmax(x, amax, dim=1)
             for r in T.Parallel(BT * G):
-                expo[r] = T.ceil(T.log2(T.max(amax[r], L.AMAX_FLOOR) / L.FP8_MAX))
+                expo[r] = T.ceil(T.log2(T.ieee_fdiv(T.max(amax[r], L.AMAX_FLOOR), L.FP8_MAX)))
             # quantise for every row, then store under the row's guard: with the cast inside the guarded store,
             # TileLang 0.1.15 guards the cast but not the vectorised store for some tilings (32 x 256), and a
             # skipped row then wrote stale values at the cache's first units
@@ -116,13 +116,16 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
             for i, d in T.Parallel(BT, D):
                 x[i, d] = T.if_then_else(t0 + i < NT, T.Cast(ACC, K[T.min(t0 + i, NT - 1), d]), 0.0)
             T.reduce_absmax(x, amax, dim=1)
+            # IEEE divisions: TileLang 0.1.15 computed ``amax / 448`` a bit off (a reciprocal), which changed the
+            # stored scale; the exact rule's bytes depend on both divisions' last bits
             for i in T.Parallel(BT):
                 if exact:
-                    scale[i] = T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX
+                    scale[i] = T.ieee_fdiv(T.max(amax[i], L.AMAX_FLOOR), L.FP8_MAX)
                 else:
-                    scale[i] = T.exp2(T.ceil(T.log2(T.max(amax[i], L.AMAX_FLOOR) / L.FP8_MAX)))
+                    scale[i] = T.exp2(T.ceil(T.log2(T.ieee_fdiv(T.max(amax[i], L.AMAX_FLOOR), L.FP8_MAX))))
             for i, d in T.Parallel(BT, D):  # quantise, then store under the guard (as in build_write_kv_v4)
-                q8[i, d] = T.Cast("float8_e4m3", T.max(T.min(x[i, d] / scale[i], L.FP8_MAX), -L.FP8_MAX))
+                q8[i, d] = T.Cast("float8_e4m3", T.max(T.min(T.ieee_fdiv(x[i, d], scale[i]), L.FP8_MAX),
+                                                       -L.FP8_MAX))
             for i, d in T.Parallel(BT, D):
                 if base_s[i] >= 0:
                     C8[base_s[i] + d // 16, d % 16] = q8[i, d]
