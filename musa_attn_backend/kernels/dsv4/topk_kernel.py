@@ -28,10 +28,12 @@ def order_key(u):
 
 
 @functools.lru_cache(maxsize=None)
-def build_indexer_topk(k: int, page_rows: int = 0, threads: int = 512):
+def build_indexer_topk(k: int, page_rows: int = 0, threads: int = 512, unroll: int = 8):
     """Top-``k`` positions of each row of ``Logits`` (a flat view, rows ``row_stride`` apart) over the columns
     ``[starts[t], starts[t] + lengths[t])`` cut to ``[0, num_cols)``; ``page_rows`` > 0: returned as slots through
-    ``table`` (``page_rows`` a page; ``-1`` where the position's entry is negative or past the table)."""
+    ``table`` (``page_rows`` a page; ``-1`` where the position's entry is negative or past the table). A pass
+    loads ``unroll`` logits a thread (coalesced, all in flight) before it histograms them."""
+    U = unroll
     paged = page_rows > 0
     NT, NL, P = T.dynamic("num_rows"), T.dynamic("logits_elems"), T.dynamic("table_width")
 
@@ -59,7 +61,7 @@ def build_indexer_topk(k: int, page_rows: int = 0, threads: int = 512):
             pick = T.alloc_shared([2], "int32", scope="shared")  # the chosen bin, the keys above it
             count = T.alloc_shared([2], "int32", scope="shared")  # positions written above tau / equal to it
             prefix = T.alloc_var("uint32")
-            bits = T.alloc_var("uint32")  # a logit's bits, loaded once (at an index kept inside the buffer)
+            bits = T.alloc_local([U], "uint32")  # logits' bits, loaded once (at indices kept inside the buffer)
             key = T.alloc_var("uint32")
             need = T.alloc_var("int32")
             v = T.alloc_var("int32")
@@ -82,14 +84,16 @@ def build_indexer_topk(k: int, page_rows: int = 0, threads: int = 512):
                     if tx < RADIX:
                         hist[tx] = 0
                     T.sync_threads()
-                    for c in T.serial(T.ceildiv(n, threads)):
-                        i = c * threads + tx
-                        if i < n:
-                            bits = T.reinterpret(Logits[T.min(base + i, NL - 1)], "uint32")
-                            key = order_key(bits)
-                            # the keys whose bits above this pass's byte equal the prefix found so far
-                            if (key & above) == prefix:
-                                T.atomic_add(hist[T.Cast("int32", (key >> shift) & T.Cast("uint32", 255))], 1)
+                    for c in T.serial(T.ceildiv(n, threads * U)):
+                        for u in T.unroll(U):
+                            bits[u] = T.reinterpret(Logits[T.min(base + (c * U + u) * threads + tx, NL - 1)],
+                                                    "uint32")
+                        for u in T.unroll(U):
+                            if (c * U + u) * threads + tx < n:
+                                key = order_key(bits[u])
+                                # the keys whose bits above this pass's byte equal the prefix found so far
+                                if (key & above) == prefix:
+                                    T.atomic_add(hist[T.Cast("int32", (key >> shift) & T.Cast("uint32", 255))], 1)
                     T.sync_threads()
                     if tx < RADIX:
                         suf[tx] = hist[tx]
@@ -115,18 +119,20 @@ def build_indexer_topk(k: int, page_rows: int = 0, threads: int = 512):
                 if tx < 2:
                     count[tx] = 0
                 T.sync_threads()
-                for c in T.serial(T.ceildiv(n, threads)):
-                    i = c * threads + tx
-                    if i < n:
-                        bits = T.reinterpret(Logits[T.min(base + i, NL - 1)], "uint32")
-                        key = order_key(bits)
-                        if key > prefix:
-                            pos = T.atomic_add(count[0], 1, return_prev=True)
-                            if pos < k - need:  # always true: exactly k - need keys lie above tau
-                                Out[t, pos] = slot_of(table, t, i)
-                        elif key == prefix:
-                            e = T.atomic_add(count[1], 1, return_prev=True)
-                            if e < need:
-                                Out[t, k - need + e] = slot_of(table, t, i)
+                for c in T.serial(T.ceildiv(n, threads * U)):
+                    for u in T.unroll(U):
+                        bits[u] = T.reinterpret(Logits[T.min(base + (c * U + u) * threads + tx, NL - 1)], "uint32")
+                    for u in T.unroll(U):
+                        i = (c * U + u) * threads + tx
+                        if i < n:
+                            key = order_key(bits[u])
+                            if key > prefix:
+                                pos = T.atomic_add(count[0], 1, return_prev=True)
+                                if pos < k - need:  # always true: exactly k - need keys lie above tau
+                                    Out[t, pos] = slot_of(table, t, i)
+                            elif key == prefix:
+                                e = T.atomic_add(count[1], 1, return_prev=True)
+                                if e < need:
+                                    Out[t, k - need + e] = slot_of(table, t, i)
 
     return indexer_topk
