@@ -51,11 +51,12 @@ def tile_logits(NR: int, H: int, clean: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def build_indexer_logits(H: int, clean: bool, block_T: int = 4, block_N: int = 128, tiles: int = 8,
-                         num_stages: int = 1, threads: int = 256):
+def build_indexer_logits(H: int, clean: bool, block_T: int = 2, block_N: int = 64, tiles: int = 8,
+                         num_stages: int = 1, threads: int = 128):
     """Logits of ``Q [T * H, 128]`` against ``K [S, 128]`` for per-token key ranges ``[starts, ends)``. One block
     per (``tiles * block_N`` keys, ``block_T`` tokens): its tiles that meet some token's range run the GEMMs
-    (pipelined), the others only write ``-inf`` (``clean``)."""
+    (pipelined), the others only write ``-inf`` (``clean``). The default tiling keeps the accumulator at 64
+    registers a thread, so several blocks share an SM and one's epilogue overlaps another's GEMM."""
     BT, BN = block_T, block_N
     KB = BN * tiles
     write_tile = tile_logits(BT, H, clean)
