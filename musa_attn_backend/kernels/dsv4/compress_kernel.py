@@ -122,6 +122,9 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
                             acc[j] = acc[j] * T.exp(m[j] - v) + kv[j] * T.exp(sc[j] - v)
                             den[j] = den[j] * T.exp(m[j] - v) + T.exp(sc[j] - v)
                             m[j] = v
+                # every thread is past the window's slots before any writes the row: TileLang may place the
+                # row in the slots' shared memory, their lifetimes being disjoint
+                T.sync_threads()
                 for j in T.unroll(per):
                     row_s[j * THREADS + tx] = acc[j] / den[j]
                 v = 0.0
