@@ -74,59 +74,45 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
             row_s = T.alloc_shared([d], ACC)
             nxt_s = T.alloc_shared([d], ACC)
             red_s = T.alloc_shared([THREADS], ACC)
-            kind_s = T.alloc_shared([win], "int32")  # window slot i: 0 before the sequence, 1 input, 2 state
-            off_s = T.alloc_shared([win], "int64")  # its input row, or its state row's first element
-            m = T.alloc_local([per], ACC)
-            acc = T.alloc_local([per], ACC)
-            den = T.alloc_local([per], ACC)
-            kv = T.alloc_local([per], ACC)
-            sc = T.alloc_local([per], ACC)
+            m = T.alloc_var(ACC)
+            acc = T.alloc_var(ACC)
+            den = T.alloc_var(ACC)
+            kv = T.alloc_var(ACC)
+            sc = T.alloc_var(ACC)
             v = T.alloc_var(ACC)
+            src = T.alloc_var("int64")  # the element offset of the window position's row
 
             b = token_req[t]
             p = positions[t]
             if T.And(T.And(b >= 0, b < NB), T.And(p >= 0, T.And((p + 1) % ratio == 0, out_slots[t] >= 0))):
                 prefix = T.Cast("int64", seq_lens[b] - (query_start[b + 1] - query_start[b]))
-                # where each window slot's row is, found once (the block then reads the slots' rows at
-                # addresses that no longer wait on the table)
-                if tx < win:
-                    w = p - win + 1 + tx
-                    srow = T.max(T.min(T.Cast("int64", table[b, T.max(T.min(w // state_block, W - 1), 0)])
-                                       * state_ring + T.max(w, 0) % state_ring, num_state_rows - 1), 0)
-                    kind_s[tx] = T.if_then_else(w < 0, 0, T.if_then_else(w >= prefix, 1, 2))
-                    off_s[tx] = T.if_then_else(
-                        w >= prefix, T.max(T.min(T.Cast("int64", query_start[b]) + w - prefix, NT - 1), 0),
-                        T.max(T.min((srow // block_rows) * block_stride + (srow % block_rows) * width, NS - width),
-                              0))
-                T.sync_threads()
-                for j in T.unroll(per):
-                    m[j] = NEG_INF
-                    acc[j] = 0.0
-                    den[j] = 0.0
-                for i in T.serial(win):  # a slot at a time, the thread's dims' loads together
-                    h = i // ratio  # the half of kv / score this window slot uses
-                    if kind_s[i] == 1:  # this call's token
-                        for j in T.unroll(per):
-                            kv[j] = KVS[off_s[i], h * d + j * THREADS + tx]
-                            sc[j] = KVS[off_s[i], coff * d + h * d + j * THREADS + tx] + ape[i % ratio,
-                                                                                              h * d + j * THREADS + tx]
-                    elif kind_s[i] == 2:  # an earlier token, in the state
-                        for j in T.unroll(per):
-                            kv[j] = state[off_s[i] + h * d + j * THREADS + tx]
-                            sc[j] = state[off_s[i] + coff * d + h * d + j * THREADS + tx]
-                            if not state_has_ape:
-                                sc[j] = sc[j] + ape[i % ratio, h * d + j * THREADS + tx]
-                    if kind_s[i] != 0:
-                        for j in T.unroll(per):
-                            v = T.max(m[j], sc[j])
-                            acc[j] = acc[j] * T.exp(m[j] - v) + kv[j] * T.exp(sc[j] - v)
-                            den[j] = den[j] * T.exp(m[j] - v) + T.exp(sc[j] - v)
-                            m[j] = v
-                # every thread is past the window's slots before any writes the row: TileLang may place the
-                # row in the slots' shared memory, their lifetimes being disjoint
-                T.sync_threads()
-                for j in T.unroll(per):
-                    row_s[j * THREADS + tx] = acc[j] / den[j]
+                for j in T.serial(per):
+                    c = j * THREADS + tx
+                    m = NEG_INF
+                    acc = 0.0
+                    den = 0.0
+                    for i in T.serial(win):
+                        w = p - win + 1 + i
+                        h = i // ratio  # the half of kv / score this window slot uses
+                        if w >= 0:
+                            if w >= prefix:  # this call's token
+                                irow = T.min(T.Cast("int64", query_start[b]) + w - prefix, NT - 1)
+                                kv = KVS[irow, h * d + c]
+                                sc = KVS[irow, coff * d + h * d + c] + ape[w % ratio, h * d + c]
+                            else:  # an earlier token, in the state
+                                srow = T.max(T.min(T.Cast("int64", table[b, T.min(w // state_block, W - 1)])
+                                                   * state_ring + w % state_ring, num_state_rows - 1), 0)
+                                src = T.max(T.min((srow // block_rows) * block_stride + (srow % block_rows) * width,
+                                                  NS - width), 0)
+                                kv = state[src + h * d + c]
+                                sc = state[src + coff * d + h * d + c]
+                                if not state_has_ape:
+                                    sc = sc + ape[w % ratio, h * d + c]
+                            v = T.max(m, sc)
+                            acc = acc * T.exp(m - v) + kv * T.exp(sc - v)
+                            den = den * T.exp(m - v) + T.exp(sc - v)
+                            m = v
+                    row_s[c] = acc / den
                 v = 0.0
                 for j in T.serial(per):
                     v = v + row_s[j * THREADS + tx] * row_s[j * THREADS + tx]
