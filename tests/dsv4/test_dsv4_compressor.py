@@ -13,7 +13,7 @@ import torch
 from musa_attn_backend.kernels import dsv4
 from musa_attn_backend.kernels.dsv4 import layout as L
 from musa_attn_backend.kernels.dsv4.compressor import compress
-from musa_attn_backend.testing.dsv4_compress import make_case, run_calls
+from musa_attn_backend.testing.dsv4_compress import call_args, make_case, run_calls
 
 
 def official_pooled(x: torch.Tensor, ape: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -152,3 +152,35 @@ def test_state_rows_hold_each_engines_format(has_ape):
             want[1024:] += ape[p % 4]
         assert torch.equal(state[int(table[0, p // 4]), p % 4], want), p
     assert torch.isnan(state[[0, 2, 4]]).all() and torch.isnan(state[1, 2:]).all()
+
+
+def test_default_state_rows_keep_nothing_past_the_table_or_the_state():
+    """The rows both paths save tokens to when the caller names none: the table's row of the position, ``-1`` for
+    padding, a column past the table, a negative entry, a row past the state."""
+    from musa_attn_backend.kernels.dsv4.compressor_reference import default_state_rows
+
+    table = torch.tensor([[3, 0], [-1, 2]], dtype=torch.int32)  # 2 requests, 2 blocks of 4 positions, ring 4
+    req = torch.tensor([0, 0, 0, 1, 1, -1, 0])
+    pos = torch.tensor([1, 6, 8, 2, 5, 0, 7])
+    got = default_state_rows(req, pos, table, 4, 4, num_rows=14)
+    # pos 1 -> block 3 row 13; pos 6 -> block 0 row 2; pos 8: column 2 past the table; request 1 pos 2: entry -1;
+    # pos 5 -> block 2 row 9; padding; pos 7 -> block 0 row 3
+    assert got.tolist() == [13, 2, -1, -1, 9, -1, 3]
+    assert default_state_rows(req, pos, table, 4, 4, num_rows=13).tolist()[0] == -1  # row 13 past 13 rows
+
+
+def test_compress_reference_keeps_nothing_for_a_position_past_the_table():
+    """A token whose position lies past its request's state table: no read or write outside the buffers (the
+    reference clamps its window reads as the kernel does) and no state row written for it."""
+    case = make_case(4, L.INDEX_D, "paged", [[9]], seed=5)
+    narrow = case.table[:, :1].contiguous()  # covers positions 0..3 only
+    before = case.state.clone()
+    kw = next(call_args(case))
+    kw["state_table"] = narrow
+    dsv4.compress(**kw, impl="reference")
+    blocks = case.state
+    block = int(narrow[0, 0])
+    changed = ~(torch.isnan(blocks) & torch.isnan(before)) & (blocks != before)
+    assert changed[block, :4].any(dim=-1).all()  # positions 0..3: kept in the table's block
+    changed[block, :4] = False
+    assert not changed.any()  # positions 4..8: past the table, nothing kept anywhere

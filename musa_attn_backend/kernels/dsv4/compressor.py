@@ -38,8 +38,10 @@ def compress(kv_score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
       block stride); the row of request ``b``'s position ``w`` is ``state_table[b, w // state_block] *
       state_ring + w % state_ring`` (vLLM: its block table with ``state_block = state_ring`` = the block size;
       SGLang C128: ``req_pool_indices`` expanded over the table's width, ring 128 (256 with speculation)).
-      ``state_rows [T]``: the rows this call's tokens are written to afterwards (``-1``: not kept; None: the
-      table's row of every token's position). ``state_has_ape``: the stored scores include ape (vLLM).
+      ``state_rows [T]``: the rows this call's tokens are written to afterwards (``-1`` or past the state: not
+      kept; None: the table's row of every token's position, none for a position past the table or at a
+      negative entry). A window position past the table reads the table's last column: the engine's table
+      covers every position it keeps. ``state_has_ape``: the stored scores include ape (vLLM).
     - ``norm_weight [d]``, ``eps``: the RMSNorm; ``cos``, ``sin [max_pos, 32]`` float32: the compressor's RoPE
       table (GPT-J pairs of the last 64 dims), read at position ``c * ratio`` for row ``c``.
     - ``cache``: the compressed cache (584-byte rows for ``d`` 512, 132-byte rows for 128); ``out_slots [T]``: a

@@ -58,6 +58,23 @@ def state_row_views(state: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (state[:, None] if state.dim() == 2 else state), (1 if state.dim() == 2 else state.shape[1])
 
 
+def default_state_rows(token_req: torch.Tensor, positions: torch.Tensor, state_table: torch.Tensor,
+                       state_block: int, state_ring: int, num_rows: int) -> torch.Tensor:
+    """``[T]`` int64: the state row each token is kept in when the caller names none, its position's table row
+    ``state_table[b, pos // state_block] * state_ring + pos % state_ring``; ``-1`` (nothing kept) for padding
+    (``token_req < 0``), a column past the table, a negative table entry or a row past the ``num_rows`` rows.
+    Both the reference and the TileLang path take their rows from here."""
+    req, pos = token_req.long(), positions.long()
+    B, W = state_table.shape
+    if B == 0 or W == 0:
+        return torch.full_like(pos, -1)
+    col = pos.clamp(min=0) // state_block
+    entry = state_table.long()[req.clamp(0, B - 1), col.clamp(max=W - 1)]
+    rows = entry * state_ring + pos.clamp(min=0) % state_ring
+    ok = (req >= 0) & (req < B) & (pos >= 0) & (col < W) & (entry >= 0) & (rows < num_rows)
+    return torch.where(ok, rows, torch.full_like(rows, -1))
+
+
 def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, positions: torch.Tensor,
                        token_req: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                        state: torch.Tensor, state_table: torch.Tensor, state_block: int, state_ring: int,
@@ -90,8 +107,11 @@ def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, po
         w = pos[e_tok, None] - win + 1 + torch.arange(win, device=dev)[None, :]  # [E, win] window positions
         from_input = w >= prefix[b, None]
         in_row = (qs[b, None] + w - prefix[b, None]).clamp(0, max(T - 1, 0))
-        st_row = (state_table.to(dev).long()[b[:, None].expand_as(w), (w.clamp(min=0) // state_block)]
-                  * state_ring + w.clamp(min=0) % state_ring)
+        # a column past the table and a row past the state read clamped, as the kernel does (the engine's table
+        # covers every position it keeps; default_state_rows keeps nothing past it)
+        col = (w.clamp(min=0) // state_block).clamp(max=state_table.shape[1] - 1)
+        st_row = (state_table.to(dev).long()[b[:, None].expand_as(w), col] * state_ring
+                  + w.clamp(min=0) % state_ring).clamp(0, blocks.shape[0] * block_rows - 1)
         st = blocks[st_row // block_rows, st_row % block_rows].float()  # [E, win, width]
         src = torch.where(from_input[..., None], x[in_row], st)
         half = (torch.arange(win, device=dev) // ratio)  # [win]: the kv / score half each slot uses
@@ -121,12 +141,11 @@ def compress_reference(kv_score: torch.Tensor, ape: torch.Tensor, ratio: int, po
             write_index_k_reference(row, cache, slots, index_scale)
     # the state writes, after every read (SGLang's rings alias the rows a window reads)
     if state_rows is None:
-        b_all = req.clamp(min=0)
-        sr = state_table.to(dev).long()[b_all, pos.clamp(min=0) // state_block] * state_ring + pos % state_ring
-        sr = torch.where(req >= 0, sr, torch.full_like(sr, -1))
+        sr = default_state_rows(req, pos, state_table.to(dev), state_block, state_ring,
+                                blocks.shape[0] * block_rows)
     else:
         sr = state_rows.to(dev).long()
-    keep = sr >= 0
+    keep = (sr >= 0) & (sr < blocks.shape[0] * block_rows)  # as the kernel: a row past the state is not kept
     if keep.any():
         new = x[keep].clone()
         if state_has_ape:

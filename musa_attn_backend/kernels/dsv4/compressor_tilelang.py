@@ -9,6 +9,7 @@ from ..._tilelang import compile_cached, tl
 from .._common import check
 from . import layout as L
 from .compress_kernel import build_compress_rows, build_save_state
+from .compressor_reference import default_state_rows
 
 
 def _pass_configs() -> dict:
@@ -69,10 +70,7 @@ def compress_tilelang(kv_score, ape, ratio, positions, token_req, query_start, s
     else:
         write_index_k(rows, cache, write_slots, scale=index_scale)
     if state_rows is None:
-        b = req.clamp(min=0, max=max(state_table.shape[0] - 1, 0)).long()
-        col = (pos.clamp(min=0) // state_block).clamp(max=max(state_table.shape[1] - 1, 0))
-        srows = table.long()[b, col] * state_ring + pos.clamp(min=0) % state_ring
-        srows = torch.where(req >= 0, srows, torch.full_like(srows, -1))
+        srows = default_state_rows(req, pos, table, state_block, state_ring, nrows)
     else:
         srows = state_rows.to(torch.int64).contiguous()
     if T_:
