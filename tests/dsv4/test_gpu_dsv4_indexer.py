@@ -187,3 +187,33 @@ def test_indexer_q_kernel(gpu_device, rotate, scale, bf16_rope, T, H):
     step = torch.exp2(torch.floor(torch.log2(r8.float().abs().clamp(min=2 ** -6)))) / 8
     assert (d <= step * 1.01 + 2 ** -9).all()
     assert (d == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("B,ctx", [(1, 2048), (5, 5000), (32, 16384)])
+def test_paged_logits_match_sglangs_tilelang_kernel(gpu_device, B, ctx):
+    """Ours against SGLang's own TileLang ``tilelang_fp8_paged_mqa_logits`` (the engine's CUDA path; skipped where
+    SGLang's kernels do not import) on the same cache, shuffled pages, ragged lengths. SGLang's kernel computes
+    its own way (its tiling, its own sum order), so the tolerance is that of ours against the reference, on the
+    columns below each row's length."""
+    try:
+        from sglang.kernels.ops.attention.dsa.tilelang_kernel import tilelang_fp8_paged_mqa_logits
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"SGLang's TileLang paged logits do not import here: {type(e).__name__}: {e}")
+    dev = gpu_device
+    g = torch.Generator(device=dev).manual_seed(B)
+    pages_per_req = -(-ctx // 64)
+    n_pages = B * pages_per_req
+    buf = torch.empty(n_pages, L.index_page_bytes(64), dtype=torch.uint8, device=dev)
+    cache = dsv4.paged_view(buf, 64, L.INDEX_ROW_BYTES)
+    dsv4.write_index_k(torch.randn(n_pages * 64, 128, device=dev, generator=g), cache,
+                       torch.arange(n_pages * 64, device=dev))
+    table = torch.randperm(n_pages, device=dev, generator=g).view(B, pages_per_req).to(torch.int32)
+    lens = torch.randint(1, ctx + 1, (B,), device=dev, generator=g).to(torch.int32)
+    lens[0] = ctx
+    q = torch.randn(B, 1, 64, 128, device=dev, generator=g).to(E4M3)
+    w = torch.randn(B, 64, device=dev, generator=g)
+    ours = dsv4.paged_indexer_logits(q, w, cache, lens, table, ctx, impl="tilelang")
+    theirs = tilelang_fp8_paged_mqa_logits(q, buf.view(n_pages, 64, 1, L.INDEX_ROW_BYTES), w, lens, table, None,
+                                           ctx, False)
+    cols = torch.arange(ctx, device=dev)[None, :] < lens[:, None]
+    assert_logits_close(ours.where(cols, 0.0), theirs.float().where(cols, 0.0))
