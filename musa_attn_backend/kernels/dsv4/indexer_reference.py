@@ -128,8 +128,6 @@ def indexer_q_reference(q: torch.Tensor, weights: torch.Tensor, positions: torch
         x = x.to(torch.bfloat16).float()
     if rotate:
         x = hadamard(x)
-    s = fp8_scale(x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR))
-    if scale == "pow2":
-        s = torch.exp2(torch.ceil(torch.log2(s)))
+    s = fp8_scale(x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR), scale)
     q8 = (x / s[..., None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
     return q8, weights.float() * weight_scale * s

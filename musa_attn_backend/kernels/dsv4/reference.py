@@ -28,11 +28,12 @@ _DATA_COLS = torch.arange(L.DATA_BYTES)
 _SCALE_COLS = torch.arange(L.SCALE_BYTES)
 
 
-def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / 448`` in float32, rounded once (IEEE division, as the engines' CUDA writers and ours compute it).
-    Not ``amax / 448.0``: on CUDA, torch divides by a Python number as a multiplication by its rounded
-    reciprocal, one bit off for some values."""
-    return amax / torch.full_like(amax, L.FP8_MAX)
+def fp8_scale(amax: torch.Tensor, rule: str = "exact") -> torch.Tensor:
+    """``amax / 448`` in float32, rounded once (IEEE division, as the engines' CUDA writers and ours compute it),
+    or (``rule="pow2"``) that rounded up to a power of two. Not ``amax / 448.0``: on CUDA, torch divides by a
+    Python number as a multiplication by its rounded reciprocal, one bit off for some values."""
+    scale = amax / torch.full_like(amax, L.FP8_MAX)
+    return scale if rule == "exact" else torch.exp2(torch.ceil(torch.log2(scale)))
 
 
 def quantize_kv_v4(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,9 +103,7 @@ def quantize_index_k(k: torch.Tensor, scale_rule: str = "pow2") -> tuple[torch.T
     up to a power of two (``"pow2"``: vLLM's writer) or as is (``"exact"``: SGLang's))."""
     x = k.float()
     amax = x.abs().amax(dim=-1).clamp_min(L.AMAX_FLOOR)
-    scale = fp8_scale(amax)
-    if scale_rule != "exact":
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = fp8_scale(amax, scale_rule)
     q = (x / scale[:, None]).clamp(-L.FP8_MAX, L.FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
 
