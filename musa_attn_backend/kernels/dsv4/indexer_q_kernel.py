@@ -8,6 +8,7 @@ import functools
 from ..._tilelang import tl_lang as T
 from . import layout as L
 from .compress_kernel import hadamard_128
+from .write_kernel import fp8_scale, to_e4m3
 
 ACC = "float32"
 D = L.INDEX_D
@@ -61,11 +62,8 @@ def build_indexer_q(H: int, in_dtype: str, rotate: bool, pow2: bool, bf16_rope: 
                 if x < (64 >> s):
                     a_s[x] = T.max(a_s[x], a_s[x + (64 >> s)])
                 T.sync_threads()
-            # IEEE divisions (the code generator may otherwise multiply by a reciprocal): the scale and the
-            # quotient round as the reference's do
-            exact = T.ieee_fdiv(T.max(a_s[0], L.AMAX_FLOOR), L.FP8_MAX)
-            scale = T.exp2(T.ceil(T.log2(exact))) if pow2 else exact
-            Q8[t, h, x] = T.Cast("float8_e4m3", T.max(T.min(T.ieee_fdiv(y, scale), L.FP8_MAX), -L.FP8_MAX))
+            scale = fp8_scale(a_s[0], pow2)
+            Q8[t, h, x] = to_e4m3(y, scale)
             if x == 0:
                 Wout[t, h] = T.Cast(ACC, Win[t, h]) * weight_scale * scale
 

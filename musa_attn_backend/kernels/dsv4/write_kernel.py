@@ -15,6 +15,20 @@ from . import layout as L
 ACC = "float32"
 
 
+def fp8_scale(amax, pow2: bool):
+    """The FP8 scale of a row or tile with largest magnitude ``amax`` (a TIR expression):
+    ``max(amax, 1e-4) / 448`` as an IEEE division (the code generator may otherwise multiply by a reciprocal,
+    which changes the stored scale's last bit), rounded up to a power of two with ``pow2``; the rule of
+    :func:`.reference.fp8_scale`."""
+    exact = T.ieee_fdiv(T.max(amax, L.AMAX_FLOOR), L.FP8_MAX)
+    return T.exp2(T.ceil(T.log2(exact))) if pow2 else exact
+
+
+def to_e4m3(x, scale):
+    """``x / scale`` (IEEE) clamped to +-448, as e4m3."""
+    return T.Cast("float8_e4m3", T.max(T.min(T.ieee_fdiv(x, scale), L.FP8_MAX), -L.FP8_MAX))
+
+
 @T.macro
 def resolve(slots, t0, NT, num_slots, rows, stride16, base_s, scale_s, BT, data_bytes, scale_bytes):
     """Tokens ``t0 ..``'s rows: ``base_s`` their data's first 16-byte unit (-1: skip the token: no slot, or one
@@ -116,16 +130,10 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
             for i, d in T.Parallel(BT, D):
                 x[i, d] = T.if_then_else(t0 + i < NT, T.Cast(ACC, K[T.min(t0 + i, NT - 1), d]), 0.0)
             T.reduce_absmax(x, amax, dim=1)
-            # IEEE divisions: TileLang 0.1.15 computed ``amax / 448`` a bit off (a reciprocal), which changed the
-            # stored scale; the exact rule's bytes depend on both divisions' last bits
             for i in T.Parallel(BT):
-                if exact:
-                    scale[i] = T.ieee_fdiv(T.max(amax[i], L.AMAX_FLOOR), L.FP8_MAX)
-                else:
-                    scale[i] = T.exp2(T.ceil(T.log2(T.ieee_fdiv(T.max(amax[i], L.AMAX_FLOOR), L.FP8_MAX))))
+                scale[i] = fp8_scale(amax[i], pow2=not exact)
             for i, d in T.Parallel(BT, D):  # quantise, then store under the guard (as in build_write_kv_v4)
-                q8[i, d] = T.Cast("float8_e4m3", T.max(T.min(T.ieee_fdiv(x[i, d], scale[i]), L.FP8_MAX),
-                                                       -L.FP8_MAX))
+                q8[i, d] = to_e4m3(x[i, d], scale[i])
             for i, d in T.Parallel(BT, D):
                 if base_s[i] >= 0:
                     C8[base_s[i] + d // 16, d % 16] = q8[i, d]
