@@ -140,6 +140,9 @@ def test_indexer_topk_kernel(gpu_device, T, N, k):
         logits[2, ::3] = float("nan")
     if T > 3:
         logits[3] = float("-inf")
+    if T > 6:  # keys crowded into one bin of the first level (and of the second): settled further down
+        logits[5] = 1000.0 + 1e-3 * torch.randn(N, generator=g)
+        logits[6] = 1.0 + 1e-2 * torch.randn(N, generator=g)
     lengths = torch.randint(0, N + 10, (T,), generator=g, dtype=torch.int32)
     lengths[0] = N
     starts = torch.randint(-2, 40, (T,), generator=g, dtype=torch.int32)

@@ -3,8 +3,9 @@
 ``build_compress_rows``: one block of 128 threads per token; a token at a window's end (``(pos + 1) % ratio ==
 0``, a request, an output slot) pools its window into a row, normalises it, rotates its last 64 dims (and, for
 the indexer, applies the Hadamard) and writes the row in the writers' input dtype; other tokens' blocks return
-at once. Thread ``x`` owns dims ``x, x + 128, ..``: per dim an online softmax over the window's positions, each
-read from this call's input (at or past the request's prefix) or from the state through the table (before it).
+at once. The window's positions are located first, one thread a position: this call's input row (at or past
+the request's prefix) or the state row through the table (before it). Thread ``x`` owns dims ``x, x + 128, ..``
+and runs an online softmax per dim over the window, loading 8 positions' values before it folds them in.
 The norm, the RoPE pairs and the Hadamard butterflies exchange values through shared memory; every barrier is
 placed by hand and sits under a condition the whole block shares. ``build_save_state``: each token's row into
 its state row (the score with ape added when the state keeps it so), launched after the rows are made, since
@@ -18,6 +19,7 @@ from ..._tilelang import tl_lang as T
 ACC = "float32"
 THREADS = 128
 ROPE = 64
+SLOTS_IN_FLIGHT = 8  # window slots whose loads a thread issues before it folds them in
 
 
 @T.macro
@@ -43,6 +45,7 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
     win = coff * ratio
     width = 2 * coff * d
     per = d // THREADS
+    U = min(win, SLOTS_IN_FLIGHT)
     NT, NB, W = T.dynamic("num_tokens"), T.dynamic("batch"), T.dynamic("table_width")
     NS, MP = T.dynamic("state_elems"), T.dynamic("max_pos")
     NEG_INF = -T.infinity(ACC)
@@ -74,45 +77,63 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
             row_s = T.alloc_shared([d], ACC)
             nxt_s = T.alloc_shared([d], ACC)
             red_s = T.alloc_shared([THREADS], ACC)
-            m = T.alloc_var(ACC)
-            acc = T.alloc_var(ACC)
-            den = T.alloc_var(ACC)
-            kv = T.alloc_var(ACC)
-            sc = T.alloc_var(ACC)
+            kind_s = T.alloc_shared([win], "int32")  # window slot i: 0 before the sequence, 1 input, 2 state
+            off_s = T.alloc_shared([win], "int64")  # its input row, or its state row's first element
+            m = T.alloc_local([per], ACC)
+            acc = T.alloc_local([per], ACC)
+            den = T.alloc_local([per], ACC)
+            kv = T.alloc_local([U, per], ACC)
+            sc = T.alloc_local([U, per], ACC)
             v = T.alloc_var(ACC)
-            src = T.alloc_var("int64")  # the element offset of the window position's row
 
             b = token_req[t]
             p = positions[t]
             if T.And(T.And(b >= 0, b < NB), T.And(p >= 0, T.And((p + 1) % ratio == 0, out_slots[t] >= 0))):
                 prefix = T.Cast("int64", seq_lens[b] - (query_start[b + 1] - query_start[b]))
-                for j in T.serial(per):
-                    c = j * THREADS + tx
-                    m = NEG_INF
-                    acc = 0.0
-                    den = 0.0
-                    for i in T.serial(win):
-                        w = p - win + 1 + i
+                # where each window slot's row is, found once by one thread a slot, so that the window's loads
+                # wait on shared memory, not on a table read each
+                if tx < win:
+                    w = p - win + 1 + tx
+                    srow = T.max(T.min(T.Cast("int64", table[b, T.max(T.min(w // state_block, W - 1), 0)])
+                                       * state_ring + T.max(w, 0) % state_ring, num_state_rows - 1), 0)
+                    kind_s[tx] = T.if_then_else(w < 0, 0, T.if_then_else(w >= prefix, 1, 2))
+                    off_s[tx] = T.if_then_else(
+                        w >= prefix, T.max(T.min(T.Cast("int64", query_start[b]) + w - prefix, NT - 1), 0),
+                        T.max(T.min((srow // block_rows) * block_stride + (srow % block_rows) * width, NS - width),
+                              0))
+                T.sync_threads()
+                for j in T.unroll(per):
+                    m[j] = NEG_INF
+                    acc[j] = 0.0
+                    den[j] = 0.0
+                # U slots at a time: their loads first (all in flight together), then the online softmax over
+                # them in window order. w = p - win + 1 + i, so w % ratio == i % ratio (p + 1 is a multiple).
+                for g in T.serial(win // U):
+                    for u in T.unroll(U):
+                        i = g * U + u
                         h = i // ratio  # the half of kv / score this window slot uses
-                        if w >= 0:
-                            if w >= prefix:  # this call's token
-                                irow = T.min(T.Cast("int64", query_start[b]) + w - prefix, NT - 1)
-                                kv = KVS[irow, h * d + c]
-                                sc = KVS[irow, coff * d + h * d + c] + ape[w % ratio, h * d + c]
-                            else:  # an earlier token, in the state
-                                srow = T.max(T.min(T.Cast("int64", table[b, T.min(w // state_block, W - 1)])
-                                                   * state_ring + w % state_ring, num_state_rows - 1), 0)
-                                src = T.max(T.min((srow // block_rows) * block_stride + (srow % block_rows) * width,
-                                                  NS - width), 0)
-                                kv = state[src + h * d + c]
-                                sc = state[src + coff * d + h * d + c]
-                                if not state_has_ape:
-                                    sc = sc + ape[w % ratio, h * d + c]
-                            v = T.max(m, sc)
-                            acc = acc * T.exp(m - v) + kv * T.exp(sc - v)
-                            den = den * T.exp(m - v) + T.exp(sc - v)
-                            m = v
-                    row_s[c] = acc / den
+                        for j in T.unroll(per):
+                            col = h * d + j * THREADS + tx
+                            # slot kinds 1 and 2 read their row, kind 0 (before the sequence) reads nothing
+                            kv[u, j] = T.if_then_else(kind_s[i] == 1, KVS[off_s[i], col], T.if_then_else(
+                                kind_s[i] == 2, state[off_s[i] + col], 0.0))
+                            sc[u, j] = T.if_then_else(kind_s[i] == 1, KVS[off_s[i], coff * d + col], T.if_then_else(
+                                kind_s[i] == 2, state[off_s[i] + coff * d + col], 0.0))
+                            if state_has_ape:  # the state's scores hold ape already, this call's do not
+                                sc[u, j] = sc[u, j] + T.if_then_else(kind_s[i] == 1, ape[i % ratio, col], 0.0)
+                            else:
+                                sc[u, j] = sc[u, j] + ape[i % ratio, col]
+                    for u in T.unroll(U):
+                        if kind_s[g * U + u] != 0:
+                            for j in T.unroll(per):
+                                v = T.max(m[j], sc[u, j])
+                                acc[j] = acc[j] * T.exp(m[j] - v) + kv[u, j] * T.exp(sc[u, j] - v)
+                                den[j] = den[j] * T.exp(m[j] - v) + T.exp(sc[u, j] - v)
+                                m[j] = v
+                # every thread is past the slots before any writes the row: the row may share their memory
+                T.sync_threads()
+                for j in T.unroll(per):
+                    row_s[j * THREADS + tx] = acc[j] / den[j]
                 v = 0.0
                 for j in T.serial(per):
                     v = v + row_s[j * THREADS + tx] * row_s[j * THREADS + tx]
