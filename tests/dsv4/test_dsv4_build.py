@@ -349,8 +349,9 @@ def test_compressor_programs_lower_for_sm90a(args):
     # the hand-placed barriers only: after the window's slots are located, before the row's store (the row may
     # share the slots' memory), two for the norm, one for RoPE, and one more for the Hadamard
     assert src.count("__syncthreads()") == (7 if args[2] else 6)
-    assert "__global__" in _tilelang.lower(build_save_state(2 * (2 if args[1] == 4 else 1) * args[0], args[1],
-                                                            args[3]), HOPPER).source
+    for from_table in (False, True):
+        assert "__global__" in _tilelang.lower(build_save_state(2 * (2 if args[1] == 4 else 1) * args[0], args[1],
+                                                                args[3], from_table), HOPPER).source
 
 
 def test_exact_scale_index_writer_lowers_with_every_store_guarded():

@@ -9,7 +9,8 @@ and runs an online softmax per dim over the window, loading 8 positions' values 
 The norm, the RoPE pairs and the Hadamard butterflies exchange values through shared memory; every barrier is
 placed by hand and sits under a condition the whole block shares. ``build_save_state``: each token's row into
 its state row (the score with ape added when the state keeps it so), launched after the rows are made, since
-SGLang's rings alias the rows a window reads. Every index that comes from memory is clamped into its buffer.
+SGLang's rings alias the rows a window reads; it finds each token's state row in the table itself unless the
+caller names the rows. Every index that comes from memory is clamped into its buffer.
 """
 
 import functools
@@ -71,6 +72,7 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
         num_state_rows: T.int64,
         eps: T.float32,
         Out: T.Tensor((NT, d), out_dtype),
+        write_slots: T.Tensor((NT,), "int64"),
     ):
         with T.Kernel(NT, threads=THREADS) as t:
             tx = T.get_thread_binding()
@@ -88,7 +90,10 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
 
             b = token_req[t]
             p = positions[t]
-            if T.And(T.And(b >= 0, b < NB), T.And(p >= 0, T.And((p + 1) % ratio == 0, out_slots[t] >= 0))):
+            emit = T.And(T.And(b >= 0, b < NB), T.And(p >= 0, T.And((p + 1) % ratio == 0, out_slots[t] >= 0)))
+            if tx == 0:  # the writers' slot of this token's row: -1 where it emits none
+                write_slots[t] = T.if_then_else(emit, out_slots[t], T.Cast("int64", -1))
+            if emit:
                 prefix = T.Cast("int64", seq_lens[b] - (query_start[b + 1] - query_start[b]))
                 # where each window slot's row is, found once by one thread a slot, so that the window's loads
                 # wait on shared memory, not on a table read each
@@ -171,11 +176,14 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
 
 
 @functools.lru_cache(maxsize=None)
-def build_save_state(width: int, ratio: int, state_has_ape: bool):
-    """``state[row(rows[t])] = KVS[t]`` (the score half plus ``ape[pos % ratio]`` when ``state_has_ape``) for
-    every token whose row is in ``[0, num_state_rows)``."""
+def build_save_state(width: int, ratio: int, state_has_ape: bool, from_table: bool):
+    """``state[row] = KVS[t]`` (the score half plus ``ape[pos % ratio]`` when ``state_has_ape``) for every token
+    whose row is in ``[0, num_state_rows)``: ``rows[t]``, or with ``from_table`` the table's row of the token's
+    position (the rule of :func:`.compressor_reference.default_state_rows`: none for padding, a column past the
+    table or a negative entry)."""
     half = width // 2
     NT, NS = T.dynamic("num_tokens"), T.dynamic("state_elems")
+    NB, W = T.dynamic("batch"), T.dynamic("table_width")
 
     @T.prim_func
     def save_state(
@@ -183,14 +191,25 @@ def build_save_state(width: int, ratio: int, state_has_ape: bool):
         ape: T.Tensor((ratio, half), ACC),
         positions: T.Tensor((NT,), "int64"),
         rows: T.Tensor((NT,), "int64"),
+        token_req: T.Tensor((NT,), "int32"),
+        table: T.Tensor((NB, W), "int32"),
         state: T.Tensor((NS,), ACC),
+        state_block: T.int32,
+        state_ring: T.int32,
         block_rows: T.int32,
         block_stride: T.int64,
         num_state_rows: T.int64,
     ):
         with T.Kernel(NT, threads=THREADS) as t:
             tx = T.get_thread_binding()
+            pos = positions[t]
+            b = token_req[t]
+            col = T.max(pos, 0) // state_block
+            entry = T.Cast("int64", table[T.max(T.min(b, NB - 1), 0), T.min(col, W - 1)])
             r = rows[t]
+            if from_table:
+                r = T.if_then_else(T.And(T.And(T.And(b >= 0, b < NB), pos >= 0), T.And(col < W, entry >= 0)),
+                                   entry * state_ring + T.max(pos, 0) % state_ring, T.Cast("int64", -1))
             if T.And(r >= 0, r < num_state_rows):
                 base = (r // block_rows) * block_stride + (r % block_rows) * width
                 for j in T.serial(T.ceildiv(width, THREADS)):
@@ -198,7 +217,7 @@ def build_save_state(width: int, ratio: int, state_has_ape: bool):
                     if T.And(c < width, base + c < NS):
                         if state_has_ape:
                             state[base + c] = KVS[t, c] + T.if_then_else(
-                                c >= half, ape[T.max(positions[t], 0) % ratio, T.max(c - half, 0)], 0.0)
+                                c >= half, ape[T.max(pos, 0) % ratio, T.max(c - half, 0)], 0.0)
                         else:
                             state[base + c] = KVS[t, c]
 

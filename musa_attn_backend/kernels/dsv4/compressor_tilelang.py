@@ -1,5 +1,7 @@
-"""Launch the TileLang compressor (:mod:`.compress_kernel`): the rows, then the writers' quantised store at the
-slots of the tokens that emit one, then the state writes. Arguments arrive checked by :mod:`.compressor`."""
+"""Launch the TileLang compressor (:mod:`.compress_kernel`): the rows (and the writers' slots: -1 where a token
+emits none), then the writers' quantised store, then the state writes. Three launches and no other device work
+when the arguments come in the kernels' dtypes, so a decode step costs little beyond its reads. Arguments arrive
+checked by :mod:`.compressor`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from ..._tilelang import compile_cached, tl
 from .._common import check
 from . import layout as L
 from .compress_kernel import build_compress_rows, build_save_state
-from .compressor_reference import default_state_rows
 
 
 def _pass_configs() -> dict:
@@ -23,9 +24,9 @@ def compress_rows_kernel(d: int, ratio: int, rotate: bool, state_has_ape: bool, 
                           pass_configs=_pass_configs())
 
 
-def save_state_kernel(width: int, ratio: int, state_has_ape: bool, target=None):
-    return compile_cached(("dsv4_save_state", width, ratio, state_has_ape),
-                          lambda: build_save_state(width, ratio, state_has_ape), target=target)
+def save_state_kernel(width: int, ratio: int, state_has_ape: bool, from_table: bool, target=None):
+    return compile_cached(("dsv4_save_state", width, ratio, state_has_ape, from_table),
+                          lambda: build_save_state(width, ratio, state_has_ape, from_table), target=target)
 
 
 def _state_view(op: str, state: torch.Tensor):
@@ -55,27 +56,27 @@ def compress_tilelang(kv_score, ape, ratio, positions, token_req, query_start, s
     req = token_req.to(torch.int32).contiguous()
     slots = out_slots.to(torch.int64).contiguous()
     table = state_table.to(torch.int32).contiguous()
+    if table.shape[1] == 0:  # no position kept anywhere: one column of -1 says so without an empty read
+        table = torch.full((table.shape[0], 1), -1, dtype=torch.int32, device=dev)
     ape32 = ape.float().contiguous()
     rows = torch.empty(T_, d, dtype=out_dtype, device=dev)
-    if T_:
+    run = T_ > 0 and seq_lens.numel() > 0  # with no request every token is padding: nothing to emit or keep
+    write_slots = (torch.empty(T_, dtype=torch.int64, device=dev) if run
+                   else torch.full((T_,), -1, dtype=torch.int64, device=dev))
+    if run:
         compress_rows_kernel(d, ratio, rotate, state_has_ape, "float32" if exact else "bfloat16")(
             kv_score.contiguous(), ape32, pos, req, query_start.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(), flat, table, slots, norm_weight.float().contiguous(),
             cos.float().contiguous(), sin.float().contiguous(), state_block, state_ring, br, bstride, nrows,
-            float(eps), rows)
-    emit = (req >= 0) & (req < seq_lens.numel()) & ((pos + 1) % ratio == 0) & (slots >= 0)
-    write_slots = torch.where(emit, slots, torch.full_like(slots, -1))
+            float(eps), rows, write_slots)
     if d == L.D:
         write_kv_v4(rows, cache, write_slots)
     else:
         write_index_k(rows, cache, write_slots, scale=index_scale)
-    if state_rows is None:
-        srows = default_state_rows(req, pos, table, state_block, state_ring, nrows)
-    else:
-        srows = state_rows.to(torch.int64).contiguous()
-    if T_:
-        save_state_kernel(width, ratio, state_has_ape)(kv_score.contiguous(), ape32, pos, srows, flat, br, bstride,
-                                                       nrows)
+    if run:
+        srows = slots if state_rows is None else state_rows.to(torch.int64).contiguous()  # slots: any [T] int64
+        save_state_kernel(width, ratio, state_has_ape, state_rows is None)(
+            kv_score.contiguous(), ape32, pos, srows, req, table, flat, state_block, state_ring, br, bstride, nrows)
     if not return_rows:
         return None
-    return rows.float().masked_fill_(~emit[:, None], float("nan"))
+    return rows.float().masked_fill_((write_slots < 0)[:, None], float("nan"))
