@@ -1,11 +1,11 @@
 """TileLang programs of DeepSeek-V4's compressors (the math: :mod:`.compressor_reference`).
 
-``build_compress_rows``: one block of 128 threads per token; a token at a window's end (``(pos + 1) % ratio ==
+``build_compress_rows``: one block per token, a thread per dim; a token at a window's end (``(pos + 1) % ratio ==
 0``, a request, an output slot) pools its window into a row, normalises it, rotates its last 64 dims (and, for
 the indexer, applies the Hadamard) and writes the row in the writers' input dtype; other tokens' blocks return
 at once. The window's positions are located first, one thread a position: this call's input row (at or past
-the request's prefix) or the state row through the table (before it). Thread ``x`` owns dims ``x, x + 128, ..``
-and runs an online softmax per dim over the window, loading 8 positions' values before it folds them in.
+the request's prefix) or the state row through the table (before it). Thread ``x`` owns dim ``x`` and runs an
+online softmax over the window, 8 positions at a time: their loads together, one rescale to their maximum.
 The norm, the RoPE pairs and the Hadamard butterflies exchange values through shared memory; every barrier is
 placed by hand and sits under a condition the whole block shares. ``build_save_state``: each token's row into
 its state row (the score with ape added when the state keeps it so), launched after the rows are made, since
@@ -41,15 +41,16 @@ def hadamard_128(buf, x):
 
 @functools.lru_cache(maxsize=None)
 def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, out_dtype: str = "bfloat16"):
-    """Rows ``Out [T, d]`` of the tokens that end a window (see the module docstring)."""
+    """Rows ``Out [T, d]`` of the tokens that end a window, and the writers' slots (see the module docstring)."""
     coff = 2 if ratio == 4 else 1
     win = coff * ratio
     width = 2 * coff * d
-    per = d // THREADS
+    threads = d  # a thread a dim
     U = min(win, SLOTS_IN_FLIGHT)
     NT, NB, W = T.dynamic("num_tokens"), T.dynamic("batch"), T.dynamic("table_width")
     NS, MP = T.dynamic("state_elems"), T.dynamic("max_pos")
     NEG_INF = -T.infinity(ACC)
+    assert win <= threads and win % U == 0
 
     @T.prim_func
     def compress_rows(
@@ -74,18 +75,19 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
         Out: T.Tensor((NT, d), out_dtype),
         write_slots: T.Tensor((NT,), "int64"),
     ):
-        with T.Kernel(NT, threads=THREADS) as t:
+        with T.Kernel(NT, threads=threads) as t:
             tx = T.get_thread_binding()
             row_s = T.alloc_shared([d], ACC)
             nxt_s = T.alloc_shared([d], ACC)
-            red_s = T.alloc_shared([THREADS], ACC)
+            red_s = T.alloc_shared([threads], ACC)
             kind_s = T.alloc_shared([win], "int32")  # window slot i: 0 before the sequence, 1 input, 2 state
             off_s = T.alloc_shared([win], "int64")  # its input row, or its state row's first element
-            m = T.alloc_local([per], ACC)
-            acc = T.alloc_local([per], ACC)
-            den = T.alloc_local([per], ACC)
-            kv = T.alloc_local([U, per], ACC)
-            sc = T.alloc_local([U, per], ACC)
+            srow = T.alloc_var("int64")
+            kv = T.alloc_local([U], ACC)
+            sc = T.alloc_local([U], ACC)
+            m = T.alloc_var(ACC)
+            acc = T.alloc_var(ACC)
+            den = T.alloc_var(ACC)
             v = T.alloc_var(ACC)
 
             b = token_req[t]
@@ -96,7 +98,7 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
             if emit:
                 prefix = T.Cast("int64", seq_lens[b] - (query_start[b + 1] - query_start[b]))
                 # where each window slot's row is, found once by one thread a slot, so that the window's loads
-                # wait on shared memory, not on a table read each
+                # wait on shared memory, not on a table read each (the row index stored, not re-derived per use)
                 if tx < win:
                     w = p - win + 1 + tx
                     srow = T.max(T.min(T.Cast("int64", table[b, T.max(T.min(w // state_block, W - 1), 0)])
@@ -107,70 +109,58 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
                         T.max(T.min((srow // block_rows) * block_stride + (srow % block_rows) * width, NS - width),
                               0))
                 T.sync_threads()
-                for j in T.unroll(per):
-                    m[j] = NEG_INF
-                    acc[j] = 0.0
-                    den[j] = 0.0
-                # U slots at a time: their loads first (all in flight together), then the online softmax over
-                # them in window order. w = p - win + 1 + i, so w % ratio == i % ratio (p + 1 is a multiple).
+                m = NEG_INF
+                acc = 0.0
+                den = 0.0
+                # U slots at a time: their loads first (all in flight together), then one rescale to the chunk's
+                # maximum and the chunk's terms. w = p - win + 1 + i, so w % ratio == i % ratio.
                 for g in T.serial(win // U):
                     for u in T.unroll(U):
                         i = g * U + u
-                        h = i // ratio  # the half of kv / score this window slot uses
-                        for j in T.unroll(per):
-                            col = h * d + j * THREADS + tx
-                            # slot kinds 1 and 2 read their row, kind 0 (before the sequence) reads nothing
-                            kv[u, j] = T.if_then_else(kind_s[i] == 1, KVS[off_s[i], col], T.if_then_else(
-                                kind_s[i] == 2, state[off_s[i] + col], 0.0))
-                            sc[u, j] = T.if_then_else(kind_s[i] == 1, KVS[off_s[i], coff * d + col], T.if_then_else(
-                                kind_s[i] == 2, state[off_s[i] + coff * d + col], 0.0))
-                            if state_has_ape:  # the state's scores hold ape already, this call's do not
-                                sc[u, j] = sc[u, j] + T.if_then_else(kind_s[i] == 1, ape[i % ratio, col], 0.0)
-                            else:
-                                sc[u, j] = sc[u, j] + ape[i % ratio, col]
+                        col = (i // ratio) * d + tx  # the half of kv / score this window slot uses
+                        # slot kinds 1 and 2 read their row, kind 0 (before the sequence) reads nothing
+                        kv[u] = T.if_then_else(kind_s[i] == 1, KVS[off_s[i], col], T.if_then_else(
+                            kind_s[i] == 2, state[off_s[i] + col], 0.0))
+                        sc[u] = T.if_then_else(kind_s[i] == 1, KVS[off_s[i], coff * d + col], T.if_then_else(
+                            kind_s[i] == 2, state[off_s[i] + coff * d + col], NEG_INF))
+                        if state_has_ape:  # the state's scores hold ape already, this call's do not
+                            sc[u] = sc[u] + T.if_then_else(kind_s[i] == 1, ape[i % ratio, col], 0.0)
+                        else:
+                            sc[u] = sc[u] + ape[i % ratio, col]
+                    v = m
                     for u in T.unroll(U):
-                        if kind_s[g * U + u] != 0:
-                            for j in T.unroll(per):
-                                v = T.max(m[j], sc[u, j])
-                                acc[j] = acc[j] * T.exp(m[j] - v) + kv[u, j] * T.exp(sc[u, j] - v)
-                                den[j] = den[j] * T.exp(m[j] - v) + T.exp(sc[u, j] - v)
-                                m[j] = v
+                        v = T.max(v, sc[u])
+                    if v > NEG_INF:  # a chunk of slots before the sequence only adds nothing
+                        acc = acc * T.exp(m - v)
+                        den = den * T.exp(m - v)
+                        for u in T.unroll(U):
+                            acc = acc + kv[u] * T.exp(sc[u] - v)
+                            den = den + T.exp(sc[u] - v)
+                        m = v
                 # every thread is past the slots before any writes the row: the row may share their memory
                 T.sync_threads()
-                for j in T.unroll(per):
-                    row_s[j * THREADS + tx] = acc[j] / den[j]
-                v = 0.0
-                for j in T.serial(per):
-                    v = v + row_s[j * THREADS + tx] * row_s[j * THREADS + tx]
-                red_s[tx] = v
+                row_s[tx] = acc / den
+                red_s[tx] = row_s[tx] * row_s[tx]
                 T.sync_threads()
-                for s in T.unroll(7):  # the sum of squares, a tree over the 128 partial sums
-                    if tx < (64 >> s):
-                        red_s[tx] = red_s[tx] + red_s[tx + (64 >> s)]
+                for s in T.unroll(threads.bit_length() - 1):  # the sum of squares, a tree
+                    if tx < (threads >> (s + 1)):
+                        red_s[tx] = red_s[tx] + red_s[tx + (threads >> (s + 1))]
                     T.sync_threads()
-                inv = T.rsqrt(red_s[0] / d + eps)
-                for j in T.serial(per):
-                    c = j * THREADS + tx
-                    row_s[c] = row_s[c] * inv * weight[c]
+                row_s[tx] = row_s[tx] * T.rsqrt(red_s[0] / d + eps) * weight[tx]
                 T.sync_threads()
                 at = T.min(p + 1 - ratio, MP - 1)
-                for j in T.serial(per):
-                    c = j * THREADS + tx
-                    r = c - (d - ROPE)
-                    if r >= 0:
-                        pair = r // 2
-                        if r % 2 == 0:
-                            nxt_s[c] = row_s[c] * cos[at, pair] - row_s[c + 1] * sin[at, pair]
-                        else:
-                            nxt_s[c] = row_s[c - 1] * sin[at, pair] + row_s[c] * cos[at, pair]
+                r = tx - (d - ROPE)
+                if r >= 0:
+                    if r % 2 == 0:
+                        nxt_s[tx] = row_s[tx] * cos[at, r // 2] - row_s[tx + 1] * sin[at, r // 2]
                     else:
-                        nxt_s[c] = row_s[c]
+                        nxt_s[tx] = row_s[tx - 1] * sin[at, r // 2] + row_s[tx] * cos[at, r // 2]
+                else:
+                    nxt_s[tx] = row_s[tx]
                 T.sync_threads()
                 if rotate:  # d is 128 (checked by the op); the 128^-0.5 at the store
                     hadamard_128(nxt_s, tx)
-                for j in T.serial(per):
-                    c = j * THREADS + tx
-                    Out[t, c] = T.Cast(out_dtype, nxt_s[c] * (d ** -0.5 if rotate else 1.0))
+                Out[t, tx] = T.Cast(out_dtype, nxt_s[tx] * (d ** -0.5 if rotate else 1.0))
 
     return compress_rows
 
@@ -206,12 +196,16 @@ def build_save_state(width: int, ratio: int, state_has_ape: bool, from_table: bo
             b = token_req[t]
             col = T.max(pos, 0) // state_block
             entry = T.Cast("int64", table[T.max(T.min(b, NB - 1), 0), T.min(col, W - 1)])
+            # the row and its first element stored once: an inlined expression would redo its 64-bit divisions
+            # at every element
+            r = T.alloc_var("int64")
+            base = T.alloc_var("int64")
             r = rows[t]
             if from_table:
                 r = T.if_then_else(T.And(T.And(T.And(b >= 0, b < NB), pos >= 0), T.And(col < W, entry >= 0)),
                                    entry * state_ring + T.max(pos, 0) % state_ring, T.Cast("int64", -1))
+            base = (T.max(r, 0) // block_rows) * block_stride + (T.max(r, 0) % block_rows) * width
             if T.And(r >= 0, r < num_state_rows):
-                base = (r // block_rows) * block_stride + (r % block_rows) * width
                 for j in T.serial(T.ceildiv(width, THREADS)):
                     c = j * THREADS + tx
                     if T.And(c < width, base + c < NS):
