@@ -105,8 +105,15 @@ class TileLangMusaAttnBackend(AttentionBackend):
 
 
 def create_backend(model_runner):
-    """SGLang's factory for ``--attention-backend tilelang_musa``: checks the device, then the backend."""
+    """SGLang's factory for ``--attention-backend tilelang_musa``: checks the device, then builds the DeepSeek-V4
+    backend for a V4 model (its pool says so) and the dense backend otherwise."""
+    from .dsv4_selection import is_deepseek_v4_runner
+
     _check_environment(torch.device(model_runner.device))
+    if is_deepseek_v4_runner(model_runner):
+        from .dsv4 import TileLangMusaDSV4Backend
+
+        return TileLangMusaDSV4Backend(model_runner)
     return TileLangMusaAttnBackend(model_runner)
 
 

