@@ -97,3 +97,33 @@ def test_dsv4_compressed_cache_case(case):
     # the kit fills 32 compressed rows; lengths past them read rows it also wrote (zeros are valid FP8)
     kit.run_dsv4_compress_attention_case(_TC(), case, device="cpu", extra_entries=max(
         32, max(case.seq_lens) // case.compress_ratio + 1))
+
+
+VERIFY_CASES = [
+    _compress_case("verify_swa", ForwardMode.TARGET_VERIFY, 0, (40, 130), (3, 3)),
+    _compress_case("verify_c4", ForwardMode.TARGET_VERIFY, 4, (61, 90), (4, 4)),
+    _compress_case("verify_c128", ForwardMode.TARGET_VERIFY, 128, (126, 200), (3, 3)),
+]
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: c.name)
+def test_dsv4_target_verify_case(case):
+    kit.run_dsv4_target_verify_attention_case(_TC(), case, device="cpu")
+
+
+# the kit sizes draft tokens from the first request's count, so every request accepts as many
+@pytest.mark.parametrize("prefix,accepted", [((30, 77), (3, 3)), ((200,), (1,))])
+def test_dsv4_draft_extend_case(prefix, accepted):
+    case = _compress_case("draft_extend", ForwardMode.DRAFT_EXTEND_V2, 0, prefix, accepted)
+    kit.run_dsv4_draft_extend_attention_case(_TC(), case, device="cpu")
+
+
+@pytest.mark.parametrize("prefix", [(5,), (40, 128, 255), (1, 2, 3, 4)])
+def test_dsv4_graph_decode_runner(prefix):
+    """The kit's CUDA-graph decode runner: init_cuda_graph_state, the out-of-graph metadata at capture and at each
+    padded replay, the in-graph upgrade, against eager and the reference (no real graph on a CPU)."""
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as runner
+
+    case = _compress_case(f"graph_decode_{len(prefix)}", ForwardMode.DECODE, 0, prefix)
+    runner.run_dsv4_cuda_graph_decode_case(_TC(), case, device="cpu",
+                                           cuda_graph_capture_batch_size=max(2, len(prefix)))
