@@ -20,8 +20,12 @@ a ``NotImplementedError`` that names them, rather than run SGLang's CUDA-only ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import logging
+import sys
+import types
 
 import torch
 import sglang.srt.layers.attention.deepseek_v4_backend as v4
@@ -73,13 +77,40 @@ def _not_yet(what: str):
                               "(SGLang's own needs CUDA-only JIT kernels)")
 
 
+@contextlib.contextmanager
+def _flash_mla_interface_if_absent():
+    """SGLang's constructor imports its FlashMLA interface on CUDA, which imports FlashMLA itself; where FlashMLA
+    is not installed, a stand-in serves that one import (its entry is ours; the constructor's result is replaced
+    right after) and is removed again, so nothing else in the process sees it."""
+    name = "sglang.kernels.ops.attention.flash_mla_interface"
+    try:
+        importlib.import_module(name)
+        yield
+        return
+    except ImportError:
+        pass
+    parent = importlib.import_module("sglang.kernels.ops.attention")
+    stand_in = types.ModuleType(name)
+    stand_in.flash_mla_with_kvcache = dsv4.flash_mla_with_kvcache
+    stand_in.SPLIT_KV_MIN_TOPK = 1 << 30
+    sys.modules[name] = stand_in
+    setattr(parent, "flash_mla_interface", stand_in)
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
+        if getattr(parent, "flash_mla_interface", None) is stand_in:
+            delattr(parent, "flash_mla_interface")
+
+
 class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
     """``--attention-backend tilelang_musa`` for a DeepSeek-V4 model (made by ``create_backend``)."""
 
     def __init__(self, model_runner, **kwargs):
         install_seams()
         _state["active"] = True
-        super().__init__(model_runner, **kwargs)
+        with _flash_mla_interface_if_absent():
+            super().__init__(model_runner, **kwargs)
         if self.is_dsv41:
             raise ValueError("tilelang_musa: DeepSeek-V4.1 checkpoints (compress ratios 1 and 2) are not supported; "
                              "V4's ratios 0, 4 and 128 are")

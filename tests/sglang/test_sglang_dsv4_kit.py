@@ -34,7 +34,7 @@ def _store(buffer: torch.Tensor, rows: int, slots: torch.Tensor, k: torch.Tensor
     dsv4.write_kv_v4(k.to(torch.bfloat16), dsv4.paged_view(buffer, rows), slots.to(torch.int64))
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def cpu_kit(monkeypatch):
     """The kit's writers and RNG calls, made to run on a CPU (see the module docstring)."""
     monkeypatch.setattr(kit, "quant_to_nope_fp8_rope_bf16_pack_triton", lambda k: k)
@@ -52,6 +52,9 @@ def cpu_kit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
+
+
+pytestmark = pytest.mark.usefixtures("cpu_kit")
 
 
 class _TC(unittest.TestCase):

@@ -1,0 +1,69 @@
+"""SGLang 0.5.23's own DeepSeek-V4 attention kit on a GPU with the TileLang kernels: the same cases as the CPU
+run (``test_sglang_dsv4_kit.py``), with the kit's own Triton writers filling the caches (no shim), so the
+backend reads the bytes SGLang writes. Skipped where SGLang's kit does not import."""
+
+import unittest
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+sglang = pytest.importorskip("sglang")
+
+
+def _cases():
+    try:
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: F401
+        from test_sglang_dsv4_kit import COMPRESS_CASES, VERIFY_CASES, kit
+    except Exception:  # noqa: BLE001 - reported by the test below
+        return [], [], []
+    from musa_attn_backend import BACKEND_NAME
+
+    return list(kit.make_dsv4_cases(BACKEND_NAME)), COMPRESS_CASES, VERIFY_CASES
+
+
+SWA, COMPRESS, VERIFY = _cases()
+
+
+class _TC(unittest.TestCase):
+    def runTest(self):  # pragma: no cover
+        pass
+
+
+def _kit():
+    try:
+        from sglang.test.kits.attention_unittest.attention_methods import dsv4_attention as kit
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"SGLang's V4 kit does not import here: {type(e).__name__}: {e}")
+    return kit
+
+
+@pytest.mark.parametrize("case", SWA, ids=lambda c: c.name)
+def test_dsv4_swa_case_gpu(gpu_device, case):
+    _kit().run_dsv4_attention_case(_TC(), case, device=str(gpu_device))
+
+
+@pytest.mark.parametrize("case", COMPRESS, ids=lambda c: c.name)
+def test_dsv4_compressed_cache_case_gpu(gpu_device, case):
+    _kit().run_dsv4_compress_attention_case(_TC(), case, device=str(gpu_device), extra_entries=max(
+        32, max(case.seq_lens) // case.compress_ratio + 1))
+
+
+@pytest.mark.parametrize("case", VERIFY, ids=lambda c: c.name)
+def test_dsv4_target_verify_case_gpu(gpu_device, case):
+    _kit().run_dsv4_target_verify_attention_case(_TC(), case, device=str(gpu_device))
+
+
+def test_dsv4_backend_is_ours_on_gpu(gpu_device):
+    kit = _kit()
+    from musa_attn_backend import BACKEND_NAME
+    from musa_attn_backend.kernels import dsv4
+    from musa_attn_backend.sglang.dsv4 import TileLangMusaDSV4Backend
+
+    fixture = kit.build_dsv4_attention_fixture(_TC(), kit.make_dsv4_cases(BACKEND_NAME)[0], dtype=torch.bfloat16,
+                                               device=str(gpu_device))
+    assert isinstance(fixture.backend, TileLangMusaDSV4Backend)
+    assert fixture.backend._flash_mla_with_kvcache is dsv4.flash_mla_with_kvcache
