@@ -13,9 +13,13 @@ that keeps its metadata, index translation and CUDA-graph logic and runs this pa
   process.
 - The indexer metadata is built without DeepGEMM's schedule (our paged logits split their own work).
 
-What is not here yet: the compressors and the C4 indexer (``forward_core_compressor``,
-``forward_indexer_compressor``, ``forward_c4_indexer``) and the SWA writer the model calls on the pool. They raise
-a ``NotImplementedError`` that names them, rather than run SGLang's CUDA-only kernels.
+- The compressors (``forward_core_compressor`` and ``forward_indexer_compressor``, both: SGLang's mixin defines
+  them as aliases of one method) run :func:`..kernels.dsv4.compress` on SGLang's own state rings, addressed
+  through a table (:func:`..metadata.sglang_dsv4.compress_call`), keeping the positions SGLang keeps.
+- The C4 indexer (``forward_c4_indexer``) runs ``indexer_q``, the indexer compressor, ``paged_indexer_logits`` and
+  ``indexer_topk`` into SGLang's ``c4_sparse_page_indices``.
+
+What is not here yet: the SWA writer the model calls on the pool, and the model-side kernels around attention.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sglang.srt.layers.attention.deepseek_v4_backend as v4
 from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
 
 from ..kernels import dsv4
+from ..kernels.dsv4 import layout as dsv4_layout
 from ..metadata import sglang_dsv4
 
 logger = logging.getLogger(__name__)
@@ -70,11 +75,6 @@ class _IndexerMetadata(PagedIndexerMetadata):
         if self.page_size % self.compress_ratio:
             raise ValueError(f"tilelang_musa: compress ratio {self.compress_ratio} must divide the page size "
                              f"{self.page_size}")
-
-
-def _not_yet(what: str):
-    raise NotImplementedError(f"tilelang_musa: DeepSeek-V4's {what} does not run on this package's kernels yet "
-                              "(SGLang's own needs CUDA-only JIT kernels)")
 
 
 @contextlib.contextmanager
@@ -131,11 +131,99 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
             use_topk_v2=False, use_prefill_cuda_graph=use_prefill_cuda_graph, compress_ratio=compress_ratio,
             rows_per_request=rows_per_request)
 
+    # ------------------------------------------------------------- compressors
+    def _rope(self, freqs_cis):
+        """The compressor's / indexer's RoPE table as cos, sin (made once per table)."""
+        cache = self.__dict__.setdefault("_rope_tables", {})
+        key = (freqs_cis.data_ptr(), tuple(freqs_cis.shape))
+        if key not in cache:
+            cache[key] = sglang_dsv4.rope_table(freqs_cis)
+        return cache[key]
+
+    def _compress(self, x, forward_batch, layer_id, compressor) -> None:
+        if forward_batch.forward_mode.is_idle():
+            return
+        states = compressor.get_state_pool(self)
+        if states.online:
+            raise ValueError("tilelang_musa: SGLANG_OPT_USE_ONLINE_COMPRESS (the online C128 state) is not supported; "
+                             "unset it")
+        if states.kv_score_buffer.kv_score.dtype != torch.float32:
+            raise ValueError(f"tilelang_musa: a {states.kv_score_buffer.kv_score.dtype} compressor state "
+                             "(SGLANG_DSV4_COMPRESS_STATE_DTYPE) is not supported; float32, SGLang's default, is")
+        pool = self.token_to_kv_pool
+        ratio = compressor.ratio
+        kv_score = compressor.compute_kv_score(x, forward_batch)
+        T = kv_score.shape[0]
+        if compressor.is_in_indexer:
+            cache = dsv4.paged_view(pool.get_index_k_with_scale_buffer(layer_id).view(torch.uint8),
+                                    pool.get_index_k_page_size(ratio), dsv4_layout.INDEX_ROW_BYTES)
+        else:
+            cache = dsv4.paged_view(pool.get_extra_key_buffer(layer_id).view(torch.uint8),
+                                    pool.get_extra_key_page_size(layer_id))
+        fb = forward_batch
+        lens = fb.extend_seq_lens if getattr(fb, "extend_seq_lens", None) is not None else torch.full(
+            (fb.batch_size,), T // max(fb.batch_size, 1), dtype=torch.int32, device=kv_score.device)
+        call = sglang_dsv4.compress_call(
+            ratio=ratio, positions=fb.positions[:T], extend_lens=lens, req_pool_indices=fb.req_pool_indices,
+            req_to_token=self.req_to_token, full_to_swa=pool.full_to_swa_index_mapping,
+            swa_page_size=states.swa_page_size or self.page_size, ring=states.ring_size,
+            request_scoped=states.request_scoped)
+        cos, sin = self._rope(compressor.freqs_cis)
+        out_loc = getattr(self.forward_metadata.core_metadata, f"c{ratio}_out_loc")[:T]
+        dsv4.compress(kv_score, sglang_dsv4.checkpoint_ape(compressor.ape, ratio, compressor.ape_converted),
+                      ratio=ratio, state=states.kv_score_buffer.kv_score, norm_weight=compressor.norm.weight,
+                      eps=float(compressor.norm.variance_epsilon), cos=cos, sin=sin, cache=cache, out_slots=out_loc,
+                      state_has_ape=False, rotate=compressor.rotate, index_scale="exact", **call)
+
     def forward_core_compressor(self, x, forward_batch, layer_id, compressor):
-        _not_yet("attention compressor")
+        self._compress(x, forward_batch, layer_id, compressor)
 
     def forward_indexer_compressor(self, x, forward_batch, layer_id, compressor):
-        _not_yet("indexer compressor")
+        self._compress(x, forward_batch, layer_id, compressor)
 
-    def forward_c4_indexer(self, x, q_lora, c4_indexer, forward_batch, *args, **kwargs):
-        _not_yet("C4 indexer")
+    # ------------------------------------------------------------- C4 indexer
+    def forward_c4_indexer(self, x, q_lora, c4_indexer, forward_batch, alt_streams=None, enable_multi_stream=False,
+                           q_lora_ready=None, skip_compressor=False, q_lora_quant=None):
+        """SGLang's C4 indexer on our kernels: q (``wq_b``, then RoPE, Hadamard, FP8 and the weight scale), the
+        indexer compressor, the paged logits over the indexer-key cache and the top-k written as compressed
+        slots into ``c4_sparse_page_indices`` (and the positions into ``c4_sparse_raw_indices`` where the
+        metadata has them)."""
+        if forward_batch.forward_mode.is_idle():
+            return
+        if c4_indexer.use_fp4_indexer:
+            raise ValueError("tilelang_musa: the FP4 indexer cache is not supported; the FP8 one is")
+        md = self.forward_metadata
+        im, core = md.indexer_metadata, md.core_metadata
+        positions = core.positions
+        n = min(x.shape[0], q_lora.shape[0], positions.shape[0])
+        x, q_lora, positions = x[:n], q_lora[:n], positions[:n]
+        weights = c4_indexer.compute_weights(x, skip_scale=True)
+        q, _ = c4_indexer.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
+        cos, sin = self._rope(c4_indexer.freqs_cis)
+        q8, w = dsv4.indexer_q(q.view(n, c4_indexer.n_local_heads, c4_indexer.head_dim), weights.view(n, -1),
+                               positions, cos, sin, weight_scale=c4_indexer.weight_scale)
+        if not skip_compressor:
+            self.forward_indexer_compressor(x, forward_batch, c4_indexer.layer_id, c4_indexer.compressor)
+        out = core.c4_sparse_page_indices
+        rows = out.shape[0]
+
+        def rows_of(t, value):  # SGLang's match_num_queries: cut or pad the metadata to the query rows
+            if t.shape[0] >= n:
+                return t[:n]
+            return torch.cat([t, t.new_full((n - t.shape[0],) + tuple(t.shape[1:]), value)])
+
+        lens = rows_of(im.compressed_seq_lens.to(torch.int32), 1)
+        table = rows_of(im.page_table, 0)
+        cache = dsv4.paged_view(self.token_to_kv_pool.get_index_k_with_scale_buffer(c4_indexer.layer_id)
+                                .view(torch.uint8), im.compressed_page_size, dsv4_layout.INDEX_ROW_BYTES)
+        logits = dsv4.paged_indexer_logits(q8.unsqueeze(1), w, cache, lens, table, im.max_compressed_seq_len,
+                                           clean=False)
+        m = min(n, rows)
+        k = out.shape[1]
+        raw = core.c4_sparse_raw_indices
+        if raw is None:
+            dsv4.indexer_topk(logits[:m], lens[:m], k, page_table=table[:m], page_rows=im.compressed_page_size,
+                              out=out[:m])
+        else:  # the positions once, then their slots: the two agree whatever the ties
+            dsv4.indexer_topk(logits[:m], lens[:m], k, out=raw[:m])
+            out[:m] = sglang_dsv4.slots_of_positions(raw[:m], table[:m], im.compressed_page_size)
