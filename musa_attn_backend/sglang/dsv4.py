@@ -19,7 +19,11 @@ that keeps its metadata, index translation and CUDA-graph logic and runs this pa
 - The C4 indexer (``forward_c4_indexer``) runs ``indexer_q``, the indexer compressor, ``paged_indexer_logits`` and
   ``indexer_topk`` into SGLang's ``c4_sparse_page_indices``.
 
-What is not here yet: the SWA writer the model calls on the pool, and the model-side kernels around attention.
+- The SWA rows the model writes through the pool (``set_swa_key_buffer_radix_fused_norm_rope``, JIT CUDA in
+  SGLang) go through :func:`..kernels.dsv4.norm_rope_write_kv_v4`, set on this backend's pool only.
+
+What is not here yet: the model-side kernels around attention (q norm + RoPE, inverse RoPE, mHC, the clamped
+SwiGLU) and the MTP draft factories.
 """
 
 from __future__ import annotations
@@ -117,6 +121,18 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
         self._flash_mla_with_kvcache = dsv4.flash_mla_with_kvcache
         self._swa_interleaved = False
         self._flashmla_split_kv_min_topk = 1 << 30  # only V4.1 consults it
+        # the model writes its SWA rows through this pool method (JIT CUDA in SGLang): ours, on this pool only
+        self.token_to_kv_pool.set_swa_key_buffer_radix_fused_norm_rope = self._store_swa_norm_rope
+
+    def _store_swa_norm_rope(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions, q=None):
+        """The pool's ``set_swa_key_buffer_radix_fused_norm_rope``: RMSNorm + RoPE + FP8 store of the SWA rows."""
+        if q is not None:
+            raise ValueError("tilelang_musa: RoPE of q fused into the K store (SGLang's ROCm path) is not supported")
+        pool = self.token_to_kv_pool
+        cos, sin = self._rope(freqs_cis)
+        cache = dsv4.paged_view(pool.get_swa_raw_buffer(layer_id).view(torch.uint8), pool.swa_page_size)
+        dsv4.norm_rope_write_kv_v4(kv.reshape(kv.shape[0], -1), kv_weight, float(eps), cos, sin, positions, cache,
+                                   swa_loc)
 
     def _use_sparse_prefill(self, forward_batch, *, num_qo_tokens: int) -> bool:
         return False  # prefill through _flash_mla_with_kvcache as well: sparse_mqa on the FP8 caches

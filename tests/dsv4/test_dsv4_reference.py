@@ -250,6 +250,15 @@ def test_sink_only_row_and_out_parameter():
     (lambda c, q, i: dsv4.write_kv_v4(q[:, 0, :448], c, torch.tensor([0, 1, 2])), r"kv must be \[num_tokens, 512\]"),
     (lambda c, q, i: dsv4.read_kv_v4(c, torch.tensor([-1])), r"every slot must be in \[0, 128\)"),
     (lambda c, q, i: dsv4.write_index_k(q[:, 0, :128], c, torch.tensor([0, 1, 2])), r"rows of 132-byte|132\]"),
+    (lambda c, q, i: dsv4.norm_rope_write_kv_v4(q[:, 0, :448], torch.ones(512), 1e-6, torch.ones(8, 32),
+                                                torch.ones(8, 32), torch.arange(3), c, torch.arange(3)),
+     r"kv must be a bf16/fp16/fp32 \[T, 512\]"),
+    (lambda c, q, i: dsv4.norm_rope_write_kv_v4(q[:, 0], torch.ones(512), 1e-6, torch.ones(8, 64),
+                                                torch.ones(8, 32), torch.arange(3), c, torch.arange(3)),
+     r"cos must be a \[max_pos, 32\]"),
+    (lambda c, q, i: dsv4.norm_rope_write_kv_v4(q[:, 0], torch.ones(512), 1e-6, torch.ones(8, 32),
+                                                torch.ones(8, 32), torch.arange(2), c, torch.arange(3)),
+     r"positions must be an integer \[3\]"),
 ])
 def test_argument_errors_name_the_argument(call, match):
     cache = L.new_kv_cache(2, 64)

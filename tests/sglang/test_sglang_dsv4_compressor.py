@@ -214,3 +214,30 @@ def test_c4_indexer_through_sglangs_pool_and_metadata():
 def runner_page_aligned(fixture) -> bool:
     """The first request's first position sits at the start of a page (see ``page_aligned_locs``)."""
     return int(fixture.runner.req_to_token_pool.req_to_token[0, 0]) % 256 == 0
+
+
+def test_pool_swa_store_is_ours_and_matches_float64_math():
+    """The model writes its SWA rows through the pool (``set_swa_key_buffer_radix_fused_norm_rope``); with our
+    backend the pool's method is ours: RMSNorm, GPT-J RoPE of the last 64 dims, FP8 rows at the SWA slots. Read
+    back within one e4m3 step of the tile (nope) and of bf16 (rope) against float64 math from the inputs."""
+    g = torch.Generator().manual_seed(11)
+    case = _case(0, 8, 0)
+    fixture = kit.build_dsv4_attention_fixture(_TC(), case, dtype=torch.bfloat16, device="cpu")
+    pool = fixture.runner.token_to_kv_pool
+    T = 40
+    kv = (torch.randn(T, L.D, generator=g) * 3).to(torch.bfloat16)
+    weight = torch.rand(L.D, generator=g) + 0.5
+    freqs = torch.polar(torch.ones(64, 32), torch.rand(64, 32, generator=g) * 6.3)
+    positions = torch.randint(0, 64, (T,), generator=g)
+    loc = torch.randperm(500, generator=g)[:T] + 300
+    pool.set_swa_key_buffer_radix_fused_norm_rope(layer_id=0, swa_loc=loc, kv=kv, kv_weight=weight, eps=1e-6,
+                                                  freqs_cis=freqs, positions=positions)
+    got = dsv4.read_kv_v4(dsv4.paged_view(pool.get_swa_raw_buffer(0).view(torch.uint8), 256), loc).double()
+    x = kv.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6) * weight.double()
+    c, s = freqs.real.double()[positions], freqs.imag.double()[positions]
+    r0, r1 = y[:, L.D_NOPE::2], y[:, L.D_NOPE + 1::2]
+    want = torch.cat([y[:, :L.D_NOPE], torch.stack([r0 * c - r1 * s, r0 * s + r1 * c], -1).flatten(1)], 1)
+    amax = want[:, :L.D_NOPE].abs().view(T, -1, 64).amax(-1, keepdim=True)
+    assert ((got - want)[:, :L.D_NOPE].abs().view(T, -1, 64) <= amax / 14 + 1e-6).all()
+    assert torch.allclose(got[:, L.D_NOPE:], want[:, L.D_NOPE:], rtol=2 ** -7, atol=1e-3)

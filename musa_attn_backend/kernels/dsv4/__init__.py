@@ -27,7 +27,8 @@ from .reference import (read_index_k_reference, read_kv_v4_reference, sparse_mqa
 __all__ = ["write_kv_v4", "write_index_k", "read_kv_v4", "read_index_k", "sparse_mqa", "layout", "paged_view",
            "new_kv_cache", "page_bytes", "index_page_bytes", "D", "D_NOPE", "D_ROPE", "ROW_BYTES", "INDEX_ROW_BYTES",
            "MAX_HEADS", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "FlashMLASchedMeta",
-           "indexer_logits", "paged_indexer_logits", "indexer_topk", "indexer_q", "compress", "INDEX_HEADS"]
+           "indexer_logits", "paged_indexer_logits", "indexer_topk", "indexer_q", "compress", "INDEX_HEADS",
+           "norm_rope_write_kv_v4"]
 
 MAX_HEADS = 128
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,6 +63,35 @@ def write_kv_v4(kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, i
     slots are not read on the host (no synchronisation, so the op can be captured in a CUDA graph). Duplicate
     slots: which row lands is unspecified."""
     _write("write_kv_v4", kv, D, "kv", cache, slots, layout.kv_pages, write_kv_v4_reference, impl)
+
+
+def norm_rope_write_kv_v4(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                          positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *,
+                          impl: str = "auto") -> None:
+    """The attention K path of a V4 layer into the SWA cache: ``y = kv * rsqrt(mean(kv^2) + eps) * weight``
+    (float32), GPT-J RoPE of ``y``'s last 64 dims at ``positions [T]`` (``cos``, ``sin [max_pos, 32]``), ``y``
+    rounded to bf16, then :func:`write_kv_v4` at ``slots`` (SGLang's ``fused_k_norm_rope_flashmla``). The norm
+    and the rotation run as torch ops on the device; the quantised store is the writer's kernel."""
+    from .compressor_reference import rope_gptj
+
+    op = "norm_rope_write_kv_v4"
+    check(isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == D and kv.dtype in _IN_DTYPES,
+          lambda: f"{op}: kv must be a bf16/fp16/fp32 [T, {D}] tensor, got {getattr(kv, 'dtype', None)} "
+                  f"{tuple(getattr(kv, 'shape', ()))}")
+    T = kv.shape[0]
+    check(isinstance(weight, torch.Tensor) and weight.numel() == D, lambda: f"{op}: weight must have {D} values")
+    check(isinstance(eps, float) and eps > 0, lambda: f"{op}: eps must be a positive float, got {eps!r}")
+    check(isinstance(positions, torch.Tensor) and not positions.is_floating_point() and positions.dim() == 1
+          and positions.numel() == T, lambda: f"{op}: positions must be an integer [{T}] tensor")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == D_ROPE // 2,
+              lambda: f"{op}: {name} must be a [max_pos, {D_ROPE // 2}] tensor")
+    check_same_device(op, kv=kv, weight=weight, positions=positions, cos=cos, sin=sin, cache=cache, slots=slots)
+    x = kv.float()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()
+    at = positions.long().clamp(0, cos.shape[0] - 1)
+    y = torch.cat([y[:, :D_NOPE], rope_gptj(y[:, D_NOPE:], cos[at].float(), sin[at].float())], dim=1)
+    write_kv_v4(y.to(torch.bfloat16), cache, slots, impl=impl)
 
 
 def write_index_k(k: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, *, scale: str = "pow2",
