@@ -37,6 +37,9 @@ def register() -> None:
 
     register_attention_backend(BACKEND_NAME)(create_backend)
     _keep_backend_for_deepseek_v4()
+    from .drafts import install as install_draft_backends
+
+    install_draft_backends()
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     version = getattr(sglang, "__version__", "?")

@@ -243,3 +243,11 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
         else:  # the positions once, then their slots: the two agree whatever the ties
             dsv4.indexer_topk(logits[:m], lens[:m], k, out=raw[:m])
             out[:m] = sglang_dsv4.slots_of_positions(raw[:m], table[:m], im.compressed_page_size)
+
+
+class TileLangMusaDSV4MultiStepBackend(v4.DeepseekV4MultiStepBackend, TileLangMusaDSV4Backend):
+    """The EAGLE/MTP draft's multi-step decode backend: SGLang's, with our backend for itself and each step."""
+
+    def _make_step_backend(self, model_runner, step_id: int):
+        return TileLangMusaDSV4Backend(model_runner, speculative_step_id=step_id, topk=self.topk,
+                                       speculative_num_steps=self.speculative_num_steps)

@@ -132,3 +132,21 @@ def test_dsv4_graph_decode_runner(prefix):
     case = _compress_case(f"graph_decode_{len(prefix)}", ForwardMode.DECODE, 0, prefix)
     runner.run_dsv4_cuda_graph_decode_case(_TC(), case, device="cpu",
                                            cuda_graph_capture_batch_size=max(2, len(prefix)))
+
+
+def test_eagle_draft_factories_build_our_v4_backends():
+    """SGLang's draft factories key on backend names and refuse ours ("EAGLE is not supported in ... backend");
+    for a V4 draft, the multi-step decode backend and the draft-extend backend are ours (each step's too)."""
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    from musa_attn_backend.sglang.dsv4 import TileLangMusaDSV4Backend, TileLangMusaDSV4MultiStepBackend
+
+    case = _compress_case("draft", ForwardMode.DECODE, 0, (20, 30))
+    fixture = kit.build_dsv4_attention_fixture(_TC(), case, dtype=torch.bfloat16, device="cpu")
+    factory = DraftBackendFactory(fixture.runner, topk=1, speculative_num_steps=3)
+    decode = factory.create_decode_backend()
+    assert isinstance(decode, TileLangMusaDSV4MultiStepBackend) and len(decode.attn_backends) == 3
+    assert all(type(b) is TileLangMusaDSV4Backend for b in decode.attn_backends)
+    assert decode.decode_attention_backend_str == BACKEND_NAME
+    extend = factory.create_draft_extend_backend()
+    assert isinstance(extend, TileLangMusaDSV4Backend)
