@@ -40,6 +40,9 @@ def register() -> None:
     from .drafts import install as install_draft_backends
 
     install_draft_backends()
+    from .model_hooks import install as install_model_kernels
+
+    install_model_kernels()
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     version = getattr(sglang, "__version__", "?")

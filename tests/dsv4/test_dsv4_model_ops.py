@@ -1,0 +1,97 @@
+"""DeepSeek-V4's model-side ops (:mod:`musa_attn_backend.kernels.dsv4.model`) against float64 formulas written
+here: the rotation as complex multiplication (DeepSeek-V4's ``apply_rotary_emb``), the norm as a division by
+the root mean square. Tolerance (``close``): two bf16 steps of the value plus one of the row's largest value,
+since the ops round to bf16 where the engines' kernels do (also between the norm and the rotation) and the
+float64 formulas do not; a wrong sign, pairing or direction misses by far more."""
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels.dsv4 import model as ops
+
+
+def tables(n=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(n, 32, generator=g, dtype=torch.float64) * 6.3
+    return ang, ang.cos().float(), ang.sin().float()
+
+
+def rotate64(x, ang, pos, inverse=False):
+    z = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+    f = torch.polar(torch.ones_like(ang[pos]), ang[pos])
+    f = f.conj() if inverse else f
+    return torch.view_as_real(z * f.view((f.shape[0],) + (1,) * (z.dim() - 2) + (32,))).flatten(-2)
+
+
+def close(got, want, scale=1.0):
+    """Within two bf16 steps of the value plus one step of the row's largest value: the ops round the rotation's
+    inputs to bf16, and a rotated value mixes two of them."""
+    err = (got.double() - want).abs()
+    bound = 2 ** -7 * (want.abs() + want.abs().amax(-1, keepdim=True)) + 1e-6 * scale
+    assert (err <= bound).all(), (err - bound).max()
+
+
+@pytest.mark.parametrize("eps", [1e-6, None])
+def test_q_norm_rope(eps):
+    g = torch.Generator().manual_seed(1)
+    ang, cos, sin = tables()
+    q = (torch.randn(7, 5, 512, generator=g) * 3).to(torch.bfloat16)
+    pos = torch.randint(0, 50, (7,), generator=g)
+    x = q.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) if eps else x
+    want = torch.cat([y[..., :448], rotate64(y[..., 448:], ang, pos)], -1)
+    close(ops.q_norm_rope(q, eps, cos, sin, pos), want)
+    out = torch.full((7, 5, 512), float("nan")).to(torch.float8_e4m3fn)  # the FP8 output the engine may pass
+    assert ops.q_norm_rope(q, eps, cos, sin, pos, out=out) is out and not torch.isnan(out.float()).any()
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_in_place_on_a_strided_view(inverse):
+    g = torch.Generator().manual_seed(2)
+    ang, cos, sin = tables()
+    o = torch.randn(9, 4, 512, generator=g).to(torch.bfloat16)
+    before = o.clone()
+    pos = torch.randint(0, 50, (9,), generator=g)
+    ops.rope_(o[..., -64:], cos, sin, pos, inverse)
+    assert torch.equal(o[..., :448], before[..., :448])
+    close(o[..., 448:], rotate64(before[..., 448:], ang, pos, inverse))
+    ops.rope_(o[..., -64:], cos, sin, pos, not inverse)  # and back
+    close(o[..., 448:], before[..., 448:].double())
+
+
+def test_norm_rope_in_place():
+    g = torch.Generator().manual_seed(3)
+    ang, cos, sin = tables()
+    kv = (torch.randn(6, 512, generator=g) * 2).to(torch.bfloat16)
+    w = torch.rand(512, generator=g) + 0.5
+    pos = torch.randint(0, 50, (6,), generator=g)
+    x = kv.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w.double()
+    want = torch.cat([y[:, :448], rotate64(y[:, 448:], ang, pos)], 1)
+    close(ops.norm_rope_(kv, w, 1e-6, cos, sin, pos), want)
+
+
+def test_silu_and_mul_clamp():
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(11, 64, generator=g) * 8).to(torch.bfloat16)
+    gate, up = x[:, :32].double().clamp(max=10), x[:, 32:].double().clamp(-10, 10)
+    want = gate * torch.sigmoid(gate) * up
+    out = torch.empty(11, 32, dtype=torch.bfloat16)
+    assert ops.silu_and_mul_clamp(x, 10.0, out=out) is out
+    close(out, want, scale=100)
+    assert (x[:, :32].float() > 10).any() and (x[:, 32:].float().abs() > 10).any()  # the clamps were exercised
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ops.q_norm_rope(torch.zeros(3, 512), 1e-6, torch.ones(4, 32), torch.ones(4, 32), torch.arange(3)),
+     r"q must be \[T, heads, head_dim\]"),
+    (lambda: ops.rope_(torch.zeros(3, 2, 64), torch.ones(4, 16), torch.ones(4, 32), torch.arange(3)),
+     r"cos must be a floating \[max_pos, 32\]"),
+    (lambda: ops.rope_(torch.zeros(3, 2, 64), torch.ones(4, 32), torch.ones(4, 32), torch.arange(2)),
+     r"positions must be an integer \[3\]"),
+    (lambda: ops.silu_and_mul_clamp(torch.zeros(3, 5), 10.0), r"x must be a floating \[M, 2 \* I\]"),
+    (lambda: ops.silu_and_mul_clamp(torch.zeros(3, 4), 0.0), r"limit must be positive"),
+])
+def test_argument_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
