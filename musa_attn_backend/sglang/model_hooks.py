@@ -5,8 +5,9 @@ with this package's ops (:mod:`..kernels.dsv4.model`), with SGLang's signatures.
 SGLang's own kernels run there.
 
 Replaced so far: the q head norm + RoPE, the (inverse) RoPE in place, the bf16 K path's norm + RoPE, the shared
-expert's clamped SwiGLU, and on a CPU the RoPE factory's refusal of the V4 layers that take no RoPE scaling.
-Not yet: mHC (pre, post, Sinkhorn, combine, head), the routed experts' clamp, the CPU FP8-KV guard.
+expert's clamped SwiGLU, mHC (pre, post, the two fused across a layer boundary, Sinkhorn, the combine, the head;
+the load-time prewarm of SGLang's TileLang mHC kernels is skipped), and on a CPU the RoPE factory's refusal of
+the V4 layers that take no RoPE scaling. Not yet: the routed experts' clamp, the CPU FP8-KV guard.
 """
 
 from __future__ import annotations
@@ -53,6 +54,43 @@ def silu_and_mul_clamp(input, output, swiglu_limit) -> None:  # noqa: A002 - SGL
     ops.silu_and_mul_clamp(input, float(swiglu_limit), out=output)
 
 
+def mhc_pre(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+            sinkhorn_repeat, n_splits=1, n_splits_pre=32, *, norm_weight=None, norm_eps=None):
+    return ops.mhc_pre(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                       sinkhorn_repeat, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+def mhc_post(x, residual, post_layer_mix, comb_res_mix):
+    return ops.mhc_post(x, residual, post_layer_mix, comb_res_mix)
+
+
+def mhc_fused_post_pre(x, residual, post_layer_mix, comb_res_mix, fn, hc_scale, hc_base, rms_eps, hc_pre_eps,
+                       hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, n_splits=1, tile_n=1, *,
+                       norm_weight=None, norm_eps=None):
+    streams = ops.mhc_post(x, residual, post_layer_mix, comb_res_mix)
+    post, comb, layer_input = ops.mhc_pre(streams, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+                                          hc_post_mult_value, sinkhorn_repeat, norm_weight=norm_weight,
+                                          norm_eps=norm_eps)
+    return streams, post, comb, layer_input
+
+
+def hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, eps=1e-6):
+    return ops.hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult, sinkhorn_iters, eps)
+
+
+def mhc_combine(x_flat, pre, hc, out_dtype):
+    m = x_flat.shape[0]
+    return ops.hc_combine(x_flat.reshape(m, hc, -1), pre.reshape(m, hc), out_dtype)
+
+
+def fused_hc_head(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps):
+    return ops.hc_head(x, hc_fn, hc_scale, hc_base, float(norm_eps), float(hc_eps))
+
+
+def _no_prewarm(self, *args, **kwargs) -> None:
+    """SGLang prewarms its TileLang mHC kernels at load (and synchronises CUDA); ours need no warm-up."""
+
+
 def _get_rope_cpu():
     """SGLang's CPU RoPE factory asserts a RoPE scaling; V4's uncompressed layers have none (their RoPE is ours
     and the layer's rotary module is unused off NPU): build the plain one for them."""
@@ -89,6 +127,13 @@ def install() -> None:
         "sglang.kernels.ops.attention.dsv4.norm_rope.fused_rope_inplace": fused_rope_inplace,
         "sglang.kernels.ops.attention.dsv4.norm_rope.fused_norm_rope_inplace": fused_norm_rope_inplace,
         "sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp": silu_and_mul_clamp,
+        "sglang.kernels.ops.layernorm.mhc.mhc_pre": mhc_pre,
+        "sglang.kernels.ops.layernorm.mhc.mhc_post": mhc_post,
+        "sglang.kernels.ops.layernorm.mhc.mhc_fused_post_pre": mhc_fused_post_pre,
+        "sglang.kernels.ops.layernorm.mhc.hc_split_sinkhorn": hc_split_sinkhorn,
+        "sglang.kernels.ops.layernorm.mhc.mhc_combine": mhc_combine,
+        "sglang.kernels.ops.layernorm.mhc_head.fused_hc_head": fused_hc_head,
+        "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM._prewarm_mhc_kernels": _no_prewarm,
     }
     if kind == "cpu":
         targets["sglang.srt.layers.rotary_embedding.factory.get_rope_cpu"] = _get_rope_cpu()

@@ -95,3 +95,48 @@ def test_silu_and_mul_clamp():
 def test_argument_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def mhc_inputs(T=6, n=4, H=64, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    R = torch.randn(T, n, H, generator=g).to(torch.bfloat16)
+    fn = torch.randn(n * (n + 2), n * H, generator=g) * 0.05
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn(n * (n + 2), generator=g) * 0.1
+    return g, R, fn, scale, base
+
+
+def test_mhc_pre_and_sinkhorn_against_float64():
+    """mHC before a sublayer (DeepSeek-V4's ``Block.hc_pre``), written here in float64: the Sinkhorn result is
+    doubly stochastic to within its epsilons, and the layer input is the ``pre``-weighted sum."""
+    g, R, fn, scale, base = mhc_inputs()
+    post, comb, y = ops.mhc_pre(R, fn, scale, base, 1e-6, 1e-6, 1e-6, 2.0, 20)
+    x = R.flatten(1).double()
+    m = (x @ fn.double().T) / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    pre = torch.sigmoid(m[:, :4] * scale[0].double() + base[:4].double()) + 1e-6
+    assert torch.allclose(post[..., 0].double(), 2 * torch.sigmoid(m[:, 4:8] * scale[1].double()
+                                                                   + base[4:8].double()), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(comb.sum(-1).double(), torch.ones(6, 4, dtype=torch.float64), atol=1e-3)
+    assert torch.allclose(comb.sum(-2).double(), torch.ones(6, 4, dtype=torch.float64), atol=1e-3)
+    close(y, (pre.unsqueeze(-1) * R.double()).sum(1))
+    # with the sublayer's norm fused: RMSNorm of the sum
+    w = torch.rand(64, generator=g) + 0.5
+    _, _, yn = ops.mhc_pre(R, fn, scale, base, 1e-6, 1e-6, 1e-6, 2.0, 20, norm_weight=w, norm_eps=1e-6)
+    s = (pre.unsqueeze(-1) * R.double()).sum(1)
+    close(yn, s / torch.sqrt(s.square().mean(-1, keepdim=True) + 1e-6) * w.double())
+
+
+def test_mhc_post_and_head_against_float64():
+    g, R, fn, scale, base = mhc_inputs()
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    post = torch.rand(6, 4, generator=g) * 2
+    comb = torch.rand(6, 4, 4, generator=g)
+    want = post.double().unsqueeze(-1) * x.double().unsqueeze(1) + torch.einsum("tji,tjh->tih", comb.double(),
+                                                                                R.double())
+    close(ops.mhc_post(x, R, post, comb), want)
+    close(ops.mhc_post(x, R, post.unsqueeze(-1), comb), want)  # post as [T, n, 1] too
+    fh, sh, bh = fn[:4], scale[:1], base[:4]
+    xf = R.flatten(1).double()
+    m = (xf @ fh.double().T) / torch.sqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
+    pre = torch.sigmoid(m * sh.double() + bh.double()) + 1e-6
+    close(ops.hc_head(R, fh, sh, bh, 1e-6, 1e-6), (pre.unsqueeze(-1) * R.double()).sum(1))

@@ -40,6 +40,19 @@ x = torch.randn(5, 64, generator=g).to(torch.bfloat16) * 20
 y = torch.empty(5, 32, dtype=torch.bfloat16)
 v2.silu_and_mul_clamp(x, y, 10.0)
 assert torch.equal(y, ops.silu_and_mul_clamp(x, 10.0)), "clamped swiglu"
+from sglang.kernels.ops.layernorm import mhc, mhc_head
+R = torch.randn(5, 4, 64, generator=g).to(torch.bfloat16)
+fn = torch.randn(24, 256, generator=g) * 0.05
+sc, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g) * 0.1
+ours = mhc.mhc_pre(R, fn, sc, base, 1e-6, 1e-6, 1e-6, 2.0, 20)
+theirs = mhc._mhc_pre_torch(R, fn, sc, base, 1e-6, 1e-6, 1e-6, 2.0, 20)  # SGLang's own torch mHC pre
+assert all(torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-6) for a, b in zip(ours, theirs)), "mhc pre"
+head = mhc_head.fused_hc_head(R, fn[:4], sc[:1], base[:4], 1e-6, 1e-6)
+assert torch.allclose(head.float(), model.hc_head_torch(R, fn[:4], sc[:1], base[:4], norm_eps=1e-6,
+                                                        hc_eps=1e-6).float(), rtol=1e-6, atol=1e-6), "hc head"
+streams, post, comb, y = mhc.mhc_fused_post_pre(q[:, 0, :64].contiguous()[:3].repeat(2, 1)[:5], R, ours[0], ours[1],
+                                                fn, sc, base, 1e-6, 1e-6, 1e-6, 2.0, 20)
+assert streams.shape == R.shape and y.shape == (5, 64), "fused post + pre"
 rope = factory.get_rope_cpu(64, 64, 4096, 10000, False, None, torch.bfloat16, 1.0, "cpu")
 assert rope is not None
 print("HOOKS OK")

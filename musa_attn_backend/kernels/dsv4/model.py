@@ -1,6 +1,7 @@
 """DeepSeek-V4's small model-side ops around attention and the shared expert, the ones the engines run as
 CUDA-only kernels: the q head norm + RoPE, the (inverse) RoPE of the attention output, the bf16 K path's norm +
-RoPE, and the clamped SwiGLU. The math (and where it rounds to bf16) is that of DeepSeek-V4's reference
+RoPE, the clamped SwiGLU, and the hyper-connections (mHC: the mixes, Sinkhorn, the combine before a sublayer,
+the update after it, the head). The math (and where it rounds to bf16) is that of DeepSeek-V4's reference
 ``inference/model.py`` as SGLang's kernels compute it; these are vectorised torch ops on any device (a TileLang
 program per op is the next step), checked before they run.
 
@@ -107,3 +108,76 @@ def silu_and_mul_clamp(x: torch.Tensor, limit: float, out: Optional[torch.Tensor
         return y
     out.copy_(y)
     return out
+
+
+# ---- mHC: DeepSeek-V4's hyper-connections (``n`` residual streams mixed around each sublayer) ----------------
+
+
+def hc_mixes(residual: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
+    """``F.linear(x, fn) * rsqrt(mean(x^2) + rms_eps)`` of the flattened streams ``x = residual [T, n, H]`` in
+    float32: ``[T, rows of fn]``."""
+    x = residual.flatten(1).float()
+    return torch.nn.functional.linear(x, fn.float()) * torch.rsqrt(x.square().mean(-1, keepdim=True) + rms_eps)
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
+                      eps: float, post_mult: float = 2.0, pre_eps: Optional[float] = None):
+    """``mixes [..., n * (n + 2)]`` into ``pre [..., n] = sigmoid(m * s0 + b) + pre_eps`` (default ``eps``), ``post [..., n] =
+    post_mult * sigmoid(m * s1 + b)`` and ``comb [..., n, n]``: a row softmax of ``m * s2 + b`` (plus ``eps``),
+    then ``iters`` column / row normalisations (Sinkhorn; each divides by the sum plus ``eps``), column first."""
+    m = mixes.float()
+    s, b = scale.float(), base.float()
+    pre = torch.sigmoid(m[..., :n] * s[0] + b[:n]) + (eps if pre_eps is None else pre_eps)
+    post = post_mult * torch.sigmoid(m[..., n:2 * n] * s[1] + b[n:2 * n])
+    comb = (m[..., 2 * n:] * s[2] + b[2 * n:]).unflatten(-1, (n, n))
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_combine(residual: torch.Tensor, pre: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """``y[t, h] = sum_k pre[t, k] * residual[t, k, h]`` in float32, rounded to ``out_dtype``."""
+    return (pre.float().unsqueeze(-1) * residual.float()).sum(-2).to(out_dtype)
+
+
+def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
+            pre_eps: float, sinkhorn_eps: float, post_mult: float, sinkhorn_iters: int,
+            norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
+    """Before a sublayer: ``(post [T, n, 1], comb [T, n, n], layer_input [T, H])`` from the streams ``residual
+    [T, n, H]`` (bf16). ``layer_input`` is the ``pre``-weighted sum in bf16, RMS-normalised with ``norm_weight``
+    when given (its mean square taken on the float32 sum, applied to the bf16 one, as SGLang's fused kernel
+    does)."""
+    op = "mhc_pre"
+    check(isinstance(residual, torch.Tensor) and residual.dim() == 3,
+          lambda: f"{op}: residual must be [T, n, H], got {tuple(getattr(residual, 'shape', ()))}")
+    n = residual.shape[1]
+    check(fn.dim() == 2 and fn.shape == (n * (n + 2), n * residual.shape[2]),
+          lambda: f"{op}: fn must be [{n * (n + 2)}, {n * residual.shape[2]}], got {tuple(fn.shape)}")
+    pre, post, comb = hc_split_sinkhorn(hc_mixes(residual, fn, rms_eps), scale, base, n, sinkhorn_iters,
+                                        sinkhorn_eps, post_mult, pre_eps)
+    y32 = (pre.unsqueeze(-1) * residual.float()).sum(1)
+    y = y32.to(torch.bfloat16)
+    if norm_weight is not None:
+        inv = torch.rsqrt(y32.square().mean(-1, keepdim=True) + norm_eps)
+        y = (y.float() * inv * norm_weight.float()).to(torch.bfloat16)
+    return post.unsqueeze(-1), comb, y
+
+
+def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """After a sublayer: the streams ``R'[i] = post[i] * x + sum_j comb[j, i] * R[j]`` (float32, rounded once to
+    ``x``'s dtype) from its output ``x [T, H]``, the streams ``residual [T, n, H]``, ``post [T, n]`` (or
+    ``[T, n, 1]``) and ``comb [T, n, n]``."""
+    p = post.reshape(post.shape[0], -1).float()
+    return (p.unsqueeze(-1) * x.float().unsqueeze(1)
+            + (comb.float().unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)).to(x.dtype)
+
+
+def hc_head(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+            hc_eps: float) -> torch.Tensor:
+    """Before the final norm: the streams ``[T, n, H]`` summed with ``sigmoid(mixes * scale + base) + hc_eps``
+    (float32), in ``residual``'s dtype."""
+    pre = torch.sigmoid(hc_mixes(residual, fn, norm_eps) * scale.float() + base.float()) + hc_eps
+    return hc_combine(residual, pre, residual.dtype)
