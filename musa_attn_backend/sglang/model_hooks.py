@@ -7,7 +7,8 @@ SGLang's own kernels run there.
 Replaced so far: the q head norm + RoPE, the (inverse) RoPE in place, the bf16 K path's norm + RoPE, the shared
 expert's clamped SwiGLU, mHC (pre, post, the two fused across a layer boundary, Sinkhorn, the combine, the head;
 the load-time prewarm of SGLang's TileLang mHC kernels is skipped), and on a CPU the RoPE factory's refusal of
-the V4 layers that take no RoPE scaling. Not yet: the routed experts' clamp, the CPU FP8-KV guard.
+the V4 layers that take no RoPE scaling, and the routed experts with unquantised weights (SGLang's CPU paths drop
+V4's SwiGLU clamp, its MUSA path asserts CUDA; other MoEs keep SGLang's path). Not yet: the CPU FP8-KV guard.
 """
 
 from __future__ import annotations
@@ -87,6 +88,27 @@ def fused_hc_head(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps):
     return ops.hc_head(x, hc_fn, hc_scale, hc_base, float(norm_eps), float(hc_eps))
 
 
+def _experts(original):
+    """``UnquantizedFusedMoEMethod``'s forward for V4's routed experts (a SwiGLU clamp set, no bias, no alpha):
+    SGLang's CPU paths drop the clamp and its MUSA path asserts CUDA; every other MoE goes to ``original``."""
+
+    def forward(self, layer, dispatch_output):
+        cfg = self.moe_runner_config
+        limit = getattr(cfg, "swiglu_limit", None)
+        if (limit is None or cfg.activation != "silu" or cfg.gemm1_alpha is not None
+                or getattr(cfg, "apply_router_weight_on_input", False)
+                or getattr(layer, "w13_weight_bias", None) is not None):
+            return original(self, layer, dispatch_output)
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+        topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
+        out = ops.moe_swiglu_experts(dispatch_output.hidden_states, layer.w13_weight, layer.w2_weight, topk_weights,
+                                     topk_ids, float(limit))
+        return StandardCombineInput(hidden_states=out)
+
+    return forward
+
+
 def _no_prewarm(self, *args, **kwargs) -> None:
     """SGLang prewarms its TileLang mHC kernels at load (and synchronises CUDA); ours need no warm-up."""
 
@@ -135,6 +157,11 @@ def install() -> None:
         "sglang.kernels.ops.layernorm.mhc_head.fused_hc_head": fused_hc_head,
         "sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM._prewarm_mhc_kernels": _no_prewarm,
     }
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod as moe
+
+    for method in ("forward_cpu", "forward_native", "forward_musa"):
+        targets[f"sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.{method}"] = _experts(
+            getattr(moe, method))
     if kind == "cpu":
         targets["sglang.srt.layers.rotary_embedding.factory.get_rope_cpu"] = _get_rope_cpu()
     for target, fn in targets.items():

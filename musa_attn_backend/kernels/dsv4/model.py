@@ -181,3 +181,34 @@ def hc_head(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     (float32), in ``residual``'s dtype."""
     pre = torch.sigmoid(hc_mixes(residual, fn, norm_eps) * scale.float() + base.float()) + hc_eps
     return hc_combine(residual, pre, residual.dtype)
+
+
+def moe_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's routed experts with unquantised weights: for each token and each of its ``K`` experts ``e``
+    (``topk_ids [T, K]``; an id outside ``[0, E)`` contributes nothing), ``h = silu_and_mul_clamp(x @ w13[e]^T,
+    limit)`` and ``h @ w2[e]^T``, in ``x``'s dtype, then summed with ``topk_weights [T, K]`` in float32.
+    ``w13 [E, 2I, H]`` (gate rows first), ``w2 [E, H, I]``. The tokens are grouped by expert on the host (one
+    synchronisation a call): the path for a CPU and for devices without a grouped GEMM, not for CUDA graphs."""
+    op = "moe_swiglu_experts"
+    check(isinstance(x, torch.Tensor) and x.dim() == 2, lambda: f"{op}: x must be [T, H]")
+    T, H = x.shape
+    check(w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0 and w2.dim() == 3
+          and w2.shape[0] == w13.shape[0] and w2.shape[1] == H and w2.shape[2] * 2 == w13.shape[1],
+          lambda: f"{op}: w13 must be [E, 2I, {H}] and w2 [E, {H}, I], got {tuple(w13.shape)}, {tuple(w2.shape)}")
+    check(topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == T,
+          lambda: f"{op}: topk_ids and topk_weights must be [{T}, K]")
+    E, K = w13.shape[0], topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    order = torch.where(valid, flat, torch.full_like(flat, E)).argsort(stable=True)
+    counts = torch.bincount(flat[valid], minlength=E).tolist()
+    out = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            rows = order[start:start + c]
+            h = silu_and_mul_clamp(x[rows // K] @ w13[e].t(), limit)
+            out[rows] = (h @ w2[e].t()).float()
+            start += c
+    return (out.view(T, K, H) * topk_weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
