@@ -8,7 +8,8 @@ Replaced so far: the q head norm + RoPE, the (inverse) RoPE in place, the bf16 K
 expert's clamped SwiGLU, mHC (pre, post, the two fused across a layer boundary, Sinkhorn, the combine, the head;
 the load-time prewarm of SGLang's TileLang mHC kernels is skipped), and on a CPU the RoPE factory's refusal of
 the V4 layers that take no RoPE scaling, and the routed experts with unquantised weights (SGLang's CPU paths drop
-V4's SwiGLU clamp, its MUSA path asserts CUDA; other MoEs keep SGLang's path). Not yet: the CPU FP8-KV guard.
+V4's SwiGLU clamp, its MUSA path asserts CUDA; other MoEs keep SGLang's path), and on a CPU the KV-cache
+configurator's refusal of an FP8 KV cache without Intel AMX, for V4 under ``tilelang_musa`` only.
 """
 
 from __future__ import annotations
@@ -109,6 +110,39 @@ def _experts(original):
     return forward
 
 
+class _NotACpu:
+    """``current_platform`` for the one check in SGLang's KV-cache configurator that refuses an FP8 KV cache on a
+    CPU without Intel AMX: DeepSeek-V4's pool is always FP8, and our backend reads it on a CPU."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+
+def _configure_kv_cache(original, self, *args, **kwargs):
+    """Around ``KVCacheConfigurator.configure``: for a DeepSeek-V4 model served by ``tilelang_musa``, without the CPU
+    FP8-KV refusal (only its check reads the platform there); anything else unchanged."""
+    from sglang.srt.configs.model_config import is_deepseek_v4
+    from sglang.srt.mem_cache import kv_cache_configurator as kc
+    from sglang.srt.runtime_context import attention_backends
+
+    from .. import BACKEND_NAME
+
+    if not (is_deepseek_v4(self.model_config.hf_config) and set(attention_backends()) == {BACKEND_NAME}):
+        return original(self, *args, **kwargs)
+    real = kc.current_platform
+    kc.current_platform = _NotACpu(real)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        kc.current_platform = real
+
+
 def _no_prewarm(self, *args, **kwargs) -> None:
     """SGLang prewarms its TileLang mHC kernels at load (and synchronises CUDA); ours need no warm-up."""
 
@@ -166,4 +200,7 @@ def install() -> None:
         targets["sglang.srt.layers.rotary_embedding.factory.get_rope_cpu"] = _get_rope_cpu()
     for target, fn in targets.items():
         HookRegistry.register(target, fn, HookType.REPLACE)
+    if kind == "cpu":
+        HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
+                              _configure_kv_cache, HookType.AROUND)
     logger.info("musa_attn_backend: DeepSeek-V4 model kernels replaced on %s: %s", kind, ", ".join(targets))

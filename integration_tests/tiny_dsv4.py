@@ -1,0 +1,32 @@
+"""A tiny DeepSeek-V4 for engine tests, built locally from a config (nothing downloads): 4 layers with compress
+ratios 0, 4, 128, 4, head dim 512 (448 + 64), 16 indexer heads choosing 512 compressed rows, 4 routed experts and
+1 shared (top 2, SwiGLU clamp 10), mHC over 4 streams, a 1024-token vocabulary. The engines load it with
+``load_format="dummy"`` (random weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 64,
+    "o_lora_rank": 64, "o_groups": 2, "qk_rope_head_dim": 64, "qk_nope_head_dim": 448, "v_head_dim": 512,
+    "kv_lora_rank": 512, "compress_ratios": [0, 4, 128, 4], "index_n_heads": 16, "index_head_dim": 128,
+    "index_topk": 512, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128, "intermediate_size": 256, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "vocab_size": 1024, "sliding_window": 128, "window_size": 128, "num_hash_layers": 0, "swiglu_limit": 10.0,
+    "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "compress_rope_theta": 160000, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 2048, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0, "bos_token_id": 0, "eos_token_id": 1,
+    "topk_method": "noaux_tc", "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "norm_topk_prob": True,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "moe_layer_freq": 1, "ep_size": 1, "attention_bias": False,
+    "tie_word_embeddings": False, "q_head_norm": True,
+}
+
+
+def build(out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    return out
