@@ -1,6 +1,6 @@
 """``--attention-backend tilelang_musa`` for a DeepSeek-V4 model: SGLang's V4 model override replaces any backend
 by ``dsv4``; our provider, registered after it by the entry point, keeps ours. Resolved in fresh interpreters from
-a tiny V4 ``config.json`` written here (nothing downloads), as SGLang's launcher resolves ``ServerArgs``."""
+the tiny V4 ``config.json`` of ``integration_tests/tiny_dsv4.py`` (nothing downloads), as SGLang's launcher resolves ``ServerArgs``."""
 
 import json
 import os
@@ -14,18 +14,8 @@ pytest.importorskip("sglang")
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY_V4 = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 64,
-    "o_lora_rank": 64, "o_groups": 2, "qk_rope_head_dim": 64, "qk_nope_head_dim": 448, "v_head_dim": 512,
-    "kv_lora_rank": 512, "compress_ratios": [0, 4, 128, 4], "index_n_heads": 4, "index_head_dim": 128,
-    "index_topk": 512, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128, "intermediate_size": 256, "hc_mult": 4, "vocab_size": 1024, "sliding_window": 128,
-    "window_size": 128, "num_hash_layers": 0, "swiglu_limit": 10.0, "max_position_embeddings": 4096,
-    "torch_dtype": "bfloat16", "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024, "beta_fast": 32,
-                     "beta_slow": 1},
-}
+sys.path.insert(0, str(ROOT / "integration_tests"))
+from tiny_dsv4 import CONFIG as TINY_V4  # noqa: E402
 
 RESOLVE = """
 import sys
