@@ -26,7 +26,15 @@ CONFIG = {
 }
 
 
-def build(out: Path) -> Path:
+def build(out: Path, tokenizer: bool = False) -> Path:
+    """``config.json`` (and with ``tokenizer``, the tiny Llama's byte-level BPE tokenizer and a matching vocabulary
+    size) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    config = dict(CONFIG)
+    if tokenizer:
+        from tiny_model import build_tokenizer
+
+        fast = build_tokenizer(out)
+        config.update(vocab_size=len(fast), bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     return out

@@ -14,14 +14,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llama(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                     vocab: int = 512, seed: int = 0, dtype: str = "float32") -> Path:
-    import torch
+def build_tokenizer(out: Path, vocab: int = 512):
+    """A byte-level BPE tokenizer trained on the README (with a chat template), saved into ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -33,6 +30,17 @@ def build_tiny_llama(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+    return fast
+
+
+def build_tiny_llama(out_dir: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                     vocab: int = 512, seed: int = 0, dtype: str = "float32") -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast = build_tokenizer(out, vocab)
 
     config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=hidden * 2,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
