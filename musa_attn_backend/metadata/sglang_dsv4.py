@@ -141,10 +141,20 @@ def compress_call(*, ratio: int, positions: torch.Tensor, extend_lens: torch.Ten
                 state_block=block, state_ring=ring, state_rows=rows)
 
 
+_rope_tables: dict = {}
+
+
 def rope_table(freqs_cis: torch.Tensor):
-    """``(cos, sin) [max_pos, 32]`` float32 from SGLang's complex ``freqs_cis [max_pos, 32]`` (GPT-J pairs)."""
-    parts = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis.view(freqs_cis.shape[0], -1, 2)
-    return parts[..., 0].float().contiguous(), parts[..., 1].float().contiguous()
+    """``(cos, sin) [max_pos, 32]`` float32 from SGLang's complex ``freqs_cis [max_pos, 32]`` (GPT-J pairs), made
+    once per table: the model's tables live as long as the process, and each entry holds its table, so an address
+    is never taken by another one while cached."""
+    key = (freqs_cis.data_ptr(), tuple(freqs_cis.shape), str(freqs_cis.device))
+    entry = _rope_tables.get(key)
+    if entry is None or entry[0] is not freqs_cis:
+        parts = torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis.view(freqs_cis.shape[0], -1, 2)
+        entry = (freqs_cis, parts[..., 0].float().contiguous(), parts[..., 1].float().contiguous())
+        _rope_tables[key] = entry
+    return entry[1], entry[2]
 
 
 def slots_of_positions(positions: torch.Tensor, page_table: torch.Tensor, page_rows: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
 SGLang calls :func:`register` with no arguments in each of its processes (launcher, scheduler,
 detokenizer). It registers the ``tilelang_musa`` attention backend factory, adds the name to the
 ``--attention-backend`` / ``--prefill-attention-backend`` / ``--decode-attention-backend`` choices and keeps the
-name for DeepSeek-V4 models (whose model override would replace it by ``dsv4``). It is idempotent. Registration errors are raised (SGLang logs and skips a failing plugin, so the user then sees
-``invalid choice: 'tilelang_musa'`` together with our log line naming the cause).
+name for DeepSeek-V4 models (whose model override would replace it by ``dsv4``). It is idempotent. Registration
+errors are raised (SGLang logs and skips a failing plugin, so the user then sees ``invalid choice:
+'tilelang_musa'`` together with our log line naming the cause).
 """
 
 from __future__ import annotations

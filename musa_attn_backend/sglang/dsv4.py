@@ -1,7 +1,8 @@
 """SGLang 0.5.23's DeepSeek-V4 attention under ``tilelang_musa``: a subclass of SGLang's ``DeepseekV4AttnBackend``
 that keeps its metadata, index translation and CUDA-graph logic and runs this package's kernels.
 
-- Sparse attention, decode and prefill: ``self._flash_mla_with_kvcache`` is :func:`..kernels.dsv4.flash_mla_with_kvcache`
+- Sparse attention, decode and prefill: ``self._flash_mla_with_kvcache`` is
+  :func:`..kernels.dsv4.flash_mla_with_kvcache`
   (FlashMLA's signature over :func:`..kernels.dsv4.sparse_mqa`: TileLang on a GPU, the reference on a CPU). Prefill
   takes the same call (SGLang's sparse-prefill route, a bf16 workspace through FlashMLA's prefill kernel and three
   Triton kernels, is off), so both read the FP8 caches directly.
@@ -129,7 +130,7 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
         if q is not None:
             raise ValueError("tilelang_musa: RoPE of q fused into the K store (SGLang's ROCm path) is not supported")
         pool = self.token_to_kv_pool
-        cos, sin = self._rope(freqs_cis)
+        cos, sin = sglang_dsv4.rope_table(freqs_cis)
         cache = dsv4.paged_view(pool.get_swa_raw_buffer(layer_id).view(torch.uint8), pool.swa_page_size)
         dsv4.norm_rope_write_kv_v4(kv.reshape(kv.shape[0], -1), kv_weight, float(eps), cos, sin, positions, cache,
                                    swa_loc)
@@ -148,14 +149,6 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
             rows_per_request=rows_per_request)
 
     # ------------------------------------------------------------- compressors
-    def _rope(self, freqs_cis):
-        """The compressor's / indexer's RoPE table as cos, sin (made once per table)."""
-        cache = self.__dict__.setdefault("_rope_tables", {})
-        key = (freqs_cis.data_ptr(), tuple(freqs_cis.shape))
-        if key not in cache:
-            cache[key] = sglang_dsv4.rope_table(freqs_cis)
-        return cache[key]
-
     def _compress(self, x, forward_batch, layer_id, compressor) -> None:
         if forward_batch.forward_mode.is_idle():
             return
@@ -184,7 +177,7 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
             req_to_token=self.req_to_token, full_to_swa=pool.full_to_swa_index_mapping,
             swa_page_size=states.swa_page_size or self.page_size, ring=states.ring_size,
             request_scoped=states.request_scoped)
-        cos, sin = self._rope(compressor.freqs_cis)
+        cos, sin = sglang_dsv4.rope_table(compressor.freqs_cis)
         out_loc = getattr(self.forward_metadata.core_metadata, f"c{ratio}_out_loc")[:T]
         dsv4.compress(kv_score, sglang_dsv4.checkpoint_ape(compressor.ape, ratio, compressor.ape_converted),
                       ratio=ratio, state=states.kv_score_buffer.kv_score, norm_weight=compressor.norm.weight,
@@ -215,7 +208,7 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
         x, q_lora, positions = x[:n], q_lora[:n], positions[:n]
         weights = c4_indexer.compute_weights(x, skip_scale=True)
         q, _ = c4_indexer.wq_b(q_lora if q_lora_quant is None else q_lora_quant)
-        cos, sin = self._rope(c4_indexer.freqs_cis)
+        cos, sin = sglang_dsv4.rope_table(c4_indexer.freqs_cis)
         q8, w = dsv4.indexer_q(q.view(n, c4_indexer.n_local_heads, c4_indexer.head_dim), weights.view(n, -1),
                                positions, cos, sin, weight_scale=c4_indexer.weight_scale)
         if not skip_compressor:

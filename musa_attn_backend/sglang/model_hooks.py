@@ -16,39 +16,28 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..kernels.dsv4 import model as ops
+from ..metadata.sglang_dsv4 import rope_table
 
 logger = logging.getLogger(__name__)
 
-_tables: dict = {}
 _installed = False
 
 
-def _cos_sin(freqs_cis: torch.Tensor):
-    """SGLang's complex ``freqs_cis [max_pos, 32]`` as float cos / sin tables (made once per table)."""
-    key = (freqs_cis.data_ptr(), tuple(freqs_cis.shape), str(freqs_cis.device))
-    if key not in _tables:
-        parts = torch.view_as_real(freqs_cis)
-        _tables[key] = (parts[..., 0].float().contiguous(), parts[..., 1].float().contiguous())
-    return _tables[key]
-
-
 def fused_q_norm_rope(q_input, q_output, eps, freqs_cis, positions) -> None:
-    cos, sin = _cos_sin(freqs_cis)
+    cos, sin = rope_table(freqs_cis)
     ops.q_norm_rope(q_input, eps, cos, sin, positions, out=q_output)
 
 
 def fused_rope_inplace(q, k, freqs_cis, positions, inverse=False) -> None:
-    cos, sin = _cos_sin(freqs_cis)
+    cos, sin = rope_table(freqs_cis)
     ops.rope_(q, cos, sin, positions, inverse)
     if k is not None:
         ops.rope_(k, cos, sin, positions, inverse)
 
 
 def fused_norm_rope_inplace(kv, weight, eps, freq_cis, positions) -> None:
-    cos, sin = _cos_sin(freq_cis)
+    cos, sin = rope_table(freq_cis)
     ops.norm_rope_(kv, weight, float(eps), cos, sin, positions)
 
 

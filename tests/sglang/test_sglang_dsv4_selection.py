@@ -1,6 +1,7 @@
 """``--attention-backend tilelang_musa`` for a DeepSeek-V4 model: SGLang's V4 model override replaces any backend
 by ``dsv4``; our provider, registered after it by the entry point, keeps ours. Resolved in fresh interpreters from
-the tiny V4 ``config.json`` of ``integration_tests/tiny_dsv4.py`` (nothing downloads), as SGLang's launcher resolves ``ServerArgs``."""
+the tiny V4 ``config.json`` of ``integration_tests/tiny_dsv4.py`` (nothing downloads), as SGLang's launcher
+resolves ``ServerArgs``."""
 
 import json
 import os

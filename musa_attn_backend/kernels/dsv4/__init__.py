@@ -72,7 +72,7 @@ def norm_rope_write_kv_v4(kv: torch.Tensor, weight: torch.Tensor, eps: float, co
     (float32), GPT-J RoPE of ``y``'s last 64 dims at ``positions [T]`` (``cos``, ``sin [max_pos, 32]``), ``y``
     rounded to bf16, then :func:`write_kv_v4` at ``slots`` (SGLang's ``fused_k_norm_rope_flashmla``). The norm
     and the rotation run as torch ops on the device; the quantised store is the writer's kernel."""
-    from .compressor_reference import rope_gptj
+    from .model import _rotate
 
     op = "norm_rope_write_kv_v4"
     check(isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == D and kv.dtype in _IN_DTYPES,
@@ -89,8 +89,7 @@ def norm_rope_write_kv_v4(kv: torch.Tensor, weight: torch.Tensor, eps: float, co
     check_same_device(op, kv=kv, weight=weight, positions=positions, cos=cos, sin=sin, cache=cache, slots=slots)
     x = kv.float()
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()
-    at = positions.long().clamp(0, cos.shape[0] - 1)
-    y = torch.cat([y[:, :D_NOPE], rope_gptj(y[:, D_NOPE:], cos[at].float(), sin[at].float())], dim=1)
+    y = torch.cat([y[:, :D_NOPE], _rotate(y[:, D_NOPE:], cos, sin, positions, False)], dim=1)
     write_kv_v4(y.to(torch.bfloat16), cache, slots, impl=impl)
 
 

@@ -54,11 +54,11 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            topk_length: Optional[torch.Tensor] = None, extra_topk_length: Optional[torch.Tensor] = None,
                            out: Optional[torch.Tensor] = None, impl: str = "auto"):
     """FlashMLA's sparse decode: ``q [B, s_q, H, 512]`` over ``k_cache [pages, R, 1, 584]`` (uint8 or its
-    float8_e4m3fn view, FP8 MODEL1 rows) at ``indices [B, s_q, K1]`` (physical slots ``page * R + row``), plus ``extra_k_cache`` at
-    ``extra_indices_in_kvcache [B, s_q, K2]``; ``topk_length`` / ``extra_topk_length`` ``(B,)``: the leftmost
-    entries of every query of request ``b`` that count. Returns ``(out [B, s_q, H, 512], lse [B, H, s_q])``
-    (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored (sparse mode reads
-    neither), as FlashMLA does."""
+    float8_e4m3fn view, FP8 MODEL1 rows) at ``indices [B, s_q, K1]`` (physical slots ``page * R + row``), plus
+    ``extra_k_cache`` at ``extra_indices_in_kvcache [B, s_q, K2]``; ``topk_length`` / ``extra_topk_length``
+    ``(B,)``: the leftmost entries of every query of request ``b`` that count. Returns ``(out [B, s_q, H, 512],
+    lse [B, H, s_q])`` (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored
+    (sparse mode reads neither), as FlashMLA does."""
     from . import sparse_mqa
 
     op = "flash_mla_with_kvcache"

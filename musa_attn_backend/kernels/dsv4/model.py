@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .._common import check, check_same_device
+from .compressor_reference import rope_gptj
 
 ROPE = 64
 
@@ -38,10 +39,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     at = positions.long().clamp(0, cos.shape[0] - 1)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (ROPE // 2,)
     c, s = cos[at].float().view(shape), sin[at].float().view(shape)
-    if inverse:
-        s = -s
-    a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    return rope_gptj(x, c, -s if inverse else s)
 
 
 def q_norm_rope(q: torch.Tensor, eps: Optional[float], cos: torch.Tensor, sin: torch.Tensor,
@@ -122,9 +120,10 @@ def hc_mixes(residual: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
                       eps: float, post_mult: float = 2.0, pre_eps: Optional[float] = None):
-    """``mixes [..., n * (n + 2)]`` into ``pre [..., n] = sigmoid(m * s0 + b) + pre_eps`` (default ``eps``), ``post [..., n] =
-    post_mult * sigmoid(m * s1 + b)`` and ``comb [..., n, n]``: a row softmax of ``m * s2 + b`` (plus ``eps``),
-    then ``iters`` column / row normalisations (Sinkhorn; each divides by the sum plus ``eps``), column first."""
+    """``mixes [..., n * (n + 2)]`` into ``pre [..., n] = sigmoid(m * s0 + b) + pre_eps`` (default ``eps``),
+    ``post [..., n] = post_mult * sigmoid(m * s1 + b)`` and ``comb [..., n, n]``: a row softmax of
+    ``m * s2 + b`` (plus ``eps``), then ``iters`` column / row normalisations (Sinkhorn; each divides by the sum
+    plus ``eps``), column first."""
     m = mixes.float()
     s, b = scale.float(), base.float()
     pre = torch.sigmoid(m[..., :n] * s[0] + b[:n]) + (eps if pre_eps is None else pre_eps)
@@ -158,7 +157,7 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
           lambda: f"{op}: fn must be [{n * (n + 2)}, {n * residual.shape[2]}], got {tuple(fn.shape)}")
     pre, post, comb = hc_split_sinkhorn(hc_mixes(residual, fn, rms_eps), scale, base, n, sinkhorn_iters,
                                         sinkhorn_eps, post_mult, pre_eps)
-    y32 = (pre.unsqueeze(-1) * residual.float()).sum(1)
+    y32 = hc_combine(residual, pre, torch.float32)
     y = y32.to(torch.bfloat16)
     if norm_weight is not None:
         inv = torch.rsqrt(y32.square().mean(-1, keepdim=True) + norm_eps)
