@@ -1,4 +1,4 @@
-# make demo   - set up .venv and run the main job (doctor, kernel demo, SGLang serving demo)
+# make demo   - set up .venv and run the main job (doctor, kernel demo, SGLang serving demos: a tiny Llama, a tiny V4)
 # make test   - set up .venv and run the CPU test suite and the real-engine tests (what CI runs)
 # make test-gpu - run the GPU tests (on a machine with a CUDA or MUSA GPU)
 VENV ?= .venv
@@ -12,6 +12,7 @@ demo: setup
 	$(VENV)/bin/musa-attn doctor
 	$(VENV)/bin/musa-attn demo
 	$(PY) integration_tests/serve_demo.py
+	$(PY) integration_tests/serve_demo_v4.py
 
 test: setup
 	$(PY) -m pytest tests integration_tests

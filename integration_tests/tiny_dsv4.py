@@ -1,7 +1,8 @@
 """A tiny DeepSeek-V4 for engine tests, built locally from a config (nothing downloads): 4 layers with compress
 ratios 0, 4, 128, 4, head dim 512 (448 + 64), 16 indexer heads choosing 512 compressed rows, 4 routed experts and
-1 shared (top 2, SwiGLU clamp 10), mHC over 4 streams, a 1024-token vocabulary. The engines load it with
-``load_format="dummy"`` (random weights)."""
+1 shared (top 2, SwiGLU clamp 10), mHC over 4 streams, a 1024-token vocabulary. With ``weights``, random bf16
+weights under DeepSeek's checkpoint names (``dsv4_reference.checkpoint``) go into ``model.safetensors``; without,
+the engines load it with ``load_format="dummy"``."""
 
 from __future__ import annotations
 
@@ -25,16 +26,25 @@ CONFIG = {
     "tie_word_embeddings": False, "q_head_norm": True,
 }
 
+DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜System｜>",
+                     "<｜User｜>", "<｜Assistant｜>", "<｜latest_reminder｜>", "｜DSML｜", "<｜deepseek_image｜>",
+                     "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>", "<｜/point｜>", "<｜polygon｜>",
+                     "<｜/polygon｜>")
 
-def build(out: Path, tokenizer: bool = False) -> Path:
-    """``config.json`` (and with ``tokenizer``, the tiny Llama's byte-level BPE tokenizer and a matching vocabulary
-    size) in ``out``."""
+
+def build(out: Path, tokenizer: bool = False, weights: bool = False, seed: int = 0) -> Path:
+    """``config.json`` in ``out``; with ``tokenizer``, the tiny Llama's byte-level BPE tokenizer and a matching
+    vocabulary size; with ``weights``, ``model.safetensors`` (random, from ``seed``)."""
     out.mkdir(parents=True, exist_ok=True)
     config = dict(CONFIG)
-    if tokenizer:
+    if tokenizer:  # DeepSeek's special tokens, as SGLang's V4 chat encoder (deepseek-recipe) spells them
         from tiny_model import build_tokenizer
 
-        fast = build_tokenizer(out)
+        fast = build_tokenizer(out, specials=DEEPSEEK_SPECIALS, bos=DEEPSEEK_SPECIALS[0], eos=DEEPSEEK_SPECIALS[1])
         config.update(vocab_size=len(fast), bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    if weights:
+        import dsv4_reference
+
+        dsv4_reference.save(dsv4_reference.checkpoint(config, seed), out)
     return out

@@ -14,20 +14,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out: Path, vocab: int = 512):
-    """A byte-level BPE tokenizer trained on the README (with a chat template), saved into ``out``."""
+SPECIALS = ("<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>")
+
+
+def build_tokenizer(out: Path, vocab: int = 512, specials: tuple[str, ...] = SPECIALS, bos: str = "<s>",
+                    eos: str = "</s>"):
+    """A byte-level BPE tokenizer trained on the README (``specials`` first, ``bos`` and ``eos`` among them; with a
+    chat template), saved into ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     text = TEXT.read_text() if TEXT.exists() else "hello world " * 200
     tok.train_from_iterator([line for line in text.splitlines() if line.strip()] * 3, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
