@@ -17,15 +17,15 @@ def _cases():
 
         load_plugins()
         from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: F401
-        from test_sglang_dsv4_kit import COMPRESS_CASES, VERIFY_CASES, kit
+        from test_sglang_dsv4_kit import COMPRESS_CASES, SPARSE_PREFILL_CASES, VERIFY_CASES, kit
     except Exception:  # noqa: BLE001 - reported by the test below
-        return [], [], []
+        return [], [], [], []
     from musa_attn_backend import BACKEND_NAME
 
-    return list(kit.make_dsv4_cases(BACKEND_NAME)), COMPRESS_CASES, VERIFY_CASES
+    return list(kit.make_dsv4_cases(BACKEND_NAME)), COMPRESS_CASES, SPARSE_PREFILL_CASES, VERIFY_CASES
 
 
-SWA, COMPRESS, VERIFY = _cases()
+SWA, COMPRESS, SPARSE_PREFILL, VERIFY = _cases()
 
 
 class _TC(unittest.TestCase):
@@ -52,6 +52,14 @@ def test_dsv4_swa_case_gpu(gpu_device, case):
 def test_dsv4_compressed_cache_case_gpu(gpu_device, case):
     _kit().run_dsv4_compress_attention_case(_TC(), case, device=str(gpu_device), extra_entries=max(
         32, max(case.seq_lens) // case.compress_ratio + 1))
+
+
+@pytest.mark.parametrize("case", SPARSE_PREFILL, ids=lambda c: c.name)
+def test_dsv4_sparse_prefill_case_gpu(gpu_device, case):
+    from test_sglang_dsv4_kit import _TCOurPrefillRoute
+
+    _kit().run_dsv4_compress_attention_case(_TCOurPrefillRoute(), case, device=str(gpu_device), sparse_prefill=True,
+                                            extra_entries=max(32, max(case.seq_lens) // case.compress_ratio + 1))
 
 
 @pytest.mark.parametrize("case", VERIFY, ids=lambda c: c.name)

@@ -104,6 +104,33 @@ def test_dsv4_compressed_cache_case(case):
         32, max(case.seq_lens) // case.compress_ratio + 1))
 
 
+# The kit's sparse-prefill cases: each query's own causal C4 set ((pos + 1) // 4 rows, the indexer's output for
+# short sequences) and the C128 rows, under SGLANG_OPT_FLASHMLA_SPARSE_PREFILL. SGLang's route for them gathers
+# the caches into a bf16 workspace for FlashMLA's sparse prefill; ours reads the FP8 caches in both modes, so the
+# kit's check that its route ran becomes the check that ours did. Its seeding needs one request on page 0.
+SPARSE_PREFILL_CASES = [
+    _compress_case("c4_sparse_prefill_fresh", ForwardMode.EXTEND, 4, (0,), (150,)),
+    _compress_case("c4_sparse_prefill_prefix", ForwardMode.EXTEND, 4, (64,), (17,)),
+    _compress_case("c128_sparse_prefill", ForwardMode.EXTEND, 128, (130,), (60,)),
+]
+
+
+class _TCOurPrefillRoute(_TC):
+    __test__ = False
+
+    def assertIsNotNone(self, obj, msg=None):
+        if msg and "did not take _forward_prefill_sparse" in msg:
+            assert obj is None, "the FlashMLA sparse-prefill workspace was built under tilelang_musa"
+            return
+        super().assertIsNotNone(obj, msg)
+
+
+@pytest.mark.parametrize("case", SPARSE_PREFILL_CASES, ids=lambda c: c.name)
+def test_dsv4_sparse_prefill_case(case):
+    kit.run_dsv4_compress_attention_case(_TCOurPrefillRoute(), case, device="cpu", sparse_prefill=True,
+                                         extra_entries=max(32, max(case.seq_lens) // case.compress_ratio + 1))
+
+
 VERIFY_CASES = [
     _compress_case("verify_swa", ForwardMode.TARGET_VERIFY, 0, (40, 130), (3, 3)),
     _compress_case("verify_c4", ForwardMode.TARGET_VERIFY, 4, (61, 90), (4, 4)),
