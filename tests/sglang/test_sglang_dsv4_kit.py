@@ -1,8 +1,8 @@
 """SGLang 0.5.23's own DeepSeek-V4 attention kit (``dsv4_attention.py``) against ``tilelang_musa`` on the CPU:
 every case of ``make_dsv4_cases`` (SWA only), the compressed-cache cases at ratios 4 and 128 (decode and extend,
 the C4 top-k seeded by the kit), its sparse-prefill cases, target verify and draft extend, and the CUDA-graph
-decode runner (capture and replay of the metadata, no real graph). The kit compares with its own float reference from a bf16 stash
-(``atol = rtol = 8e-2``) on the pool SGLang builds (``DeepSeekV4TokenToKVPool``, FP8 pages of 256).
+decode runner (capture and replay of the metadata, no real graph). The kit compares with its own float reference
+from a bf16 stash (``atol = rtol = 8e-2``) on the pool SGLang builds (``DeepSeekV4TokenToKVPool``, FP8 pages of 256).
 
 The kit writes the caches with Triton and saves the CUDA RNG, neither of which runs on a CPU: the test replaces
 the kit's packer by the identity and the pool's two store methods by this package's writer (``write_kv_v4``, the
