@@ -287,6 +287,11 @@ def main(argv=None) -> int:
         from bench_attention import measure_ceilings
 
         ceilings = measure_ceilings()
+    stamp = _dt.datetime.now(_dt.timezone.utc)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"sglang-dsv4-{'smoke-' if args.smoke else ''}{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
     rows = []
     for cfg in configs(args.quick, args.smoke):
         try:
@@ -303,14 +308,9 @@ def main(argv=None) -> int:
             + (f", graph kept {r['kept_graph']:.2f}" if "kept_graph" in r else "")
             + (f", roofline {r['roofline_fraction']:.2f}" if "roofline_fraction" in r else "")
             + f", metadata {r['meta_ms']:.3f} ms")), flush=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    doc = {"kind": "sglang-dsv4-backend", "device": device_name, "commit": git_commit(), "date": stamp.isoformat(),
-           "versions": versions(), "ceilings": ceilings, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sglang-dsv4-{'smoke-' if args.smoke else ''}{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+        doc = {"kind": "sglang-dsv4-backend", "device": device_name, "commit": git_commit(),
+               "date": stamp.isoformat(), "versions": versions(), "ceilings": ceilings, "rows": rows}
+        path.write_text(json.dumps(doc, indent=1) + "\n")  # after every row: a cut-off run keeps its rows
     print(f"results in {path}")
     return 0 if all("errors" not in r for r in rows) else 1
 
