@@ -378,3 +378,48 @@ def test_indexer_q_program_lowers_and_matches_its_glue(use_settings, rotate, pow
                                       "pow2" if pow2 else "exact", bf16_rope)
     assert q8.dtype == torch.float8_e4m3fn and w.shape == (3, 64)
     assert [len(k.calls) for k in kernels.values()] == [1]
+
+
+def test_model_op_glue_matches_the_programs(use_settings):
+    """The model-side ops' TileLang glue (``impl='tilelang'`` on a stand-in device) against the programs'
+    signatures: q norm + RoPE, the in-place RoPE of a strided view, the K norm + RoPE, the SWA store's norm +
+    RoPE, the clamped SwiGLU."""
+    from musa_attn_backend.kernels.dsv4 import model
+    from musa_attn_backend.kernels.dsv4 import model_tilelang as mt
+
+    use_settings(target="sm_90a")
+    kernels = {}
+    with _tilelang.intercepting(lambda key, build, target, pc: kernels.setdefault(key, SignatureCheck(build()))):
+        T, H = 5, 8
+        cos, sin, pos = torch.randn(64, 32), torch.randn(64, 32), torch.arange(T)
+        y = mt.norm_rope_rows(torch.randn(T, H, 512).to(torch.bfloat16), None, 1e-6, cos, sin, pos, norm="plain",
+                              round_mid=True, inverse=False, out_dtype=torch.bfloat16)
+        assert y.shape == (T, H, 512) and y.is_contiguous()
+        o = torch.randn(T, H, 512).to(torch.bfloat16)
+        rot = mt.norm_rope_rows(o[..., -64:], None, None, cos, sin, pos, norm="none", round_mid=False,
+                                inverse=True, out_dtype=torch.bfloat16)
+        assert rot.shape == (T, H, 64)
+        mt.norm_rope_rows(torch.randn(T, 1, 512), torch.ones(512), 1e-6, cos, sin, pos, norm="weight",
+                          round_mid=False, inverse=False, out_dtype=torch.bfloat16)
+        assert mt.silu_mul_clamp(torch.randn(T, 2 * 300).to(torch.bfloat16), 10.0).shape == (T, 300)
+    assert {k[0] for k in kernels} == {"dsv4_norm_rope", "dsv4_silu_mul_clamp"} and len(kernels) == 4
+    assert all(len(k.calls) == 1 for k in kernels.values())
+    with pytest.raises(ValueError, match="impl='tilelang' needs the tensors on a CUDA or MUSA device"):
+        model.silu_and_mul_clamp(torch.randn(2, 8), 10.0, impl="tilelang")
+
+
+@pytest.mark.parametrize("args", [(512, 64, "bfloat16", "bfloat16", "plain", True, False),
+                                  (64, 128, "bfloat16", "bfloat16", "none", False, True),
+                                  (512, 1, "float32", "bfloat16", "weight", False, False)])
+def test_model_programs_lower_for_sm90a(args):
+    """The norm + RoPE program lowers for sm_90a with its hand-placed barriers only (the norm: the squares, the
+    tree's loop, the read of the sum; the RoPE exchange: one); the SwiGLU program has none."""
+    from musa_attn_backend.kernels.dsv4 import model_tilelang as mt
+    from musa_attn_backend.kernels.dsv4.model_kernel import build_norm_rope, build_silu_mul_clamp
+
+    src = _tilelang.lower(build_norm_rope(*args), HOPPER, mt.pass_configs()).source
+    D = args[0]
+    assert src.count("__syncthreads()") == (4 if args[4] != "none" else 1)
+    assert f"for (int s = 0; s < {D.bit_length() - 1}; ++s)" in src or args[4] == "none"
+    silu = _tilelang.lower(build_silu_mul_clamp(2048, "bfloat16"), HOPPER).source
+    assert "__global__" in silu and "__syncthreads()" not in silu

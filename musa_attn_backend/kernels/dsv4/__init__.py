@@ -70,8 +70,8 @@ def norm_rope_write_kv_v4(kv: torch.Tensor, weight: torch.Tensor, eps: float, co
                           impl: str = "auto") -> None:
     """The attention K path of a V4 layer into the SWA cache: ``y = kv * rsqrt(mean(kv^2) + eps) * weight``
     (float32), GPT-J RoPE of ``y``'s last 64 dims at ``positions [T]`` (``cos``, ``sin [max_pos, 32]``), ``y``
-    rounded to bf16, then :func:`write_kv_v4` at ``slots`` (SGLang's ``fused_k_norm_rope_flashmla``). The norm
-    and the rotation run as torch ops on the device; the quantised store is the writer's kernel."""
+    rounded to bf16, then :func:`write_kv_v4` at ``slots`` (SGLang's ``fused_k_norm_rope_flashmla``). On a GPU:
+    two TileLang programs, the norm + RoPE rows (:mod:`.model_kernel`) and the writer."""
     from .model import _rotate
 
     op = "norm_rope_write_kv_v4"
@@ -87,6 +87,13 @@ def norm_rope_write_kv_v4(kv: torch.Tensor, weight: torch.Tensor, eps: float, co
         check(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == D_ROPE // 2,
               lambda: f"{op}: {name} must be a [max_pos, {D_ROPE // 2}] tensor")
     check_same_device(op, kv=kv, weight=weight, positions=positions, cos=cos, sin=sin, cache=cache, slots=slots)
+    if resolve_impl(impl, kv.device, op) == "tilelang":
+        from .model_tilelang import norm_rope_rows
+
+        y = norm_rope_rows(kv.unsqueeze(1), weight, eps, cos, sin, positions, norm="weight", round_mid=False,
+                           inverse=False, out_dtype=torch.bfloat16)
+        write_kv_v4(y.squeeze(1), cache, slots, impl=impl)
+        return
     x = kv.float()
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()
     y = torch.cat([y[:, :D_NOPE], _rotate(y[:, D_NOPE:], cos, sin, positions, False)], dim=1)

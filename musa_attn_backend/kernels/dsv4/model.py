@@ -2,8 +2,10 @@
 CUDA-only kernels: the q head norm + RoPE, the (inverse) RoPE of the attention output, the bf16 K path's norm +
 RoPE, the clamped SwiGLU, and the hyper-connections (mHC: the mixes, Sinkhorn, the combine before a sublayer,
 the update after it, the head). The math (and where it rounds to bf16) is that of DeepSeek-V4's reference
-``inference/model.py`` as SGLang's kernels compute it; these are vectorised torch ops on any device (a TileLang
-program per op is the next step), checked before they run.
+``inference/model.py`` as SGLang's kernels compute it. Every op is checked before it runs. The RoPE ops and the
+clamped SwiGLU run TileLang programs on a GPU (:mod:`.model_kernel`; ``impl``: ``"auto"``, ``"tilelang"`` or
+``"reference"``, the vectorised torch form, which also runs on a CPU); mHC and the experts are torch ops on any
+device.
 
 RoPE is GPT-J style on the last 64 dims: the pairs ``(x[2j], x[2j + 1])`` rotate by ``cos[pos, j]``, ``sin[pos, j]``
 (``[max_pos, 32]`` float tables); the inverse rotates by the conjugate.
@@ -15,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .._common import check, check_same_device
+from .._common import check, check_same_device, resolve_impl
 from .compressor_reference import rope_gptj
 
 ROPE = 64
@@ -42,8 +44,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     return rope_gptj(x, c, -s if inverse else s)
 
 
+def _kernel_dims(op: str, d: int) -> None:
+    check(ROPE <= d <= 1024 and d & (d - 1) == 0,
+          lambda: f"{op}: the TileLang program takes rows of a power-of-two size from {ROPE} to 1024, got {d}")
+
+
 def q_norm_rope(q: torch.Tensor, eps: Optional[float], cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: torch.Tensor, out: Optional[torch.Tensor] = None, *, impl: str = "auto") -> torch.Tensor:
     """Each query head of ``q [T, H, D]`` RMS-normalised (no weight; ``eps`` None: no norm) and rounded to bf16,
     then its last 64 dims rotated at ``positions [T]`` and rounded again. Written into ``out`` (same shape,
     bf16 or FP8 e4m3, any strides) when given, else returned as a new bf16 tensor."""
@@ -52,6 +59,16 @@ def q_norm_rope(q: torch.Tensor, eps: Optional[float], cos: torch.Tensor, sin: t
     check(q.dim() == 3, lambda: f"{op}: q must be [T, heads, head_dim], got {tuple(q.shape)}")
     check(out is None or (isinstance(out, torch.Tensor) and out.shape == q.shape),
           lambda: f"{op}: out must be a {tuple(q.shape)} tensor")
+    if resolve_impl(impl, q.device, op) == "tilelang":
+        from .model_tilelang import norm_rope_rows
+
+        _kernel_dims(op, q.shape[-1])
+        y = norm_rope_rows(q, None, eps, cos, sin, positions, norm="none" if eps is None else "plain",
+                           round_mid=True, inverse=False, out_dtype=torch.bfloat16)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
     x = q.float()
     y = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) if eps is not None else x).to(torch.bfloat16)
     y = torch.cat([y[..., :-ROPE], _rotate(y[..., -ROPE:].float(), cos, sin, positions, False).to(torch.bfloat16)],
@@ -63,25 +80,40 @@ def q_norm_rope(q: torch.Tensor, eps: Optional[float], cos: torch.Tensor, sin: t
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-          inverse: bool = False) -> torch.Tensor:
+          inverse: bool = False, *, impl: str = "auto") -> torch.Tensor:
     """Rotate ``x [T, ..., 64]`` in place (any strides: the output's last 64 dims as a view), in float32 and
     rounded back to ``x``'s dtype; ``inverse``: by the conjugate (undoing the rotation of the keys in the
     attention output)."""
     op = "rope_"
     _check_rope(op, x, cos, sin, positions)
     check(x.shape[-1] == ROPE, lambda: f"{op}: x must have {ROPE} rotated dims last, got {x.shape[-1]}")
+    if resolve_impl(impl, x.device, op) == "tilelang":
+        from .model_tilelang import norm_rope_rows
+
+        y = norm_rope_rows(x.reshape(x.shape[0], -1, ROPE), None, None, cos, sin, positions, norm="none",
+                           round_mid=False, inverse=inverse, out_dtype=x.dtype)
+        x.copy_(y.view(x.shape))
+        return x
     x.copy_(_rotate(x.float(), cos, sin, positions, inverse).to(x.dtype))
     return x
 
 
 def norm_rope_(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
     """``kv [T, D]`` in place: RMSNorm with ``weight`` in float32, rounded to bf16, then the last 64 dims rotated
     from the rounded values and rounded again (the bf16 K path)."""
     op = "norm_rope_"
     _check_rope(op, kv, cos, sin, positions)
     check(kv.dim() == 2 and isinstance(weight, torch.Tensor) and weight.numel() == kv.shape[1],
           lambda: f"{op}: kv must be [T, D] and weight [D]")
+    if resolve_impl(impl, kv.device, op) == "tilelang":
+        from .model_tilelang import norm_rope_rows
+
+        _kernel_dims(op, kv.shape[1])
+        y = norm_rope_rows(kv.unsqueeze(1), weight, eps, cos, sin, positions, norm="weight", round_mid=True,
+                           inverse=False, out_dtype=torch.bfloat16)
+        kv.copy_(y.squeeze(1))
+        return kv
     x = kv.float()
     y = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()).to(torch.bfloat16)
     y = torch.cat([y[:, :-ROPE], _rotate(y[:, -ROPE:].float(), cos, sin, positions, False).to(torch.bfloat16)], 1)
@@ -89,7 +121,8 @@ def norm_rope_(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Te
     return kv
 
 
-def silu_and_mul_clamp(x: torch.Tensor, limit: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def silu_and_mul_clamp(x: torch.Tensor, limit: float, out: Optional[torch.Tensor] = None, *,
+                       impl: str = "auto") -> torch.Tensor:
     """V4's clamped SwiGLU: ``g, u = x[:, :I], x[:, I:]``; ``g = min(g, limit)``, ``u = clamp(u, -limit, limit)``
     in ``x``'s dtype; ``out = silu(g) * u`` in float32, rounded to ``x``'s dtype (into ``out [M, I]`` if given)."""
     op = "silu_and_mul_clamp"
@@ -99,6 +132,16 @@ def silu_and_mul_clamp(x: torch.Tensor, limit: float, out: Optional[torch.Tensor
     half = x.shape[1] // 2
     check(out is None or (isinstance(out, torch.Tensor) and tuple(out.shape) == (x.shape[0], half)),
           lambda: f"{op}: out must be [{x.shape[0]}, {half}]")
+    if resolve_impl(impl, x.device, op) == "tilelang":
+        from .model_tilelang import silu_mul_clamp
+
+        check(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+              lambda: f"{op}: the TileLang program takes bf16, fp16 or fp32, got {x.dtype}")
+        y = silu_mul_clamp(x, float(limit))
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
     g = x[:, :half].clamp(max=limit).float()
     u = x[:, half:].clamp(-limit, limit).float()
     y = (g * torch.sigmoid(g) * u).to(x.dtype)

@@ -1,0 +1,53 @@
+"""Launch glue of the model-side TileLang programs (:mod:`.model_kernel`): arguments are checked by the public ops
+in :mod:`.model`; this copies strided inputs to contiguous ones, launches, and writes the result where the op
+promises it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._tilelang import compile_cached, tl, tl_dtype
+from .model_kernel import build_norm_rope, build_silu_mul_clamp
+
+
+def pass_configs() -> dict:
+    """The norm + RoPE program places its barriers itself (none under a branch the block does not share)."""
+    return {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+
+
+def norm_rope_kernel(D: int, H: int, in_dtype: str, out_dtype: str, norm: str, round_mid: bool, inverse: bool,
+                     target=None):
+    return compile_cached(("dsv4_norm_rope", D, H, in_dtype, out_dtype, norm, round_mid, inverse),
+                          lambda: build_norm_rope(D, H, in_dtype, out_dtype, norm, round_mid, inverse),
+                          target=target, pass_configs=pass_configs())
+
+
+def silu_mul_clamp_kernel(I: int, dtype: str, target=None):
+    return compile_cached(("dsv4_silu_mul_clamp", I, dtype), lambda: build_silu_mul_clamp(I, dtype), target=target)
+
+
+def norm_rope_rows(x: torch.Tensor, weight, eps, cos, sin, positions, *, norm: str, round_mid: bool,
+                   inverse: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x [T, H, D]`` (any strides) through the norm + RoPE program; a new contiguous ``[T, H, D]`` tensor."""
+    T_, H, D = x.shape
+    xin = x.contiguous()
+    out = torch.empty(T_, H, D, dtype=out_dtype, device=x.device)
+    if T_ == 0:
+        return out
+    w = (weight.reshape(-1).float().contiguous() if weight is not None
+         else torch.ones(D, dtype=torch.float32, device=x.device))
+    kernel = norm_rope_kernel(D, H, tl_dtype(x.dtype), tl_dtype(out_dtype), norm, round_mid, inverse)
+    kernel(xin, w, positions.to(torch.int64).contiguous(), cos.float().contiguous(), sin.float().contiguous(),
+           float(eps if eps is not None else 0.0), out)
+    return out
+
+
+def silu_mul_clamp(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """``x [M, 2I]`` (any strides) through the clamped SwiGLU program; a new ``[M, I]`` tensor of ``x``'s dtype."""
+    M, two_i = x.shape
+    out = torch.empty(M, two_i // 2, dtype=x.dtype, device=x.device)
+    if M == 0 or two_i == 0:
+        return out
+    kernel = silu_mul_clamp_kernel(two_i // 2, tl_dtype(x.dtype))
+    kernel(x.contiguous(), float(limit), out)
+    return out
