@@ -381,9 +381,9 @@ def test_indexer_q_program_lowers_and_matches_its_glue(use_settings, rotate, pow
 
 
 def test_model_op_glue_matches_the_programs(use_settings):
-    """The model-side ops' TileLang glue (``impl='tilelang'`` on a stand-in device) against the programs'
-    signatures: q norm + RoPE, the in-place RoPE of a strided view, the K norm + RoPE, the SWA store's norm +
-    RoPE, the clamped SwiGLU."""
+    """The model-side ops' TileLang glue against the programs' signatures: q norm + RoPE, the in-place RoPE of a
+    strided view, the K norm + RoPE, the SWA store's norm + RoPE, the clamped SwiGLU, mHC before a sublayer (with
+    the fused norm), before the head, and after a sublayer."""
     from musa_attn_backend.kernels.dsv4 import model
     from musa_attn_backend.kernels.dsv4 import model_tilelang as mt
 
@@ -402,7 +402,16 @@ def test_model_op_glue_matches_the_programs(use_settings):
         mt.norm_rope_rows(torch.randn(T, 1, 512), torch.ones(512), 1e-6, cos, sin, pos, norm="weight",
                           round_mid=False, inverse=False, out_dtype=torch.bfloat16)
         assert mt.silu_mul_clamp(torch.randn(T, 2 * 300).to(torch.bfloat16), 10.0).shape == (T, 300)
-    assert {k[0] for k in kernels} == {"dsv4_norm_rope", "dsv4_silu_mul_clamp"} and len(kernels) == 4
+        R = torch.randn(T, 4, 256).to(torch.bfloat16)
+        post, comb, y = mt.mhc_pre_rows(torch.randn(T, 24), torch.ones(3), torch.zeros(24), R, iters=20, head=False,
+                                        pre_eps=1e-6, sk_eps=1e-6, post_mult=2.0, norm_weight=torch.ones(256),
+                                        norm_eps=1e-6)
+        assert post.shape == (T, 4) and comb.shape == (T, 4, 4) and y.shape == (T, 256)
+        mt.mhc_pre_rows(torch.randn(T, 4), torch.ones(1), torch.zeros(4), R, iters=1, head=True, pre_eps=1e-6,
+                        sk_eps=0.0, post_mult=0.0)
+        assert mt.mhc_post_rows(y, R, post, comb).shape == R.shape
+    assert {k[0] for k in kernels} == {"dsv4_norm_rope", "dsv4_silu_mul_clamp", "dsv4_mhc_pre", "dsv4_mhc_post"}
+    assert len(kernels) == 7
     assert all(len(k.calls) == 1 for k in kernels.values())
     with pytest.raises(ValueError, match="impl='tilelang' needs the tensors on a CUDA or MUSA device"):
         model.silu_and_mul_clamp(torch.randn(2, 8), 10.0, impl="tilelang")
@@ -417,9 +426,16 @@ def test_model_programs_lower_for_sm90a(args):
     from musa_attn_backend.kernels.dsv4 import model_tilelang as mt
     from musa_attn_backend.kernels.dsv4.model_kernel import build_norm_rope, build_silu_mul_clamp
 
+    from musa_attn_backend.kernels.dsv4.model_kernel import build_mhc_post, build_mhc_pre
+
     src = _tilelang.lower(build_norm_rope(*args), HOPPER, mt.pass_configs()).source
     D = args[0]
     assert src.count("__syncthreads()") == (4 if args[4] != "none" else 1)
     assert f"for (int s = 0; s < {D.bit_length() - 1}; ++s)" in src or args[4] == "none"
     silu = _tilelang.lower(build_silu_mul_clamp(2048, "bfloat16"), HOPPER).source
     assert "__global__" in silu and "__syncthreads()" not in silu
+    # mHC: the fused norm's tree is the only exchange (two barriers in the text: before it and in its loop)
+    for head, norm in ((False, True), (False, False), (True, False)):
+        pre = _tilelang.lower(build_mhc_pre(4, 4096, 20, head, norm, "bfloat16"), HOPPER, mt.pass_configs()).source
+        assert pre.count("__syncthreads()") == (2 if norm else 0)
+    assert "__global__" in _tilelang.lower(build_mhc_post(4, 4096, "bfloat16"), HOPPER).source

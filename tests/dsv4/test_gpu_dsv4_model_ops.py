@@ -109,3 +109,43 @@ def test_silu_and_mul_clamp(gpu_device, I, dtype):
     assert ops.silu_and_mul_clamp(xd, 10.0, out=out, impl="tilelang") is out
     close(out.cpu(), want, scale=100)
     same_as_torch(out, ops.silu_and_mul_clamp(xd, 10.0, impl="reference"))
+
+
+@pytest.mark.parametrize("T,H", [(6, 64), (77, 4096), (1, 7168), (3, 300)])
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_mhc_pre(gpu_device, T, H, fused_norm):
+    """mHC before a sublayer: the TileLang program (after torch's GEMM for the mixes) against the op's torch form
+    on the same device: ``post`` and ``comb`` to float32 rounding, the layer input within ``close``."""
+    from test_dsv4_model_ops import mhc_inputs
+
+    g, R, fn, scale, base = mhc_inputs(T=T, H=H, seed=T + H)
+    w = torch.rand(H, generator=g) + 0.5 if fused_norm else None
+    Rd, fd, sd, bd = _on(gpu_device, R, fn, scale, base)
+    wd = w.to(gpu_device) if fused_norm else None
+    args = (Rd, fd, sd, bd, 1e-6, 1e-6, 1e-6, 2.0, 20)
+    kw = dict(norm_weight=wd, norm_eps=1e-6 if fused_norm else None)
+    post, comb, y = ops.mhc_pre(*args, **kw, impl="tilelang")
+    rpost, rcomb, ry = ops.mhc_pre(*args, **kw, impl="reference")
+    torch.testing.assert_close(post, rpost, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, rcomb, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(comb.sum(-1).double(), torch.ones(T, 4, dtype=torch.float64, device=gpu_device), atol=1e-3)
+    close(y.cpu(), ry.cpu().double())
+
+
+@pytest.mark.parametrize("T,H", [(6, 64), (129, 4096), (2, 300)])
+def test_mhc_post_and_head(gpu_device, T, H):
+    from test_dsv4_model_ops import mhc_inputs
+
+    g, R, fn, scale, base = mhc_inputs(T=T, H=H, seed=7 * T)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    post = torch.rand(T, 4, 1, generator=g) * 2
+    comb = torch.rand(T, 4, 4, generator=g)
+    xd, Rd, pd, cd = _on(gpu_device, x, R, post, comb)
+    want = post[..., 0].double().unsqueeze(-1) * x.double().unsqueeze(1) + torch.einsum(
+        "tji,tjh->tih", comb.double(), R.double())
+    got = ops.mhc_post(xd, Rd, pd, cd, impl="tilelang")
+    close(got.cpu(), want)
+    close(got.cpu(), ops.mhc_post(xd, Rd, pd, cd, impl="reference").cpu().double())
+    fh, sh, bh = _on(gpu_device, fn[:4], scale[:1], base[:4])
+    close(ops.hc_head(Rd, fh, sh, bh, 1e-6, 1e-6, impl="tilelang").cpu(),
+          ops.hc_head(Rd, fh, sh, bh, 1e-6, 1e-6, impl="reference").cpu().double())

@@ -187,17 +187,26 @@ def hc_combine(residual: torch.Tensor, pre: torch.Tensor, out_dtype=torch.bfloat
 
 def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             pre_eps: float, sinkhorn_eps: float, post_mult: float, sinkhorn_iters: int,
-            norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
+            norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None, *, impl: str = "auto"):
     """Before a sublayer: ``(post [T, n, 1], comb [T, n, n], layer_input [T, H])`` from the streams ``residual
     [T, n, H]`` (bf16). ``layer_input`` is the ``pre``-weighted sum in bf16, RMS-normalised with ``norm_weight``
     when given (its mean square taken on the float32 sum, applied to the bf16 one, as SGLang's fused kernel
-    does)."""
+    does). On a GPU the mixes are torch's GEMM and the rest one TileLang program."""
     op = "mhc_pre"
     check(isinstance(residual, torch.Tensor) and residual.dim() == 3,
           lambda: f"{op}: residual must be [T, n, H], got {tuple(getattr(residual, 'shape', ()))}")
     n = residual.shape[1]
     check(fn.dim() == 2 and fn.shape == (n * (n + 2), n * residual.shape[2]),
           lambda: f"{op}: fn must be [{n * (n + 2)}, {n * residual.shape[2]}], got {tuple(fn.shape)}")
+    if resolve_impl(impl, residual.device, op) == "tilelang":
+        from .model_tilelang import mhc_pre_rows
+
+        check(residual.dtype == torch.bfloat16, lambda: f"{op}: the TileLang program takes bf16 streams, got "
+                                                        f"{residual.dtype}")
+        post, comb, y = mhc_pre_rows(hc_mixes(residual, fn, rms_eps), scale, base, residual, iters=sinkhorn_iters,
+                                     head=False, pre_eps=pre_eps, sk_eps=sinkhorn_eps, post_mult=post_mult,
+                                     norm_weight=norm_weight, norm_eps=norm_eps)
+        return post.unsqueeze(-1), comb, y
     pre, post, comb = hc_split_sinkhorn(hc_mixes(residual, fn, rms_eps), scale, base, n, sinkhorn_iters,
                                         sinkhorn_eps, post_mult, pre_eps)
     y32 = hc_combine(residual, pre, torch.float32)
@@ -208,19 +217,36 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     return post.unsqueeze(-1), comb, y
 
 
-def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+             impl: str = "auto") -> torch.Tensor:
     """After a sublayer: the streams ``R'[i] = post[i] * x + sum_j comb[j, i] * R[j]`` (float32, rounded once to
     ``x``'s dtype) from its output ``x [T, H]``, the streams ``residual [T, n, H]``, ``post [T, n]`` (or
     ``[T, n, 1]``) and ``comb [T, n, n]``."""
+    op = "mhc_post"
+    check(isinstance(residual, torch.Tensor) and residual.dim() == 3 and isinstance(x, torch.Tensor)
+          and x.shape == (residual.shape[0], residual.shape[2]) and post.numel() == residual.shape[0] * residual.shape[1]
+          and comb.shape == (residual.shape[0], residual.shape[1], residual.shape[1]),
+          lambda: f"{op}: x must be [T, H], residual [T, n, H], post [T, n] and comb [T, n, n]")
+    if resolve_impl(impl, residual.device, op) == "tilelang":
+        from .model_tilelang import mhc_post_rows
+
+        check(x.dtype == residual.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+              lambda: f"{op}: x and residual must share a bf16, fp16 or fp32 dtype")
+        return mhc_post_rows(x, residual, post, comb)
     p = post.reshape(post.shape[0], -1).float()
     return (p.unsqueeze(-1) * x.float().unsqueeze(1)
             + (comb.float().unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)).to(x.dtype)
 
 
 def hc_head(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
-            hc_eps: float) -> torch.Tensor:
+            hc_eps: float, *, impl: str = "auto") -> torch.Tensor:
     """Before the final norm: the streams ``[T, n, H]`` summed with ``sigmoid(mixes * scale + base) + hc_eps``
     (float32), in ``residual``'s dtype."""
+    if resolve_impl(impl, residual.device, "hc_head") == "tilelang" and residual.dtype == torch.bfloat16:
+        from .model_tilelang import mhc_pre_rows
+
+        return mhc_pre_rows(hc_mixes(residual, fn, norm_eps), scale, base, residual, iters=1, head=True,
+                            pre_eps=hc_eps, sk_eps=0.0, post_mult=0.0)[2]
     pre = torch.sigmoid(hc_mixes(residual, fn, norm_eps) * scale.float() + base.float()) + hc_eps
     return hc_combine(residual, pre, residual.dtype)
 

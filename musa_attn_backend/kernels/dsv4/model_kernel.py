@@ -93,3 +93,138 @@ def build_silu_mul_clamp(I: int, dtype: str, block: int = 256):
                 Y[m, i] = T.Cast(dtype, g / (1.0 + T.exp(-g)) * u)
 
     return silu_mul_clamp
+
+
+@functools.lru_cache(maxsize=None)
+def build_mhc_pre(n: int, H: int, iters: int, head: bool, has_norm: bool, out_dtype: str, threads: int = 256):
+    """mHC before a sublayer (``head``: before the final norm), per token, from its ``mixes [T, n (n + 2)]``
+    (float32, the GEMM's output, already scaled by the streams' inverse RMS) and its streams ``R [T, n, H]``:
+
+    - ``pre[k] = sigmoid(m[k] s0 + b[k]) + pre_eps`` (``head``: ``sigmoid(m[k] s0 + b[k]) + pre_eps`` over the
+      ``n`` mixes a head has);
+    - ``post[k] = post_mult sigmoid(m[n + k] s1 + b[n + k])`` and ``comb``: a row softmax of ``m s2 + b`` plus
+      ``eps``, then ``iters`` column / row normalisations, column first, each dividing by the sum plus ``eps``
+      (not for ``head``);
+    - ``Y[h] = sum_k pre[k] R[k, h]`` in float32, rounded to ``out_dtype``; with ``has_norm``, then RMS-normalised
+      with ``weight``, the mean square taken on the float32 sum and applied to the rounded one.
+
+    Every thread runs the tiny Sinkhorn itself (no exchange needed); the streams are read by all threads in
+    strides of ``threads``."""
+    NT = T.dynamic("num_tokens")
+    nn = n * n
+    M = n if head else n * (n + 2)
+    per = (H + threads - 1) // threads
+    steps = threads.bit_length() - 1
+
+    @T.prim_func
+    def mhc_pre(
+        mixes: T.Tensor((NT, M), ACC),
+        scale: T.Tensor((3,), ACC),
+        base: T.Tensor((M,), ACC),
+        R: T.Tensor((NT, n, H), "bfloat16"),
+        weight: T.Tensor((H,), ACC),
+        pre_eps: T.float32,
+        sk_eps: T.float32,
+        post_mult: T.float32,
+        norm_eps: T.float32,
+        post: T.Tensor((NT, n), ACC),
+        comb: T.Tensor((NT, n, n), ACC),
+        Y: T.Tensor((NT, H), out_dtype),
+    ):
+        with T.Kernel(NT, threads=threads) as t:
+            x = T.get_thread_binding()
+            pre = T.alloc_local([n], ACC)
+            c = T.alloc_local([nn], ACC)
+            acc = T.alloc_local([per], ACC)
+            red = T.alloc_shared([threads], ACC)
+            s = T.alloc_var(ACC)
+            mx = T.alloc_var(ACC)
+            for k in T.serial(n):
+                pre[k] = 1.0 / (1.0 + T.exp(-(mixes[t, k] * scale[0] + base[k]))) + pre_eps
+            if not head:
+                for i in T.serial(n):  # row softmax of the n x n block, plus eps
+                    mx = -3.0e38
+                    for j in T.serial(n):
+                        c[i * n + j] = mixes[t, 2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j]
+                        mx = T.max(mx, c[i * n + j])
+                    s = 0.0
+                    for j in T.serial(n):
+                        c[i * n + j] = T.exp(c[i * n + j] - mx)
+                        s = s + c[i * n + j]
+                    for j in T.serial(n):
+                        c[i * n + j] = c[i * n + j] / s + sk_eps
+                for it in T.serial(2 * iters - 1):  # column, then (row, column) pairs
+                    if it % 2 == 0:
+                        for j in T.serial(n):
+                            s = sk_eps
+                            for i in T.serial(n):
+                                s = s + c[i * n + j]
+                            for i in T.serial(n):
+                                c[i * n + j] = c[i * n + j] / s
+                    else:
+                        for i in T.serial(n):
+                            s = sk_eps
+                            for j in T.serial(n):
+                                s = s + c[i * n + j]
+                            for j in T.serial(n):
+                                c[i * n + j] = c[i * n + j] / s
+                if x == 0:
+                    for k in T.serial(n):
+                        post[t, k] = post_mult / (1.0 + T.exp(-(mixes[t, n + k] * scale[1] + base[n + k])))
+                    for k in T.serial(nn):
+                        comb[t, k // n, k % n] = c[k]
+            s = 0.0
+            for p in T.serial(per):
+                acc[p] = 0.0
+                if p * threads + x < H:
+                    for k in T.serial(n):
+                        acc[p] = acc[p] + pre[k] * T.Cast(ACC, R[t, k, p * threads + x])
+                    s = s + acc[p] * acc[p]
+            if has_norm:
+                red[x] = s
+                T.sync_threads()
+                for st in T.unroll(steps):  # the sum of squares over the block, a tree
+                    if x < ((threads // 2) >> st):
+                        red[x] = red[x] + red[x + ((threads // 2) >> st)]
+                    T.sync_threads()
+                s = T.rsqrt(red[0] / H + norm_eps)
+            for p in T.serial(per):
+                if p * threads + x < H:
+                    if has_norm:
+                        Y[t, p * threads + x] = T.Cast(out_dtype, T.Cast(ACC, T.Cast(out_dtype, acc[p])) * s
+                                                       * weight[p * threads + x])
+                    else:
+                        Y[t, p * threads + x] = T.Cast(out_dtype, acc[p])
+
+    return mhc_pre
+
+
+@functools.lru_cache(maxsize=None)
+def build_mhc_post(n: int, H: int, dtype: str, block: int = 256):
+    """mHC after a sublayer: ``R'[t, i, h] = post[t, i] X[t, h] + sum_j comb[t, j, i] R[t, j, h]`` in float32,
+    rounded once to ``dtype``; a thread per (token, h)."""
+    NT = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_post(
+        X: T.Tensor((NT, H), dtype),
+        R: T.Tensor((NT, n, H), dtype),
+        post: T.Tensor((NT, n), ACC),
+        comb: T.Tensor((NT, n, n), ACC),
+        Rout: T.Tensor((NT, n, H), dtype),
+    ):
+        with T.Kernel(T.ceildiv(H, block), NT, threads=block) as (bx, t):
+            x = T.get_thread_binding()
+            h = bx * block + x
+            r = T.alloc_local([n], ACC)
+            y = T.alloc_var(ACC)
+            if h < H:
+                for j in T.serial(n):
+                    r[j] = T.Cast(ACC, R[t, j, h])
+                for i in T.serial(n):
+                    y = post[t, i] * T.Cast(ACC, X[t, h])
+                    for j in T.serial(n):
+                        y = y + comb[t, j, i] * r[j]
+                    Rout[t, i, h] = T.Cast(dtype, y)
+
+    return mhc_post

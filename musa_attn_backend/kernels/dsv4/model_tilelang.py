@@ -51,3 +51,42 @@ def silu_mul_clamp(x: torch.Tensor, limit: float) -> torch.Tensor:
     kernel = silu_mul_clamp_kernel(two_i // 2, tl_dtype(x.dtype))
     kernel(x.contiguous(), float(limit), out)
     return out
+
+
+def mhc_pre_rows(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, residual: torch.Tensor, *, iters: int,
+                 head: bool, pre_eps: float, sk_eps: float, post_mult: float, norm_weight=None, norm_eps=None):
+    """The mHC program after the GEMM: ``(post [T, n], comb [T, n, n], y [T, H])`` (``head``: ``y`` only, the
+    others empty)."""
+    from .model_kernel import build_mhc_pre
+
+    T_, n, H = residual.shape
+    dev = residual.device
+    post = torch.empty(T_, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(T_, n, n, dtype=torch.float32, device=dev)
+    y = torch.empty(T_, H, dtype=residual.dtype, device=dev)
+    if T_ == 0:
+        return post, comb, y
+    has_norm = norm_weight is not None
+    kernel = compile_cached(("dsv4_mhc_pre", n, H, iters, head, has_norm, tl_dtype(residual.dtype)),
+                            lambda: build_mhc_pre(n, H, iters, head, has_norm, tl_dtype(residual.dtype)),
+                            pass_configs=pass_configs())
+    s = scale.reshape(-1).float()
+    s3 = torch.cat([s, s.new_zeros(3 - s.numel())]) if s.numel() < 3 else s.contiguous()
+    w = norm_weight.reshape(-1).float().contiguous() if has_norm else torch.ones(H, dtype=torch.float32, device=dev)
+    kernel(mixes.float().contiguous(), s3, base.reshape(-1).float().contiguous(), residual.contiguous(), w,
+           float(pre_eps), float(sk_eps), float(post_mult), float(norm_eps or 0.0), post, comb, y)
+    return post, comb, y
+
+
+def mhc_post_rows(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    from .model_kernel import build_mhc_post
+
+    T_, n, H = residual.shape
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    if T_ == 0:
+        return out
+    kernel = compile_cached(("dsv4_mhc_post", n, H, tl_dtype(x.dtype)),
+                            lambda: build_mhc_post(n, H, tl_dtype(x.dtype)))
+    kernel(x.contiguous(), residual.contiguous(), post.reshape(T_, n).float().contiguous(), comb.float().contiguous(),
+           out)
+    return out
