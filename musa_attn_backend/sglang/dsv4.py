@@ -108,10 +108,45 @@ def _flash_mla_interface_if_absent():
             delattr(parent, "flash_mla_interface")
 
 
+def refuse_unsupported(model_runner) -> None:
+    """Refuse, naming the setting, a V4 configuration our kernels do not serve: pages other than 256 tokens, a KV
+    cache dtype other than FP8 e4m3, a KV layout other than V4's 584-byte rows, context parallelism."""
+    args = model_runner.server_args
+    page = getattr(model_runner, "page_size", None) or getattr(args, "page_size", None)
+    if page != 256:
+        raise ValueError(f"tilelang_musa: DeepSeek-V4 needs --page-size 256 (its caches are laid out in 256-token "
+                         f"pages); got {page}")
+    dtype = str(getattr(args, "kv_cache_dtype", "auto"))
+    if dtype not in ("auto", "fp8_e4m3"):
+        raise ValueError(f"tilelang_musa: DeepSeek-V4 runs an FP8 e4m3 KV cache (--kv-cache-dtype fp8_e4m3 or auto); "
+                         f"got --kv-cache-dtype {dtype}")
+    for name in ("attn_cp_size", "dcp_size"):
+        if int(getattr(args, name, 1) or 1) > 1:
+            raise ValueError(f"tilelang_musa: context parallelism ({name}={getattr(args, name)}) is not supported "
+                             f"for DeepSeek-V4")
+    if getattr(args, "enable_prefill_cp", False):
+        raise ValueError("tilelang_musa: --enable-prefill-cp (context-parallel prefill) is not supported for "
+                         "DeepSeek-V4")
+    pool = model_runner.token_to_kv_pool
+    layouts = {"SWA": pool.get_swa_key_layout()} if hasattr(pool, "get_swa_key_layout") else {}
+    for i, ratio in enumerate(getattr(pool, "compression_ratios", []) or []):
+        if ratio:
+            try:
+                layouts[f"layer {i} (ratio {ratio})"] = pool.get_extra_key_layout(i)
+            except (KeyError, IndexError):  # a layer this rank does not hold (pipeline stages)
+                continue
+    for where, layout in layouts.items():
+        if str(getattr(layout, "value", layout)) != "v4":
+            raise ValueError(f"tilelang_musa: the {where} cache has the {getattr(layout, 'value', layout)} layout "
+                             "(SGLANG_DSV4_KV_LAYOUT / SGLANG_DSV4_COMPRESSED_KV_LAYOUT); only V4's 584-byte FP8 "
+                             "rows (v4) are supported")
+
+
 class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
     """``--attention-backend tilelang_musa`` for a DeepSeek-V4 model (made by ``create_backend``)."""
 
     def __init__(self, model_runner, **kwargs):
+        refuse_unsupported(model_runner)
         install_seams()
         _state["active"] = True
         with _flash_mla_interface_if_absent():

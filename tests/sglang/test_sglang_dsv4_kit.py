@@ -177,3 +177,38 @@ def test_eagle_draft_factories_build_our_v4_backends():
     assert decode.decode_attention_backend_str == BACKEND_NAME
     extend = factory.create_draft_extend_backend()
     assert isinstance(extend, TileLangMusaDSV4Backend)
+
+
+@pytest.mark.parametrize("setting,value,match", [
+    ("page_size", 64, r"needs --page-size 256"),
+    ("kv_cache_dtype", "bfloat16", r"FP8 e4m3 KV cache .* got --kv-cache-dtype bfloat16"),
+    ("attn_cp_size", 2, r"context parallelism \(attn_cp_size=2\)"),
+    ("dcp_size", 2, r"context parallelism \(dcp_size=2\)"),
+    ("enable_prefill_cp", True, r"--enable-prefill-cp"),
+    ("layout", "v41", r"the SWA cache has the v41 layout"),
+])
+def test_unsupported_v4_settings_are_refused_at_construction(setting, value, match, monkeypatch):
+    """Settings our V4 kernels do not serve stop the backend's construction (at server start) with a message
+    naming them; the same runner builds the backend with the setting put back."""
+    from musa_attn_backend.sglang.dsv4 import TileLangMusaDSV4Backend
+
+    case = _compress_case("c4_refuse", ForwardMode.DECODE, 4, (100,))
+    fixture = kit.build_dsv4_attention_fixture(_TC(), case, dtype=torch.bfloat16, device="cpu",
+                                               compression_ratios=[4])
+    runner = fixture.runner
+    if setting == "page_size":
+        monkeypatch.setattr(runner, "page_size", value)
+    elif setting == "layout":
+        monkeypatch.setattr(type(runner.token_to_kv_pool), "get_swa_key_layout", lambda self: value)
+    else:  # SGLang's resolved server args are read-only: an overlay with the one setting changed
+        real = runner.server_args
+
+        class Overlay:
+            def __getattr__(self, name):
+                return value if name == setting else getattr(real, name)
+
+        monkeypatch.setattr(runner, "server_args", Overlay())
+    with pytest.raises(ValueError, match=match):
+        TileLangMusaDSV4Backend(runner)
+    monkeypatch.undo()
+    assert isinstance(TileLangMusaDSV4Backend(runner), TileLangMusaDSV4Backend)
