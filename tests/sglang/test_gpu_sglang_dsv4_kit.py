@@ -1,6 +1,7 @@
 """SGLang 0.5.23's own DeepSeek-V4 attention kit on a GPU with the TileLang kernels: the same cases as the CPU
 run (``test_sglang_dsv4_kit.py``), with the kit's own Triton writers filling the caches (no shim), so the
-backend reads the bytes SGLang writes. Skipped where SGLang's kit does not import."""
+backend reads the bytes SGLang writes, and the kit's CUDA-graph decode runner with real graphs. Skipped where
+SGLang's kit does not import."""
 
 import unittest
 
@@ -65,6 +66,29 @@ def test_dsv4_sparse_prefill_case_gpu(gpu_device, case):
 @pytest.mark.parametrize("case", VERIFY, ids=lambda c: c.name)
 def test_dsv4_target_verify_case_gpu(gpu_device, case):
     _kit().run_dsv4_target_verify_attention_case(_TC(), case, device=str(gpu_device))
+
+
+@pytest.mark.parametrize("prefix,accepted", [((30, 77), (3, 3)), ((200,), (1,))])
+def test_dsv4_draft_extend_case_gpu(gpu_device, prefix, accepted):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from test_sglang_dsv4_kit import _compress_case
+
+    case = _compress_case("draft_extend", ForwardMode.DRAFT_EXTEND_V2, 0, prefix, accepted)
+    _kit().run_dsv4_draft_extend_attention_case(_TC(), case, device=str(gpu_device))
+
+
+@pytest.mark.parametrize("prefix", [(5,), (40, 128, 255), (1, 2, 3, 4)])
+def test_dsv4_graph_decode_runner_gpu(gpu_device, prefix):
+    """The kit's CUDA-graph decode runner with real graphs: capture at the padded batch size, replay per batch,
+    against eager and the reference."""
+    _kit()
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as runner
+    from test_sglang_dsv4_kit import _compress_case
+
+    case = _compress_case(f"graph_decode_{len(prefix)}", ForwardMode.DECODE, 0, prefix)
+    runner.run_dsv4_cuda_graph_decode_case(_TC(), case, device=str(gpu_device),
+                                           cuda_graph_capture_batch_size=max(2, len(prefix)))
 
 
 def test_dsv4_backend_is_ours_on_gpu(gpu_device):
