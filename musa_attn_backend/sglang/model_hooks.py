@@ -9,7 +9,10 @@ expert's clamped SwiGLU, mHC (pre, post, the two fused across a layer boundary, 
 the load-time prewarm of SGLang's TileLang mHC kernels is skipped), and on a CPU the RoPE factory's refusal of
 the V4 layers that take no RoPE scaling, and the routed experts with unquantised weights (SGLang's CPU paths drop
 V4's SwiGLU clamp, its MUSA path asserts CUDA; other MoEs keep SGLang's path), and on a CPU the KV-cache
-configurator's refusal of an FP8 KV cache without Intel AMX, for V4 under ``tilelang_musa`` only.
+configurator's refusal of an FP8 KV cache without Intel AMX, for V4 under ``tilelang_musa`` only. For speculative
+decoding (V4's MTP draft): the last-location lookup of its allocation in torch under ``tilelang_musa`` (SGLang
+takes Triton for any other backend), and on a CPU the draft's embedding / head swap without SGLang's CUDA
+synchronisation.
 """
 
 from __future__ import annotations
@@ -132,6 +135,35 @@ def _configure_kv_cache(original, self, *args, **kwargs):
         kc.current_platform = real
 
 
+def _set_embed_and_head_cpu(self, embed, head) -> None:
+    """``DeepseekV4ForCausalLM.set_embed_and_head`` on a CPU (the MTP draft shares the target's embedding and
+    head): the same swap, without SGLang's device synchronisation, which calls CUDA on a CUDA build of torch."""
+    del self.model.embed_tokens.weight
+    del self.lm_head.weight
+    self.model.embed_tokens.weight = embed
+    self.lm_head.weight = head
+
+
+def _get_last_loc():
+    """SGLang's ``get_last_loc`` (the last KV location of each request, for speculative decoding's allocation)
+    takes its Triton kernel for every backend but ``torch_native`` and ``ascend``: with ours off CUDA, the torch
+    form; anything else unchanged."""
+    from sglang.srt.mem_cache import allocation
+
+    original = allocation.get_last_loc
+
+    def get_last_loc(req_to_token, req_pool_indices_tensor, prefix_lens_tensor):
+        from sglang.srt.runtime_context import attention_backends
+
+        from .. import BACKEND_NAME
+
+        if BACKEND_NAME in attention_backends():
+            return allocation.get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+        return original(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+
+    return get_last_loc
+
+
 def _no_prewarm(self, *args, **kwargs) -> None:
     """SGLang prewarms its TileLang mHC kernels at load (and synchronises CUDA); ours need no warm-up."""
 
@@ -185,8 +217,10 @@ def install() -> None:
     for method in ("forward_cpu", "forward_native", "forward_musa"):
         targets[f"sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.{method}"] = _experts(
             getattr(moe, method))
+    targets["sglang.srt.mem_cache.allocation.get_last_loc"] = _get_last_loc()
     if kind == "cpu":
         targets["sglang.srt.layers.rotary_embedding.factory.get_rope_cpu"] = _get_rope_cpu()
+        targets["sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.set_embed_and_head"] = _set_embed_and_head_cpu
     for target, fn in targets.items():
         HookRegistry.register(target, fn, HookType.REPLACE)
     if kind == "cpu":

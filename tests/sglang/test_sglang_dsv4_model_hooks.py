@@ -55,6 +55,23 @@ streams, post, comb, y = mhc.mhc_fused_post_pre(q[:, 0, :64].contiguous()[:3].re
 assert streams.shape == R.shape and y.shape == (5, 64), "fused post + pre"
 rope = factory.get_rope_cpu(64, 64, 4096, 10000, False, None, torch.bfloat16, 1.0, "cpu")
 assert rope is not None
+# speculative decoding's allocation: the last KV location per request, in torch for our backend off CUDA
+from sglang.srt.mem_cache import allocation
+import sglang.srt.runtime_context as rc
+r2t = torch.randint(0, 1000, (4, 50), dtype=torch.int32, generator=g)
+idx, lens = torch.tensor([2, 0, 3]), torch.tensor([5, 0, 50])
+real = rc.attention_backends
+rc.attention_backends = lambda: ("tilelang_musa", "tilelang_musa")
+try:
+    assert torch.equal(allocation.get_last_loc(r2t, idx, lens), allocation.get_last_loc_torch(r2t, idx, lens))
+finally:
+    rc.attention_backends = real
+# the MTP draft shares the target's embedding and head: swapped without a device synchronisation
+m = torch.nn.Module(); m.model = torch.nn.Module()
+m.model.embed_tokens, m.lm_head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False)
+e, h = torch.nn.Parameter(torch.ones(8, 4)), torch.nn.Parameter(torch.zeros(8, 4))
+model.DeepseekV4ForCausalLM.set_embed_and_head(m, e, h)
+assert m.model.embed_tokens.weight is e and m.lm_head.weight is h
 print("HOOKS OK")
 """
 
