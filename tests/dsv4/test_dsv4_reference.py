@@ -280,14 +280,15 @@ def test_page_geometry():
         L.kv_pages(torch.zeros(4000, dtype=torch.uint8).as_strided((3, 2, 584), (500, 584, 1)))
 
 
-def test_flash_mla_with_kvcache_is_sparse_mqa_in_flashmla_shapes():
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_flash_mla_with_kvcache_is_sparse_mqa_in_flashmla_shapes(s_q):
     """FlashMLA's decode entry point: [B, s_q, H, 512] queries, per-request top-k lengths, lse [B, H, s_q] with
     +inf for a query with no valid entry; the same numbers as sparse_mqa on the flattened tokens."""
     rng = random.Random(0)
     cache = nan_cache(4, 64, stride=93888)
     slots = torch.tensor(rng.sample(range(256), 128))
     dsv4.write_kv_v4(random_rows(128, 9), cache, slots)
-    B, s_q, H, K = 3, 2, 8, 40
+    B, H, K = 3, 8, 40
     idx = slots[torch.randint(0, 128, (B, s_q, K))].to(torch.int32)
     idx[2] = -1  # request 2: nothing valid
     lens = torch.tensor([40, 7, 40], dtype=torch.int32)
@@ -298,11 +299,11 @@ def test_flash_mla_with_kvcache_is_sparse_mqa_in_flashmla_shapes():
     out, lse = dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, 512, meta, indices=idx,
                                            attn_sink=sink, topk_length=lens, softmax_scale=0.05)
     assert out.shape == (B, s_q, H, 512) and lse.shape == (B, H, s_q)
-    ref, ref_lse = dsv4.sparse_mqa(q.view(B * s_q, H, 512), cache, idx.view(B * s_q, K), lens.repeat_interleave(2),
+    ref, ref_lse = dsv4.sparse_mqa(q.view(B * s_q, H, 512), cache, idx.view(B * s_q, K), lens.repeat_interleave(s_q),
                                    sink=sink, sm_scale=0.05, return_lse=True)
     assert torch.equal(out.view(-1, H, 512), ref)
     assert torch.isposinf(lse[2]).all() and (out[2] == 0).all()
-    assert torch.equal(lse[:2].transpose(1, 2).reshape(-1, H), ref_lse[:4])
+    assert torch.equal(lse[:2].transpose(1, 2).reshape(-1, H), ref_lse[:2 * s_q])
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -42,7 +42,8 @@ def _per_token(lengths: Optional[torch.Tensor], b: int, s_q: int, name: str, op:
         return None
     check(isinstance(lengths, torch.Tensor) and lengths.dim() == 1 and lengths.numel() == b
           and not lengths.is_floating_point(), lambda: f"{op}: {name} must be an int tensor of shape ({b},)")
-    return lengths.to(torch.int32).repeat_interleave(s_q)
+    lengths = lengths.to(torch.int32)
+    return lengths if s_q == 1 else lengths.repeat_interleave(s_q)  # decode: the lengths as they are
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor] = None,
@@ -89,7 +90,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         extra_indices=None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.reshape(T, -1),
         extra_lengths=_per_token(extra_topk_length, b, s_q, "extra_topk_length", op), sink=attn_sink,
         sm_scale=softmax_scale, out=None if out is None else out.view(T, h, L.D), return_lse=True, impl=impl)
-    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))  # one launch: -inf -> +inf
     return res.view(b, s_q, h, L.D), lse.view(b, s_q, h).transpose(1, 2)
 
 
