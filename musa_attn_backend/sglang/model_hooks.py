@@ -148,16 +148,15 @@ def _get_last_loc():
     """SGLang's ``get_last_loc`` (the last KV location of each request, for speculative decoding's allocation)
     takes its Triton kernel for every backend but ``torch_native`` and ``ascend``: with ours off CUDA, the torch
     form; anything else unchanged."""
+    from sglang.srt import runtime_context
     from sglang.srt.mem_cache import allocation
+
+    from .. import BACKEND_NAME
 
     original = allocation.get_last_loc
 
     def get_last_loc(req_to_token, req_pool_indices_tensor, prefix_lens_tensor):
-        from sglang.srt.runtime_context import attention_backends
-
-        from .. import BACKEND_NAME
-
-        if BACKEND_NAME in attention_backends():
+        if BACKEND_NAME in runtime_context.attention_backends():
             return allocation.get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
         return original(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..._tilelang import compile_cached, tl, tl_dtype
-from .model_kernel import build_norm_rope, build_silu_mul_clamp
+from .model_kernel import build_mhc_post, build_mhc_pre, build_norm_rope, build_silu_mul_clamp
 
 
 def pass_configs() -> dict:
@@ -24,6 +24,16 @@ def norm_rope_kernel(D: int, H: int, in_dtype: str, out_dtype: str, norm: str, r
 
 def silu_mul_clamp_kernel(I: int, dtype: str, target=None):
     return compile_cached(("dsv4_silu_mul_clamp", I, dtype), lambda: build_silu_mul_clamp(I, dtype), target=target)
+
+
+def mhc_pre_kernel(n: int, H: int, iters: int, head: bool, has_norm: bool, dtype: str, target=None):
+    return compile_cached(("dsv4_mhc_pre", n, H, iters, head, has_norm, dtype),
+                          lambda: build_mhc_pre(n, H, iters, head, has_norm, dtype), target=target,
+                          pass_configs=pass_configs())
+
+
+def mhc_post_kernel(n: int, H: int, dtype: str, target=None):
+    return compile_cached(("dsv4_mhc_post", n, H, dtype), lambda: build_mhc_post(n, H, dtype), target=target)
 
 
 def norm_rope_rows(x: torch.Tensor, weight, eps, cos, sin, positions, *, norm: str, round_mid: bool,
@@ -57,8 +67,6 @@ def mhc_pre_rows(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, r
                  head: bool, pre_eps: float, sk_eps: float, post_mult: float, norm_weight=None, norm_eps=None):
     """The mHC program after the GEMM: ``(post [T, n], comb [T, n, n], y [T, H])`` (``head``: ``y`` only, the
     others empty)."""
-    from .model_kernel import build_mhc_pre
-
     T_, n, H = residual.shape
     dev = residual.device
     post = torch.empty(T_, n, dtype=torch.float32, device=dev)
@@ -67,9 +75,7 @@ def mhc_pre_rows(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, r
     if T_ == 0:
         return post, comb, y
     has_norm = norm_weight is not None
-    kernel = compile_cached(("dsv4_mhc_pre", n, H, iters, head, has_norm, tl_dtype(residual.dtype)),
-                            lambda: build_mhc_pre(n, H, iters, head, has_norm, tl_dtype(residual.dtype)),
-                            pass_configs=pass_configs())
+    kernel = mhc_pre_kernel(n, H, iters, head, has_norm, tl_dtype(residual.dtype))
     s = scale.reshape(-1).float()
     s3 = torch.cat([s, s.new_zeros(3 - s.numel())]) if s.numel() < 3 else s.contiguous()
     w = norm_weight.reshape(-1).float().contiguous() if has_norm else torch.ones(H, dtype=torch.float32, device=dev)
@@ -79,14 +85,12 @@ def mhc_pre_rows(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, r
 
 
 def mhc_post_rows(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    from .model_kernel import build_mhc_post
-
+    """The streams after a sublayer through the mHC program; a new contiguous ``[T, n, H]`` tensor."""
     T_, n, H = residual.shape
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     if T_ == 0:
         return out
-    kernel = compile_cached(("dsv4_mhc_post", n, H, tl_dtype(x.dtype)),
-                            lambda: build_mhc_post(n, H, tl_dtype(x.dtype)))
+    kernel = mhc_post_kernel(n, H, tl_dtype(x.dtype))
     kernel(x.contiguous(), residual.contiguous(), post.reshape(T_, n).float().contiguous(), comb.float().contiguous(),
            out)
     return out
