@@ -31,6 +31,21 @@ DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence�
                      "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>", "<｜/point｜>", "<｜polygon｜>",
                      "<｜/polygon｜>")
 
+# How the engine tests and the V4 demo start SGLang's server for this model (``sglang_server.sglang_server``).
+SERVER = {"page_size": 256, "max_total_tokens": 16384, "startup_timeout": 600.0,
+          "extra": ["--dtype", "bfloat16", "--swa-full-tokens-ratio", "0.5", "--mem-fraction-static", "0.3"]}
+
+
+def prompts(vocab: int, medium: bool = False) -> dict[str, list[int]]:
+    """Token prompts past the special tokens: 35 tokens, 2,600 (the window wraps, the indexer chooses 512 of 650
+    compressed rows), and 1,303 sharing the long one's first five whole 256-token pages; with ``medium``, 300."""
+    first = 32
+    long = [first + (7 + 37 * i) % (vocab - first) for i in range(2600)]
+    out = {"short": [first + (5 * i) % (vocab - first) for i in range(35)]}
+    if medium:
+        out["medium"] = [first + (11 * i + 3) % (vocab - first) for i in range(300)]
+    return {**out, "long": long, "shared": long[:1300] + [first + 1, first + 2, first + 3]}
+
 
 def build(out: Path, tokenizer: bool = False, weights: bool = False, seed: int = 0) -> Path:
     """``config.json`` in ``out``; with ``tokenizer``, the tiny Llama's byte-level BPE tokenizer and a matching
