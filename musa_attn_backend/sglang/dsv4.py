@@ -19,12 +19,12 @@ that keeps its metadata, index translation and CUDA-graph logic and runs this pa
   through a table (:func:`..metadata.sglang_dsv4.compress_call`), keeping the positions SGLang keeps.
 - The C4 indexer (``forward_c4_indexer``) runs ``indexer_q``, the indexer compressor, ``paged_indexer_logits`` and
   ``indexer_topk`` into SGLang's ``c4_sparse_page_indices``.
-
 - The SWA rows the model writes through the pool (``set_swa_key_buffer_radix_fused_norm_rope``, JIT CUDA in
   SGLang) go through :func:`..kernels.dsv4.norm_rope_write_kv_v4`, set on this backend's pool only.
+- Settings the kernels do not serve are refused at construction (:func:`refuse_unsupported`).
 
-What is not here yet: the model-side kernels around attention (q norm + RoPE, inverse RoPE, mHC, the clamped
-SwiGLU) and the MTP draft factories.
+Elsewhere: the model-side kernels around attention (q norm + RoPE, inverse RoPE, mHC, the clamped SwiGLU) are
+installed by :mod:`.model_hooks`, and SGLang's MTP draft factories build this backend through :mod:`.drafts`.
 """
 
 from __future__ import annotations
