@@ -4,8 +4,8 @@ vLLM calls :func:`register` with no arguments in every process. It adds the ``TI
 ``AttentionBackendEnum`` (so ``--attention-backend tilelang_musa``, ``LLM(..., attention_backend=
 "tilelang_musa")`` and ``--attention-config '{"backend": "tilelang_musa"}'`` resolve; the lookup is
 case-insensitive) and makes that member survive pickling into *spawned* workers. For DeepSeek-V4, whose model
-picks its layer class itself, :mod:`.dsv4_selection` makes that choice refuse ``tilelang_musa`` with a message
-(our V4 layer is not built yet) instead of dropping it.
+picks its layer class itself, :mod:`.dsv4_selection` makes that choice return our V4 layer (:mod:`.dsv4`) for
+``tilelang_musa`` instead of dropping it (and refuse it, with a message, for V4.1 checkpoints).
 
 The spawn trap: enum members pickle by value, and a spawned worker unpickles the ``VllmConfig`` holding the
 member before it loads plugins, so a dynamically added member fails (``'...' is not a valid
@@ -54,7 +54,7 @@ def register() -> None:
     object.__setattr__(member, "__reduce_ex__", _reduce_member)
     from . import dsv4_selection
 
-    dsv4_selection.install()  # DeepSeek-V4 picks its layer class itself: refuse ours there, not drop it
+    dsv4_selection.install()  # DeepSeek-V4 picks its layer class itself: take that choice over
     import vllm
 
     version = getattr(vllm, "__version__", "?")

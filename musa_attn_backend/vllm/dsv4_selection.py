@@ -4,12 +4,16 @@ vLLM's V4 model (CUDA and out-of-tree platforms, MUSA included: ``models/deepsee
 layer class in ``nvidia.model._select_dsv4_attn_cls``, never through the attention selector, and returns its
 FlashMLA class for any backend it does not know, ours included: the user's choice would be dropped silently. The
 decoder layer looks the function up in its module's globals at build time (the MTP layers too), so replacing that
-global takes the choice over.
+global takes the choice over:
 
-Until this package's V4 layer lands, the replacement refuses ``tilelang_musa`` for a V4 model with a message
-that says what to use instead; every other backend keeps vLLM's choice. The module is heavy to import (seconds),
-so nothing imports it early: the replacement is made when vLLM itself imports it (a post-import hook), or at once
-where it is already imported. Idempotent, in every process that loads the plugin.
+- V4 (``deepseek_v4``): ``tilelang_musa`` selects :class:`.dsv4.MusaDeepseekV4Attention`, and so does no choice at
+  all on a MUSA platform; every other backend keeps vLLM's choice.
+- V4.1 (``deepseek_v41``, its own model package and selector): ``tilelang_musa`` is refused with a message (our
+  layer serves V4's layout only); other backends keep vLLM's choice.
+
+The modules are heavy to import (seconds), so nothing imports them early: the replacement is made when vLLM
+itself imports one (a post-import hook), or at once where it is already imported. Idempotent, in every process
+that loads the plugin (fork and spawn alike: each loads the plugin).
 """
 
 from __future__ import annotations
@@ -18,21 +22,29 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-TARGET = "vllm.models.deepseek_v4.nvidia.model"
+V4 = "vllm.models.deepseek_v4.nvidia.model"
+V41 = "vllm.models.deepseek_v41.nvidia.model"
+TARGETS = (V4, V41)
 
 _state = {"finder": None}
 
 
-def refusal() -> str:
-    return ("tilelang_musa: DeepSeek-V4 attention through vLLM is not supported yet (its layer is not built); "
-            "serve V4 with SGLang (--attention-backend tilelang_musa), or pick a vLLM V4 backend "
-            "(e.g. --attention-backend FLASHMLA_SPARSE_DSV4 on CUDA)")
+def refusal_v41() -> str:
+    return ("tilelang_musa: DeepSeek-V4.1 checkpoints are not supported (this backend serves DeepSeek-V4's cache "
+            "layout); pick a vLLM V4.1 backend (e.g. --attention-backend FLASHMLA_SPARSE_DSV41 on CUDA)")
+
+
+def _ours_by_default() -> bool:
+    from .. import platform
+
+    return platform.get_platform().kind == "musa"
 
 
 def _patch(module) -> None:
     original = module._select_dsv4_attn_cls
     if getattr(original, "_tilelang_musa", False):
         return
+    v41 = module.__name__ == V41
 
     def select(vllm_config):
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -40,8 +52,15 @@ def _patch(module) -> None:
         from . import ENUM_NAME
 
         backend = vllm_config.attention_config.backend
-        if backend is not None and backend is AttentionBackendEnum.__members__.get(ENUM_NAME):
-            raise ValueError(refusal())
+        ours = backend is not None and backend is AttentionBackendEnum.__members__.get(ENUM_NAME)
+        if v41:
+            if ours:
+                raise ValueError(refusal_v41())
+            return original(vllm_config)
+        if ours or (backend is None and _ours_by_default()):
+            from .dsv4 import MusaDeepseekV4Attention
+
+            return MusaDeepseekV4Attention
         return original(vllm_config)
 
     select._tilelang_musa = True
@@ -50,38 +69,39 @@ def _patch(module) -> None:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``TARGET`` through the other finders, and patches it right after it executes."""
+    """Finds each of ``TARGETS`` through the other finders, and patches it right after it executes."""
 
     def __init__(self):
-        self._loader = None
+        self._loaders = {}
 
     def find_spec(self, name, path=None, target=None):
-        if name != TARGET:
+        if name not in TARGETS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None and spec.loader is not None:
-                self._loader = spec.loader
+                self._loaders[name] = spec.loader
                 spec.loader = self
                 return spec
         return None
 
     def create_module(self, spec):
-        return self._loader.create_module(spec) if hasattr(self._loader, "create_module") else None
+        loader = self._loaders[spec.name]
+        return loader.create_module(spec) if hasattr(loader, "create_module") else None
 
     def exec_module(self, module):
-        self._loader.exec_module(module)
+        self._loaders[module.__spec__.name].exec_module(module)
         _patch(module)
 
 
 def install() -> None:
     """Take V4 layer selection over (idempotent; see the module docstring)."""
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        _patch(module)
-        return
+    for name in TARGETS:
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch(module)
     if _state["finder"] is None:
         _state["finder"] = _PatchOnImport()
         sys.meta_path.insert(0, _state["finder"])

@@ -1,0 +1,105 @@
+"""vLLM 0.33.0's DeepSeek-V4 index metadata, computed by torch on any device: what vLLM's V4 builders compute with
+Triton (``token_to_req_indices``, the compressed slot mapping, the window and C128 index sets) as plain tensor
+ops with no host synchronisation, for :mod:`musa_attn_backend.vllm.dsv4`'s builders and layer.
+
+Conventions (vLLM's): a batch is ``query_start_loc [B + 1]`` and ``seq_lens [B]``; request ``b``'s query tokens are
+rows ``query_start_loc[b] .. query_start_loc[b + 1]`` at positions ``seq_lens[b] - query_len .. seq_lens[b] - 1``.
+Rows past ``query_start_loc[-1]`` are padding: their request is ``-1`` and every index derived from them is ``-1``.
+A block table row maps a request's ``i``-th block of ``block_size`` tokens (``rows`` cache rows, ``rows = block_size
+/ ratio`` for a compressed cache) to a physical block; a slot is ``block * rows + row``; ``-1`` means none.
+
+This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["token_to_req", "token_positions", "local_to_global", "compressed_slot_mapping", "window_local",
+           "c128_local", "all_candidates"]
+
+
+def token_to_req(query_start_loc: torch.Tensor, num_tokens: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``int32 [num_tokens]``: each query row's request (its batch row), ``-1`` for rows past the last request.
+    Requests with no query rows are skipped. Written into ``out[:num_tokens]`` when given."""
+    qsl = query_start_loc.long()
+    t = torch.arange(num_tokens, device=qsl.device)
+    req = torch.searchsorted(qsl[1:], t, right=True)
+    req = torch.where(t < qsl[-1], req, torch.full_like(req, -1)).to(torch.int32)
+    if out is None:
+        return req
+    out[:num_tokens].copy_(req)
+    return out[:num_tokens]
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+    """``int64 [T]``: each query row's position in its request (``-1`` for padding rows)."""
+    qsl, seq = query_start_loc.long(), seq_lens.long()
+    r = req.long().clamp(min=0)
+    t = torch.arange(req.numel(), device=req.device)
+    pos = seq[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r])
+    return torch.where(req >= 0, pos, torch.full_like(pos, -1))
+
+
+def local_to_global(local: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``int32``, ``local``'s shape ``[T, K]``: request-local row ``local[t, j]`` of request ``req[t]`` as a cache
+    slot ``block_table[req, local // rows] * rows + local % rows``. ``-1`` where the local row is negative, the
+    request is ``-1``, the block is past the table, or the table's entry is negative."""
+    T = local.shape[0]
+    width = block_table.shape[1]
+    lo = local.long()
+    blk = torch.div(lo, rows, rounding_mode="floor")
+    ok = (lo >= 0) & (req.long().view(T, 1) >= 0) & (blk < width)
+    r = req.long().clamp(min=0).view(T, 1).expand_as(lo)
+    entry = block_table.long()[r, blk.clamp(0, max(width - 1, 0))] if width else torch.full_like(lo, -1)
+    ok = ok & (entry >= 0)
+    return torch.where(ok, entry * rows + lo % rows, torch.full_like(lo, -1)).to(torch.int32)
+
+
+def compressed_slot_mapping(positions: torch.Tensor, req: torch.Tensor, slot_mapping: torch.Tensor,
+                            block_table: torch.Tensor, block_size: int, ratio: int,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``int64 [T]``: where each token writes its compressed row (vLLM's ``get_compressed_slot_mapping``): a token
+    at a window's end (``(pos + 1) % ratio == 0``) whose own slot is not ``-1`` writes compressed row ``pos //
+    ratio`` of its request, at slot ``block_table[req, row // rows] * rows + row % rows`` (``rows = block_size /
+    ratio``); every other token ``-1``. Written into ``out[:T]`` when given."""
+    T = positions.numel()
+    rows = block_size // ratio
+    pos = positions.long()
+    row = torch.div(pos, ratio, rounding_mode="floor")
+    emit = ((pos + 1) % ratio == 0) & (slot_mapping[:T].long() != -1) & (pos >= 0)
+    slots = local_to_global(torch.where(emit, row, torch.full_like(row, -1)).view(T, 1), req, block_table, rows)
+    res = slots.view(T).long()
+    if out is None:
+        return res
+    out[:T].copy_(res)
+    return out[:T]
+
+
+def window_local(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``int64 [T, window]``: the positions ``pos - window + 1 .. pos`` each token attends to in its sliding window,
+    ``-1`` before position 0 (and for padding rows, position ``-1``)."""
+    pos = positions.long().view(-1, 1)
+    loc = pos - window + 1 + torch.arange(window, device=positions.device)
+    return torch.where((loc >= 0) & (pos >= 0), loc, torch.full_like(loc, -1))
+
+
+def c128_local(positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    """``int64 [T, width]``: the compressed rows a token of a dense-compressed (C128) layer attends to, ``0 ..
+    (pos + 1) // ratio - 1``, ``-1`` past them."""
+    n = torch.div(positions.long() + 1, ratio, rounding_mode="floor").clamp(min=0).view(-1, 1)
+    j = torch.arange(width, device=positions.device).view(1, -1)
+    return torch.where(j < n, j, torch.full_like(j, -1))
+
+
+def all_candidates(positions: torch.Tensor, ratio: int, topk: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``int32 [T, topk]``: every compressed row a C4 token sees (``0 .. (pos + 1) // ratio - 1``, ``-1`` past
+    them), the indexer's choice when no token sees more than ``topk`` (no scoring needed). Written into
+    ``out[:T, :topk]`` when given."""
+    res = c128_local(positions, ratio, topk).to(torch.int32)
+    if out is None:
+        return res
+    out[:res.shape[0], :topk].copy_(res)
+    return out[:res.shape[0], :topk]
