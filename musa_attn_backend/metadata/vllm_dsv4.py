@@ -103,3 +103,18 @@ def all_candidates(positions: torch.Tensor, ratio: int, topk: int, out: Optional
         return res
     out[:res.shape[0], :topk].copy_(res)
     return out[:res.shape[0], :topk]
+
+
+def attention_indices(positions: torch.Tensor, req: torch.Tensor, swa_table: torch.Tensor, swa_block: int,
+                      window: int, ratio: int = 1, main_table: Optional[torch.Tensor] = None, main_block: int = 0,
+                      topk_local: Optional[torch.Tensor] = None, max_seq_len: int = 0):
+    """The cache slots one V4 layer's query tokens attend to, as :func:`..kernels.dsv4.sparse_mqa` takes them:
+    ``(window [T, window] int32, compressed [T, K] int32 or None)``. The window: the token's last ``window``
+    positions in the SWA cache (``swa_block`` tokens a block). The compressed rows (``ratio`` 4 or 128, the main
+    cache's block of ``main_block`` tokens holding ``main_block / ratio`` rows): C4 the indexer's request-local
+    choice ``topk_local [T, K]``; C128 every row the token sees, ``K = ceil(max_seq_len / ratio)``. ``-1``: none."""
+    window_slots = local_to_global(window_local(positions, window), req, swa_table, swa_block)
+    if ratio <= 1:
+        return window_slots, None
+    local = topk_local if ratio == 4 else c128_local(positions, ratio, max(-(-max_seq_len // ratio), 1))
+    return window_slots, local_to_global(local, req, main_table, main_block // ratio)

@@ -143,3 +143,24 @@ class Scheduler:
                 max_seq_len=int(seq.max()), block_table_tensor=table.to(device),
                 slot_mapping=torch.cat(slots).to(device), positions=pos.to(device)))
         return out, pos.to(device)
+
+
+def skip_v4_package_init() -> None:
+    """Make ``vllm.models.deepseek_v4``'s submodules importable without running its package ``__init__``: on the
+    lent H200 vLLM is installed without its compiled extensions, and that ``__init__`` imports the whole model
+    (its quantisation config pulls in the MoE stack, which calls compiled ops at import). An empty package object
+    with the folder as its path stands in for it; the submodules (the attention layer, the compressor, the sparse
+    MLA backend, the ops) import as they are."""
+    import importlib.util
+    import sys
+    import types
+
+    name = "vllm.models.deepseek_v4"
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec("vllm.models")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "deepseek_v4")
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [folder]
+    pkg.__package__ = name
+    sys.modules[name] = pkg

@@ -40,13 +40,16 @@ def main(out_path: str, device: str = "cpu") -> None:
     sys.path.insert(0, str(ROOT / "integration_tests"))
     import torch
 
+    from musa_attn_backend.testing import vllm_dsv4 as fx
+
+    if device != "cpu":
+        fx.skip_v4_package_init()
+
     import dsv4_reference as ref_mod
     from tiny_dsv4 import CONFIG
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from musa_attn_backend.testing import vllm_dsv4 as fx
     from musa_attn_backend.vllm.dsv4 import MusaDeepseekV4Attention, MusaV4MetadataBuilder
 
     config = dict(CONFIG, index_topk=TOPK)

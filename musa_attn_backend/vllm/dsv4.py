@@ -499,19 +499,12 @@ class MusaDeepseekV4Attention(DeepseekV4Attention):
             output.zero_()
             return
         n = q.shape[0]
-        req = _rows(swa.token_to_req_indices, n)
-        window = meta.local_to_global(meta.window_local(positions[:n], self.window_size), req, swa.block_table,
-                                      swa.block_size)
-        extra = {}
-        if self.compress_ratio > 1:
-            md = _batch_metadata(self.prefix)
-            r = self.compress_ratio
-            if r == 4:
-                local = self.topk_indices_buffer[:n]
-            else:
-                local = meta.c128_local(positions[:n], r, max(-(-md.max_seq_len // r), 1))
-            extra = dict(extra_cache=self.kv_cache,
-                         extra_indices=meta.local_to_global(local, req, md.block_table, md.block_size // r))
+        main = _batch_metadata(self.prefix) if self.compress_ratio > 1 else None
+        window, compressed = meta.attention_indices(
+            positions[:n], _rows(swa.token_to_req_indices, n), swa.block_table, swa.block_size, self.window_size,
+            self.compress_ratio, main.block_table if main else None, main.block_size if main else 0,
+            self.topk_indices_buffer[:n] if self.compress_ratio == 4 else None, main.max_seq_len if main else 0)
+        extra = {} if compressed is None else dict(extra_cache=self.kv_cache, extra_indices=compressed)
         dsv4.sparse_mqa(q, self.swa_cache_layer.kv_cache, window, sink=self.attn_sink, sm_scale=self.scale,
                         out=output, **extra)
 
