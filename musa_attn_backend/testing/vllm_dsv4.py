@@ -155,6 +155,32 @@ def skip_v4_package_init() -> None:
     import sys
     import types
 
+    if importlib.util.find_spec("vllm.vllm_flash_attn") is not None and "vllm.vllm_flash_attn" not in sys.modules:
+        try:
+            importlib.import_module("vllm.vllm_flash_attn")
+        except ImportError:  # its compiled extensions are absent: names resolve to functions that raise
+            class _Absent(types.ModuleType):
+                def __getattr__(self, attr):
+                    if attr.startswith("__"):
+                        raise AttributeError(attr)
+
+                    def absent(*a, **k):
+                        raise RuntimeError(f"vllm.vllm_flash_attn.{attr} is not available here")
+                    return absent
+
+            sys.modules["vllm.vllm_flash_attn"] = _Absent("vllm.vllm_flash_attn")
+    import vllm._custom_ops as ops
+
+    for attr in dir(ops):  # capability queries of absent compiled ops answer "not supported"
+        fn = getattr(ops, attr)
+        if "support" in attr and callable(fn) and not getattr(fn, "_absent_ok", False):
+            def query(*a, _fn=fn, **k):
+                try:
+                    return _fn(*a, **k)
+                except (AttributeError, RuntimeError, NotImplementedError):
+                    return False
+            query._absent_ok = True
+            setattr(ops, attr, query)
     name = "vllm.models.deepseek_v4"
     if name in sys.modules:
         return
@@ -164,3 +190,9 @@ def skip_v4_package_init() -> None:
     pkg.__path__ = [folder]
     pkg.__package__ = name
     sys.modules[name] = pkg
+    # The engine config inspects the architecture's class, which lives in that package: a text-generation class
+    # that imports stands in for it (nothing here builds the model, only its attention layers).
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    ModelRegistry.register_model("DeepseekV4ForCausalLM", LlamaForCausalLM)

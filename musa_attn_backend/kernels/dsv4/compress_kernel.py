@@ -48,7 +48,7 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
     threads = d  # a thread a dim
     U = min(win, SLOTS_IN_FLIGHT)
     NT, NB, W = T.dynamic("num_tokens"), T.dynamic("batch"), T.dynamic("table_width")
-    NS, MP = T.dynamic("state_elems"), T.dynamic("max_pos")
+    NS, MP = T.dynamic("state_elems", "int64"), T.dynamic("max_pos")
     NEG_INF = -T.infinity(ACC)
     assert win <= threads and win % U == 0
 
@@ -172,7 +172,7 @@ def build_save_state(width: int, ratio: int, state_has_ape: bool, from_table: bo
     position (the rule of :func:`.compressor_reference.default_state_rows`: none for padding, a column past the
     table or a negative entry)."""
     half = width // 2
-    NT, NS = T.dynamic("num_tokens"), T.dynamic("state_elems")
+    NT, NS = T.dynamic("num_tokens"), T.dynamic("state_elems", "int64")
     NB, W = T.dynamic("batch"), T.dynamic("table_width")
 
     @T.prim_func

@@ -135,7 +135,7 @@ def build_paged_indexer_logits(H: int, next_n: int, clean: bool, num_stages: int
     R = 64
     write_tile = tile_logits(next_n, H, clean)
     NB, P = T.dynamic("batch"), T.dynamic("table_width")
-    NU, NF, ML = T.dynamic("cache_units16"), T.dynamic("cache_words"), T.dynamic("max_len")
+    NU, NF, ML = T.dynamic("cache_units16", "int64"), T.dynamic("cache_words", "int64"), T.dynamic("max_len")
     NEG_INF = -T.infinity(ACC)
     scale_words = R * D // 4
 
@@ -147,7 +147,7 @@ def build_paged_indexer_logits(H: int, next_n: int, clean: bool, num_stages: int
         CF: T.Tensor((NF,), ACC),
         Lens: T.Tensor((NB * next_n,), "int32"),
         table: T.Tensor((NB, P), "int32"),
-        stride16: T.int32,
+        stride16: T.int64,
         num_pages: T.int32,
         num_splits: T.int32,
         Out: T.Tensor((NB * next_n, ML), ACC),

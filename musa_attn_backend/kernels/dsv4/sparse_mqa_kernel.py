@@ -41,8 +41,8 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     NT = T.dynamic("num_tokens")
     K1 = T.dynamic("topk")
     K2 = T.dynamic("extra_topk")
-    NU1, NS1 = T.dynamic("cache_units16"), T.dynamic("cache_units8")
-    NU2, NS2 = T.dynamic("extra_units16"), T.dynamic("extra_units8")
+    NU1, NS1 = T.dynamic("cache_units16", "int64"), T.dynamic("cache_units8", "int64")
+    NU2, NS2 = T.dynamic("extra_units16", "int64"), T.dynamic("extra_units8", "int64")
     SPLITS = T.dynamic("num_splits")
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
@@ -107,10 +107,10 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
         sinks: T.Tensor((H,), "float32"),
         sm_scale: T.float32,
         rows1: T.int32,
-        stride1: T.int32,
+        stride1: T.int64,
         slots1: T.int32,
         rows2: T.int32,
-        stride2: T.int32,
+        stride2: T.int64,
         slots2: T.int32,
         num_splits: T.int32,
         O: T.Tensor(O_shape, ACC if split else q_dtype),
@@ -122,8 +122,8 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             P_s = T.alloc_shared([BH, BN], q_dtype) if shared_p else None
             K8_s = T.alloc_shared([BN, L.D_NOPE], nope_dtype)
             S8_s = T.alloc_shared([BN, L.SCALE_BYTES], "uint8")
-            base_s = T.alloc_shared([BN], "int32", scope="shared")
-            scale_at_s = T.alloc_shared([BN], "int32", scope="shared")
+            base_s = T.alloc_shared([BN], "int64", scope="shared")
+            scale_at_s = T.alloc_shared([BN], "int64", scope="shared")
             ok_s = T.alloc_shared([BN], "int32", scope="shared")
             state = alloc_state()
             tiles = Tiles(Q_s, KV_s, KV_s, None, None, P_s)

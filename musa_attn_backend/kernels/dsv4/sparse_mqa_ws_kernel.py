@@ -67,8 +67,8 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
     NT = T.dynamic("num_tokens")
     K1 = T.dynamic("topk")
     K2 = T.dynamic("extra_topk")
-    NU1, NS1 = T.dynamic("cache_units16"), T.dynamic("cache_units8")
-    NU2, NS2 = T.dynamic("extra_units16"), T.dynamic("extra_units8")
+    NU1, NS1 = T.dynamic("cache_units16", "int64"), T.dynamic("cache_units8", "int64")
+    NU2, NS2 = T.dynamic("extra_units16", "int64"), T.dynamic("extra_units8", "int64")
     SPLITS = T.dynamic("num_splits")
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
@@ -273,10 +273,10 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
         sinks: T.Tensor((H,), "float32"),
         sm_scale: T.float32,
         rows1: T.int32,
-        stride1: T.int32,
+        stride1: T.int64,
         slots1: T.int32,
         rows2: T.int32,
-        stride2: T.int32,
+        stride2: T.int64,
         slots2: T.int32,
         num_splits: T.int32,
         O: T.Tensor(O_shape, ACC if split else q_dtype),
@@ -308,8 +308,8 @@ def build_sparse_mqa_ws(H: int, has_extra: bool, has_sink: bool, split: bool, q_
                 T.mbarrier_arrive(q_full)
                 if producer == "rows":
                     j = p % BN
-                    loc = T.alloc_local([3], "int32")
-                    nxt = T.alloc_local([1], "int32")
+                    loc = T.alloc_local([3], "int64")
+                    nxt = T.alloc_local([1], "int64")
                     raw = T.alloc_local([BATCH * 16], "float8_e4m3")
                     rope = T.alloc_local([L.D_ROPE], q_dtype)
                     sb = T.alloc_local([8], "uint8")

@@ -47,8 +47,7 @@ def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8
           lambda: f"{op}: {name} must start on a 16-byte boundary with a page stride that is a multiple of 16 "
                   f"(pointer {p.data_ptr() % 16} bytes past one, stride {stride})")
     nbytes = (pages.num_pages - 1) * stride + p.shape[1]  # even: rows of 584 bytes, pages 16-byte aligned
-    flat = p.as_strided((nbytes,), (1,))
-    check(nbytes < 2 ** 31, lambda: f"{op}: {name} spans {nbytes} bytes; at most 2^31 are addressed")
+    flat = p.as_strided((nbytes,), (1,))  # the programs address it with 64-bit offsets: any size
     views = _unit_views(flat) if units else tuple(flat if d is None else flat.view(d) for d in dtypes)
     return views, (pages.rows, stride // 16, pages.num_slots)
 

@@ -48,7 +48,7 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
     """Quantise ``KV [T, 512]`` into 584-byte MODEL1 rows at ``slots``."""
     BT, G, TILE = block_T, L.NUM_TILES, L.TILE
     NT = T.dynamic("num_tokens")
-    NU, NS = T.dynamic("cache_units16"), T.dynamic("cache_units8")
+    NU, NS = T.dynamic("cache_units16", "int64"), T.dynamic("cache_units8", "int64")
 
     @T.prim_func
     def write_kv_v4(
@@ -58,7 +58,7 @@ def build_write_kv_v4(in_dtype: str = "bfloat16", block_T: int = 4, threads: int
         CH: T.Tensor((NU, 8), "bfloat16"),
         CS: T.Tensor((NS, 8), "uint8"),
         rows: T.int32,
-        stride16: T.int32,
+        stride16: T.int64,
         num_slots: T.int32,
     ):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as bx:
@@ -106,7 +106,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
     (``exact``)."""
     BT, D = block_T, L.INDEX_D
     NT = T.dynamic("num_tokens")
-    NU, NF = T.dynamic("cache_units16"), T.dynamic("cache_words")
+    NU, NF = T.dynamic("cache_units16", "int64"), T.dynamic("cache_words", "int64")
 
     @T.prim_func
     def write_index_k(
@@ -115,7 +115,7 @@ def build_write_index_k(in_dtype: str = "bfloat16", block_T: int = 8, threads: i
         C8: T.Tensor((NU, 16), "float8_e4m3"),
         CF: T.Tensor((NF,), "float32"),
         rows: T.int32,
-        stride16: T.int32,
+        stride16: T.int64,
         num_slots: T.int32,
     ):
         with T.Kernel(T.ceildiv(NT, BT), threads=threads) as bx:
