@@ -17,8 +17,10 @@ from typing import Optional
 
 import torch
 
+from ..kernels.dsv4.slots import attention_slots, dense_local, local_to_global, window_local
+
 __all__ = ["token_to_req", "token_positions", "local_to_global", "compressed_slot_mapping", "window_local",
-           "c128_local", "all_candidates"]
+           "dense_local", "all_candidates", "attention_indices"]
 
 
 def token_to_req(query_start_loc: torch.Tensor, num_tokens: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -43,21 +45,6 @@ def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req: 
     return torch.where(req >= 0, pos, torch.full_like(pos, -1))
 
 
-def local_to_global(local: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, rows: int) -> torch.Tensor:
-    """``int32``, ``local``'s shape ``[T, K]``: request-local row ``local[t, j]`` of request ``req[t]`` as a cache
-    slot ``block_table[req, local // rows] * rows + local % rows``. ``-1`` where the local row is negative, the
-    request is ``-1``, the block is past the table, or the table's entry is negative."""
-    T = local.shape[0]
-    width = block_table.shape[1]
-    lo = local.long()
-    blk = torch.div(lo, rows, rounding_mode="floor")
-    ok = (lo >= 0) & (req.long().view(T, 1) >= 0) & (blk < width)
-    r = req.long().clamp(min=0).view(T, 1).expand_as(lo)
-    entry = block_table.long()[r, blk.clamp(0, max(width - 1, 0))] if width else torch.full_like(lo, -1)
-    ok = ok & (entry >= 0)
-    return torch.where(ok, entry * rows + lo % rows, torch.full_like(lo, -1)).to(torch.int32)
-
-
 def compressed_slot_mapping(positions: torch.Tensor, req: torch.Tensor, slot_mapping: torch.Tensor,
                             block_table: torch.Tensor, block_size: int, ratio: int,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -78,27 +65,11 @@ def compressed_slot_mapping(positions: torch.Tensor, req: torch.Tensor, slot_map
     return out[:T]
 
 
-def window_local(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """``int64 [T, window]``: the positions ``pos - window + 1 .. pos`` each token attends to in its sliding window,
-    ``-1`` before position 0 (and for padding rows, position ``-1``)."""
-    pos = positions.long().view(-1, 1)
-    loc = pos - window + 1 + torch.arange(window, device=positions.device)
-    return torch.where((loc >= 0) & (pos >= 0), loc, torch.full_like(loc, -1))
-
-
-def c128_local(positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
-    """``int64 [T, width]``: the compressed rows a token of a dense-compressed (C128) layer attends to, ``0 ..
-    (pos + 1) // ratio - 1``, ``-1`` past them."""
-    n = torch.div(positions.long() + 1, ratio, rounding_mode="floor").clamp(min=0).view(-1, 1)
-    j = torch.arange(width, device=positions.device).view(1, -1)
-    return torch.where(j < n, j, torch.full_like(j, -1))
-
-
 def all_candidates(positions: torch.Tensor, ratio: int, topk: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``int32 [T, topk]``: every compressed row a C4 token sees (``0 .. (pos + 1) // ratio - 1``, ``-1`` past
     them), the indexer's choice when no token sees more than ``topk`` (no scoring needed). Written into
     ``out[:T, :topk]`` when given."""
-    res = c128_local(positions, ratio, topk).to(torch.int32)
+    res = dense_local(positions, ratio, topk).to(torch.int32)
     if out is None:
         return res
     out[:res.shape[0], :topk].copy_(res)
@@ -109,12 +80,11 @@ def attention_indices(positions: torch.Tensor, req: torch.Tensor, swa_table: tor
                       window: int, ratio: int = 1, main_table: Optional[torch.Tensor] = None, main_block: int = 0,
                       topk_local: Optional[torch.Tensor] = None, max_seq_len: int = 0):
     """The cache slots one V4 layer's query tokens attend to, as :func:`..kernels.dsv4.sparse_mqa` takes them:
-    ``(window [T, window] int32, compressed [T, K] int32 or None)``. The window: the token's last ``window``
-    positions in the SWA cache (``swa_block`` tokens a block). The compressed rows (``ratio`` 4 or 128, the main
-    cache's block of ``main_block`` tokens holding ``main_block / ratio`` rows): C4 the indexer's request-local
-    choice ``topk_local [T, K]``; C128 every row the token sees, ``K = ceil(max_seq_len / ratio)``. ``-1``: none."""
-    window_slots = local_to_global(window_local(positions, window), req, swa_table, swa_block)
-    if ratio <= 1:
-        return window_slots, None
-    local = topk_local if ratio == 4 else c128_local(positions, ratio, max(-(-max_seq_len // ratio), 1))
-    return window_slots, local_to_global(local, req, main_table, main_block // ratio)
+    ``(window [T, window] int32, compressed [T, K] int32 or None)`` (:func:`..kernels.dsv4.attention_slots`: one
+    TileLang launch on a GPU). The window: the token's last ``window`` positions in the SWA cache (``swa_block``
+    tokens a block). The compressed rows (``ratio`` 4 or 128, the main cache's block of ``main_block`` tokens
+    holding ``main_block / ratio`` rows): C4 the indexer's request-local choice ``topk_local [T, K]``; C128 every
+    row the token sees, ``K = ceil(max_seq_len / ratio)``. ``-1``: none."""
+    rows = main_block // ratio if ratio > 1 else 0
+    return attention_slots(positions, req, swa_table, swa_block, window, ratio if ratio > 1 else 1, main_table, rows,
+                           topk_local, max(-(-max_seq_len // ratio), 1) if ratio > 1 else 0)

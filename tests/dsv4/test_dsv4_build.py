@@ -439,3 +439,31 @@ def test_model_programs_lower_for_sm90a(args):
         pre = _tilelang.lower(build_mhc_pre(4, 4096, 20, head, norm, "bfloat16"), HOPPER, mt.pass_configs()).source
         assert pre.count("__syncthreads()") == (2 if norm else 0)
     assert "__global__" in _tilelang.lower(build_mhc_post(4, 4096, "bfloat16"), HOPPER).source
+
+
+def test_attention_slots_glue_matches_the_program(use_settings):
+    """The slot translation's glue against its program's signature, for each mode (window only, C4, C128)."""
+    use_settings(target="sm_90a")
+    kernels = {}
+    T = 5
+    pos, req = torch.arange(T) * 40, torch.tensor([0, 1, 1, -1, 0], dtype=torch.int32)
+    table = torch.randint(0, 9, (2, 4), dtype=torch.int32)
+    with _tilelang.intercepting(lambda key, build, target, pc: kernels.setdefault(key, SignatureCheck(build()))):
+        for ratio, extra in ((1, {}), (4, dict(main_table=table, main_rows=64, topk_local=torch.zeros(T, 16,
+                                                                                                  dtype=torch.int32))),
+                             (128, dict(main_table=table, main_rows=2, width=3))):
+            win, comp = ti.attention_slots_tilelang(pos, req, table, 64, 128, ratio, extra.get("main_table"),
+                                                    extra.get("main_rows", 0), extra.get("topk_local"),
+                                                    extra.get("width", 0))
+            assert win.shape == (T, 128) and (comp is None) == (ratio == 1)
+            assert comp is None or comp.shape == (T, 16 if ratio == 4 else 3)
+    assert {k[1:] for k in kernels} == {(128, 1), (128, 4), (128, 128)}
+    assert all(len(k.calls) == 1 for k in kernels.values())
+
+
+@pytest.mark.parametrize("mode", [4, 128])
+def test_attention_slots_program_lowers_for_sm90a(mode):
+    from musa_attn_backend.kernels.dsv4.slots_kernel import build_attention_slots
+
+    src = _tilelang.lower(build_attention_slots(128, mode), HOPPER).source
+    assert "attention_slots" in src and "__syncthreads()" not in src  # a pure map: no exchange

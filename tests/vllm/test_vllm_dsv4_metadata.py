@@ -103,7 +103,7 @@ def test_window_is_vllms_decode_window_as_a_set():
 @pytest.mark.parametrize("ratio,width", [(128, 8), (4, 16)])
 def test_dense_compressed_sets(ratio, width):
     pos = torch.tensor([-1, 0, 3, 4, 127, 128, 255, 1000, 5000])
-    got = m.c128_local(pos, ratio, width)
+    got = m.dense_local(pos, ratio, width)
     for t, p in enumerate(pos.tolist()):
         n = max((p + 1) // ratio, 0)
         assert got[t].tolist() == [j if j < n else -1 for j in range(width)]

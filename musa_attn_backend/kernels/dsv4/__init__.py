@@ -20,6 +20,7 @@ from .layout import (D, D_NOPE, D_ROPE, INDEX_D, INDEX_ROW_BYTES, ROW_BYTES, ind
                      paged_view)
 from .flash_mla import FlashMLASchedMeta, flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
 from .compressor import compress
+from .slots import attention_slots
 from .indexer import INDEX_HEADS, indexer_logits, indexer_q, indexer_topk, paged_indexer_logits
 from .reference import (read_index_k_reference, read_kv_v4_reference, sparse_mqa_reference, write_index_k_reference,
                         write_kv_v4_reference)
@@ -28,7 +29,7 @@ __all__ = ["write_kv_v4", "write_index_k", "read_kv_v4", "read_index_k", "sparse
            "new_kv_cache", "page_bytes", "index_page_bytes", "D", "D_NOPE", "D_ROPE", "ROW_BYTES", "INDEX_ROW_BYTES",
            "MAX_HEADS", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "FlashMLASchedMeta",
            "indexer_logits", "paged_indexer_logits", "indexer_topk", "indexer_q", "compress", "INDEX_HEADS",
-           "norm_rope_write_kv_v4"]
+           "norm_rope_write_kv_v4", "attention_slots"]
 
 MAX_HEADS = 128
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

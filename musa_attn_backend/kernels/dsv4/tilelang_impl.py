@@ -234,3 +234,27 @@ def write_index_k_tilelang(k: torch.Tensor, cache: torch.Tensor, slots: torch.Te
     views = (views[0][:views[0].numel() // 16 * 16].view(-1, 16), views[1])  # data in 16-byte units
     write_index_k_kernel(tl_dtype(k.dtype), scale_rule=scale_rule)(k.contiguous(), slots.to(torch.int64).contiguous(), *views, rows,
                                             stride16, num_slots)
+
+
+def attention_slots_kernel(window: int, mode: int, target=None):
+    from .slots_kernel import build_attention_slots
+
+    return compile_cached(("dsv4_attention_slots", window, mode), lambda: build_attention_slots(window, mode),
+                          target=target)
+
+
+def attention_slots_tilelang(positions, req, swa_table, swa_block, window, ratio, main_table, main_rows, topk_local,
+                             width):
+    """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.slots.attention_slots` (arguments checked
+    there): one launch for both sets."""
+    dev = positions.device
+    T = positions.numel()
+    K = topk_local.shape[1] if ratio == 4 else (width if ratio == 128 else 1)  # window only: a dummy column
+    win = torch.empty(T, window, dtype=torch.int32, device=dev)
+    comp = torch.empty(T, K, dtype=torch.int32, device=dev)
+    i32 = lambda t: t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()  # noqa: E731
+    mt = i32(main_table) if main_table is not None else torch.full((1, 1), -1, dtype=torch.int32, device=dev)
+    tk = i32(topk_local) if ratio == 4 else torch.empty(T, K, dtype=torch.int32, device=dev)
+    attention_slots_kernel(window, ratio)(i32(positions), i32(req), i32(swa_table), mt, tk,
+                                          win, comp, swa_block, max(main_rows, 1), ratio)
+    return win, (comp if ratio != 1 else None)
