@@ -30,72 +30,34 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
-import json, os, socket, sys, tempfile
+import json, os, sys
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, sys.argv[1])
 import torch
 from tiny_dsv4 import CONFIG
 from vllm.config import get_layers_from_vllm_config, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.model_loader.utils import initialize_model
-from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
-from vllm.v1.worker.utils import (AttentionGroup, allocate_kv_cache, bind_kv_cache, customize_attention_spec,
-                                  map_kv_caches_to_kernel_blocks, prepare_kernel_block_sizes)
 from musa_attn_backend.kernels import dsv4
 from musa_attn_backend.kernels.dsv4 import layout as L
+from musa_attn_backend.testing import vllm_dsv4 as fx
 
-model_dir = tempfile.mkdtemp()
-json.dump(CONFIG, open(os.path.join(model_dir, "config.json"), "w"))
 # a pool of 16 blocks must hold one whole request: max_model_len 16 (the compressor states are not windowed)
-vc = EngineArgs(model=model_dir, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype="fp8",
-                block_size=256, max_model_len=16, max_num_seqs=4, max_num_batched_tokens=64,
-                num_gpu_blocks_override=16, enforce_eager=True).create_engine_config()
+vc = fx.engine_config(CONFIG, max_model_len=16, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=16)
 with set_current_vllm_config(vc):
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    initialize_model_parallel(1, 1)
+    fx.init_distributed()
     with torch.device("cpu"):
         initialize_model(vllm_config=vc)
     layers = get_layers_from_vllm_config(vc, AttentionLayerBase)
-    specs = {}
-    for name, layer in layers.items():  # as the model runner collects them
-        spec = layer.get_kv_cache_spec(vc)
-        if spec is not None:
-            specs[name] = (customize_attention_spec(layer.get_attn_backend(), spec)
-                           if isinstance(spec, AttentionSpec) else spec)
-    register_all_kvcache_specs(vc)  # the engine core's planning
-    backends = {l.get_attn_backend() for l in layers.values()}
-    layout = resolve_kv_cache_layout(vc, [[m.name for m in get_supported_kv_cache_layouts(backends)]],
-                                     list(specs.values()))
-    groups = get_global_kv_cache_groups(vc, [specs])
-    (kcfg,) = get_kv_cache_configs(vc, [specs], [1 << 40], groups)
-    kcfg.kv_cache_layout = vc.cache_config.kv_cache_layout
-    attn_groups = []  # the worker's: allocate, then bind
-    for gid, g in enumerate(kcfg.kv_cache_groups):
-        by = {}
-        for n in g.layer_names:
-            b, sp = layers[n].get_attn_backend(), g.kv_cache_spec
-            sp = sp.kv_cache_specs[n] if isinstance(sp, UniformTypeKVCacheSpecs) else sp
-            by.setdefault((b.full_cls_name(), sp), (b, sp, []))[2].append(n)
-        attn_groups.append([AttentionGroup(b, ns, sp, gid) for b, sp, ns in by.values()])
-    kernel_blocks = prepare_kernel_block_sizes(kcfg, attn_groups)
-    caches = allocate_kv_cache(kcfg, torch.device("cpu"), layout, kernel_blocks)
-    bind_kv_cache(caches, vc.compilation_config.static_forward_context, [], 1, kv_cache_groups=kcfg.kv_cache_groups,
-                  layer_kv_caches=map_kv_caches_to_kernel_blocks(caches, [a for ags in attn_groups for a in ags]))
+    alloc = fx.allocate(vc, layers)  # vLLM's planning, allocation and binding, as its engine core and worker run them
 
+specs = [n for _, names, _ in alloc.groups for n in names]
 bound = {n: layers[n].kv_cache for n in specs}
-storage = next(iter(caches.values())).untyped_storage()
-buf = torch.empty(0, dtype=torch.uint8).set_(storage)
+buf = alloc.buffer
 g = torch.Generator().manual_seed(0)
 buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))  # every byte nobody writes: noise
-report = {"layout": layout.name, "views": {}, "checks": []}
+report = {"layout": alloc.layout, "views": {}, "checks": []}
 kv_names = [n for n in bound if bound[n].dtype == torch.uint8 and bound[n].shape[-1] == L.ROW_BYTES]
 idx_names = [n for n in bound if bound[n].dtype == torch.uint8 and bound[n].shape[-1] == L.INDEX_ROW_BYTES]
 for n in kv_names + idx_names:
