@@ -1,6 +1,7 @@
-"""vLLM 0.33.0's DeepSeek-V4 index metadata, computed by torch on any device: what vLLM's V4 builders compute with
-Triton (``token_to_req_indices``, the compressed slot mapping, the window and C128 index sets) as plain tensor
-ops with no host synchronisation, for :mod:`musa_attn_backend.vllm.dsv4`'s builders and layer.
+"""vLLM 0.33.0's DeepSeek-V4 index metadata on any device, with no host synchronisation: what vLLM's V4 builders
+compute with Triton (``token_to_req_indices``, the compressed slot mapping: plain tensor ops here) and the
+window and C128 index sets the layer needs (:func:`attention_indices`, through
+:func:`..kernels.dsv4.attention_slots`), for :mod:`musa_attn_backend.vllm.dsv4`'s builders and layer.
 
 Conventions (vLLM's): a batch is ``query_start_loc [B + 1]`` and ``seq_lens [B]``; request ``b``'s query tokens are
 rows ``query_start_loc[b] .. query_start_loc[b + 1]`` at positions ``seq_lens[b] - query_len .. seq_lens[b] - 1``.

@@ -502,8 +502,8 @@ class MusaDeepseekV4Attention(DeepseekV4Attention):
         main = _batch_metadata(self.prefix) if self.compress_ratio > 1 else None
         window, compressed = meta.attention_indices(
             positions[:n], _rows(swa.token_to_req_indices, n), swa.block_table, swa.block_size, self.window_size,
-            self.compress_ratio, main.block_table if main else None, main.block_size if main else 0,
-            self.topk_indices_buffer[:n] if self.compress_ratio == 4 else None, main.max_seq_len if main else 0)
+            self.compress_ratio, None if main is None else main.block_table, 0 if main is None else main.block_size,
+            self.topk_indices_buffer[:n] if self.compress_ratio == 4 else None, 0 if main is None else main.max_seq_len)
         extra = {} if compressed is None else dict(extra_cache=self.kv_cache, extra_indices=compressed)
         dsv4.sparse_mqa(q, self.swa_cache_layer.kv_cache, window, sink=self.attn_sink, sm_scale=self.scale,
                         out=output, **extra)
