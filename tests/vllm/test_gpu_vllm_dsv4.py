@@ -36,3 +36,21 @@ def test_layer_on_the_gpu_matches_the_reference(tmp_path):
             if "topk_overlap_mean" in row:
                 assert row["topk_overlap_mean"] >= 0.97 and row["topk_overlap_min"] >= 0.8, (name, row)
     assert sum(r["scored_tokens"] for r in report["layers"]["1"]) > 300
+
+
+def test_vllms_own_kernels_agree_with_ours(tmp_path):
+    """vLLM's Triton index kernels and its SWA writer against our builders' indices and our writer on one ragged
+    batch (:mod:`musa_attn_backend.testing.vllm_dsv4_oracles`): no mismatching row, no mismatching byte."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("triton")
+    out = tmp_path / "oracles.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "musa_attn_backend.testing.vllm_dsv4_oracles", str(out)],
+                         capture_output=True, text=True, env=env, timeout=1200, cwd=ROOT)
+    assert run.returncode == 0 and out.exists(), run.stderr[-5000:]
+    rep = json.loads(out.read_text())
+    for key in ("token_to_req", "compressed_slot_mapping_4", "compressed_slot_mapping_128", "window", "c4",
+                "c4_lens", "c128", "writer_blocks", "writer_bytes"):
+        assert rep[key] == 0, (key, rep)
+    assert rep["compressed_slot_mapping_4_writes"] > 50 and rep["compressed_slot_mapping_128_writes"] > 0, rep
+    assert rep["writer_rows"] > 250, rep

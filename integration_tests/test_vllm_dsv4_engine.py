@@ -1,0 +1,74 @@
+"""A full vLLM ``LLM(...)`` run of the tiny DeepSeek-V4 (``tiny_dsv4.py``: 4 layers, compress ratios 0, 4, 128, 4,
+random bf16 weights under DeepSeek's names, built locally) with ``attention_backend="tilelang_musa"``: our V4 layer,
+compressors and indexer inside vLLM's engine, greedy, checked against ``dsv4_reference.Reference`` (the independent
+float32 V4 forward the SGLang server test uses) by teacher forcing (``dsv4_reference.agreement``) on every prompt
+and output log-probability vLLM reports.
+
+Needs a GPU and the torch vLLM 0.33.0 pins (2.14): it skips, saying why, on the CPU (vLLM's V4 model on a CPU is
+its own class, ``DeepseekV4ForCausalLM`` in ``models/deepseek_v4/cpu``, which our layer does not replace, and its
+engine needs vLLM's compiled CPU ops) and on the lent H200 (torch 2.11, no compiled vLLM ops). It has not run
+anywhere yet; the same layer is checked on vLLM's own structures by ``tests/vllm/test_vllm_dsv4_layer.py`` (CPU)
+and ``tests/vllm/test_gpu_vllm_dsv4.py`` (H200)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from dsv4_reference import Reference, agreement, load  # noqa: E402
+from tiny_dsv4 import build, prompts  # noqa: E402
+
+MAX_NEW = 32
+
+
+def _why_not() -> str:
+    if not torch.cuda.is_available():
+        return ("needs a CUDA GPU: vLLM's V4 model on a CPU is vLLM's own CPU class (not our layer) and its engine "
+                "needs vLLM's compiled CPU ops")
+    if not torch.__version__.startswith("2.14"):
+        return f"vLLM 0.33.0 pins torch 2.14.0; this machine has torch {torch.__version__}"
+    try:
+        import vllm._C  # noqa: F401
+    except Exception as e:
+        return f"vLLM's compiled ops are missing ({type(e).__name__}); install the full vllm wheel"
+    return ""
+
+
+def _logprobs(out) -> list:
+    """vLLM's log-probability of each prompt token after the ones before it (``None`` for the first), then of each
+    output token, in sequence order (``prompt_logprobs=0``, ``logprobs=0``: the chosen token's only)."""
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    rows = list(out.prompt_logprobs) + list(out.outputs[0].logprobs)
+    return [None if row is None else row[tok].logprob for tok, row in zip(ids, rows)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "runs")
+def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model = build(tmp_path / "tiny-v4", weights=True)
+    import json
+
+    config = json.loads((model / "config.json").read_text())
+    ref = Reference(config, load(model))
+    asks = prompts(config["vocab_size"], medium=True)
+    llm = LLM(model=str(model), tokenizer=None, skip_tokenizer_init=True, attention_backend="tilelang_musa",
+              dtype="bfloat16", kv_cache_dtype="fp8", block_size=256, gpu_memory_utilization=0.3,
+              max_model_len=4096, enforce_eager=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0, prompt_logprobs=0,
+                            detokenize=False)
+    names = ["short", "medium", "long"]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=asks[n]) for n in names], params)
+    for name, out in zip(names, outs):
+        ids = asks[name] + list(out.outputs[0].token_ids)
+        assert len(out.outputs[0].token_ids) == MAX_NEW, name
+        res = agreement(ref, ids, _logprobs(out), len(asks[name]))
+        assert not res["failures"], f"{name} disagrees with the reference V4 forward: {res}"
