@@ -7,7 +7,8 @@ whose slot is ``-1``; block tables with shuffled blocks) goes through both sides
 
 - ``token_to_req``: vLLM's ``compute_token_to_req_indices`` (rows past the last request map to 0 there, to -1 here:
   compared on the mapped rows);
-- the compressed slot mappings (ratios 4 and 128): ``get_compressed_slot_mapping``, every row;
+- the compressed slot mappings (ratios 4 and 128): ``get_compressed_slot_mapping`` (its ``block_size`` is the
+  compressed rows a block, ``256 / ratio``, as vLLM's builder passes ``num_states``), every row;
 - the window: the SWA builder's ``_COMPUTE_SWA_INDICES_AND_LENS_KERNEL`` (``decode_swa_indices`` and lengths), as
   a set per token (our order differs), ours from :func:`..metadata.vllm_dsv4.attention_indices`;
 - C4: ``compute_global_topk_indices_and_lens`` of the same request-local top-k (random, ``-1`` holes), per token
@@ -86,7 +87,7 @@ def main(out_path: str) -> None:
     valid = (b["slot"] >= 0).cpu()
 
     for ratio in (4, 128):
-        theirs = get_compressed_slot_mapping(T, b["slot"], b["qsl"], b["seq"], b["main"], 256, ratio)
+        theirs = get_compressed_slot_mapping(T, b["slot"], b["qsl"], b["seq"], b["main"], 256 // ratio, ratio)
         ours = m.compressed_slot_mapping(pos, req, b["slot"], b["main"], 256, ratio)
         report[f"compressed_slot_mapping_{ratio}"] = int((ours.long() != theirs.long()).sum())
         report[f"compressed_slot_mapping_{ratio}_writes"] = int((theirs >= 0).sum())

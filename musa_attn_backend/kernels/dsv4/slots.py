@@ -95,9 +95,7 @@ def attention_slots(positions: torch.Tensor, req: torch.Tensor, swa_table: torch
                       topk_local=topk_local)
     args = (positions, req, swa_table, swa_block, window, ratio, main_table, main_rows, topk_local, width)
     which = resolve_impl(impl, positions.device, op)
-    # impl="auto" takes the program for the modes it has been checked against the reference on a GPU (1 and 4);
-    # ratio 128 runs the torch reference on the device until its program has been (same results, more launches)
-    if which == "reference" or T == 0 or (impl == "auto" and ratio == 128):
+    if which == "reference" or T == 0:
         return attention_slots_reference(*args)
     from .tilelang_impl import attention_slots_tilelang
 
