@@ -1,0 +1,135 @@
+"""MoE expert GEMMs with block-scaled FP8 operands (DeepSeek-V4's routed experts; DeepGEMM's grouped GEMM
+semantics): :func:`grouped_gemm_fp8` (the contiguous layout, prefill) and :func:`grouped_gemm_fp8_masked` (the
+masked layout, decode under CUDA graphs), and :func:`quantize_groups` (the 1 x 128 activation quantisation they
+read). Formats and the exact rule of each layout: :mod:`.reference` (also the path on a CPU).
+
+Every op checks its arguments before anything runs and names the argument it refuses; none reads its index
+tensors on the host. Each takes ``impl="auto" | "tilelang" | "reference"`` (``auto``: TileLang on a GPU, the
+reference on a CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...platform import features_of
+from .._common import check, check_same_device, resolve_impl
+from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks, dequantize_groups,
+                        grouped_gemm_contiguous_reference, grouped_gemm_masked_reference, quantize_fp4_reference,
+                        quantize_groups_reference, quantize_weight_blocks_reference)
+
+__all__ = ["grouped_gemm_fp8", "grouped_gemm_fp8_masked", "quantize_groups", "align_routing", "ALIGN", "BLOCK",
+           "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference", "quantize_groups_reference",
+           "quantize_weight_blocks_reference", "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4",
+           "dequantize_groups", "FP4_GROUP"]
+
+FP8 = torch.float8_e4m3fn
+
+
+def _tensor(op, name, t, dtype, shape):
+    """``t`` is a contiguous ``dtype`` tensor of ``shape`` (None entries: any size)."""
+    check(isinstance(t, torch.Tensor), lambda: f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    check(t.dtype == dtype, lambda: f"{op}: {name} must be {dtype}, got {t.dtype}")
+    check(t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape)),
+          lambda: f"{op}: {name} must have shape {tuple('*' if s is None else s for s in shape)}, got "
+                  f"{tuple(t.shape)}")
+    check(t.is_contiguous(), lambda: f"{op}: {name} must be contiguous")
+
+
+def _weights(op, b, b_scale):
+    """Checks FP8 weights ``[E, N, K]`` with their block scales; returns ``(E, N, K)``."""
+    check(isinstance(b, torch.Tensor) and b.dim() == 3, lambda: f"{op}: b must be a [E, N, K] tensor")
+    check(b.dtype == FP8, lambda: f"{op}: b must be float8_e4m3fn (128 x 128 block-scaled FP8 weights), got "
+                                  f"{b.dtype}")
+    E, N, K = b.shape
+    check(E >= 1 and N % BLOCK == 0 and K % BLOCK == 0 and N > 0 and K > 0,
+          lambda: f"{op}: b's N and K must be positive multiples of {BLOCK} (its scale blocks), got N {N}, K {K}")
+    _tensor(op, "b", b, FP8, (E, N, K))
+    _tensor(op, "b_scale", b_scale, torch.float32, (E, N // BLOCK, K // BLOCK))
+    return E, N, K
+
+
+def _run(op, impl, device):
+    which = resolve_impl(impl, device, op)
+    if which == "tilelang":
+        check(features_of()["fp8"], lambda: f"{op}: the TileLang program needs FP8 tensor cores, which this "
+                                            f"target lacks: {features_of()}")
+    return which
+
+
+def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                     grouped_layout: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                     impl: str = "auto") -> torch.Tensor:
+    """The contiguous layout: ``out[m] = (a[m] * a_scale[m]) @ (b[e] * b_scale[e])^T`` (bf16) for the expert ``e``
+    of row ``m``'s 128-row tile (DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous``).
+
+    - ``a [M, K]`` float8_e4m3fn, ``a_scale [M, K/128]`` float32 (:func:`quantize_groups`);
+    - ``b [E, N, K]`` float8_e4m3fn, ``b_scale [E, N/128, K/128]`` float32; ``N``, ``K`` multiples of 128;
+    - ``grouped_layout [M]`` int32: each row's expert, ``-1`` for padding; each 128-row tile holds one expert's
+      rows and padding, and its expert is its first row's id;
+    - ``out [M, N]`` bfloat16 (allocated when None): rows with id ``-1`` are not written; a row whose id is not
+      its tile's expert, or whose tile's expert is outside ``[0, E)``, is written as NaN.
+
+    All tensors contiguous, on one device. Returns ``out``."""
+    op = "grouped_gemm_fp8"
+    E, N, K = _weights(op, b, b_scale)
+    check(isinstance(a, torch.Tensor) and a.dim() == 2, lambda: f"{op}: a must be a [M, {K}] tensor")
+    M = a.shape[0]
+    _tensor(op, "a", a, FP8, (M, K))
+    _tensor(op, "a_scale", a_scale, torch.float32, (M, K // BLOCK))
+    _tensor(op, "grouped_layout", grouped_layout, torch.int32, (M,))
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
+    _tensor(op, "out", out, torch.bfloat16, (M, N))
+    check_same_device(op, a=a, a_scale=a_scale, b=b, b_scale=b_scale, grouped_layout=grouped_layout, out=out)
+    if _run(op, impl, a.device) == "reference":
+        return grouped_gemm_contiguous_reference(a, a_scale, b, b_scale, grouped_layout, out)
+    from .tilelang_impl import grouped_gemm_contiguous_tilelang
+
+    return grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out)
+
+
+def grouped_gemm_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                            masked_m: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                            impl: str = "auto") -> torch.Tensor:
+    """The masked layout: ``out[e, m] = (a[e, m] * a_scale[e, m]) @ (b[e] * b_scale[e])^T`` (bf16) for ``m <
+    masked_m[e]`` (DeepGEMM's ``m_grouped_fp8_gemm_nt_masked``); fixed shapes and no host read of ``masked_m``, so
+    a CUDA graph can hold it.
+
+    - ``a [E, max_m, K]`` float8_e4m3fn, ``a_scale [E, max_m, K/128]`` float32;
+    - ``b [E, N, K]``, ``b_scale [E, N/128, K/128]`` as for :func:`grouped_gemm_fp8`;
+    - ``masked_m [E]`` int32, clamped to ``[0, max_m]``;
+    - ``out [E, max_m, N]`` bfloat16 (allocated when None): rows at or past ``masked_m[e]`` are not written.
+
+    All tensors contiguous, on one device. Returns ``out``."""
+    op = "grouped_gemm_fp8_masked"
+    E, N, K = _weights(op, b, b_scale)
+    check(isinstance(a, torch.Tensor) and a.dim() == 3, lambda: f"{op}: a must be a [{E}, max_m, {K}] tensor")
+    MM = a.shape[1]
+    _tensor(op, "a", a, FP8, (E, MM, K))
+    _tensor(op, "a_scale", a_scale, torch.float32, (E, MM, K // BLOCK))
+    _tensor(op, "masked_m", masked_m, torch.int32, (E,))
+    if out is None:
+        out = torch.empty(E, MM, N, dtype=torch.bfloat16, device=a.device)
+    _tensor(op, "out", out, torch.bfloat16, (E, MM, N))
+    check_same_device(op, a=a, a_scale=a_scale, b=b, b_scale=b_scale, masked_m=masked_m, out=out)
+    if _run(op, impl, a.device) == "reference":
+        return grouped_gemm_masked_reference(a, a_scale, b, b_scale, masked_m, out)
+    from .tilelang_impl import grouped_gemm_masked_tilelang
+
+    return grouped_gemm_masked_tilelang(a, a_scale, b, b_scale, masked_m, out)
+
+
+def quantize_groups(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [..., K] float8_e4m3fn, scale [..., K/128] float32)`` of ``x [..., K]`` (bf16/fp16/fp32, ``K`` a
+    multiple of 128): each row's 128-column groups scaled by ``amax / 448`` (``amax`` at least 1e-4; ``pow2``:
+    rounded up to a power of two, the UE8M0 recipe), rounded to e4m3. Torch ops on any device."""
+    op = "quantize_groups"
+    check(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.is_floating_point() and x.dtype != FP8,
+          lambda: f"{op}: x must be a bf16/fp16/fp32 tensor")
+    check(x.shape[-1] % BLOCK == 0, lambda: f"{op}: x's last dimension must be a multiple of {BLOCK}, got "
+                                            f"{x.shape[-1]}")
+    q, s = quantize_groups_reference(x, pow2)
+    return q.contiguous(), s.contiguous()

@@ -1,0 +1,99 @@
+"""The TileLang MoE grouped GEMMs on the GPU against their float32 references (same FP8 operands, so the only
+differences are float32 accumulation order and the bf16 rounding of the output): both layouts, the V4 expert
+shapes, uniform, skewed and empty experts, one row to 16k tokens x top-6, malformed contiguous layouts (NaN rows),
+and NaN-poisoned outputs (rows nobody writes stay NaN, every written row is finite)."""
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels import moe
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {"flash_gate_up": (4096, 4096), "flash_down": (4096, 2048), "pro_gate_up": (6144, 7168),
+          "small": (256, 384)}
+
+
+def weights(E, N, K, dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.randn(E, N, K, device=dev, generator=g, dtype=torch.bfloat16)
+    return moe.quantize_weight_blocks_reference(w)
+
+
+def close(out, ref, rows):
+    """Written rows: ``|out - ref| <= 2^-7 |ref| + 2^-12 max|ref|`` (a bf16 unit either way plus accumulation)."""
+    o, r = out[rows].float(), ref[rows].float()
+    assert torch.isfinite(o).all()
+    bound = 2 ** -7 * r.abs() + 2 ** -12 * r.abs().max()
+    bad = (o - r).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements off; worst {float((o - r).abs().max())}"
+
+
+def routing(T, k, E, skew, dev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if skew:  # most choices on a few experts, some experts empty
+        p = torch.rand(E, generator=g) ** 6
+        p[: E // 4] = 0
+        ids = torch.multinomial(p.expand(T, E), k, replacement=False, generator=g)
+    else:
+        ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    return ids.to(torch.int32).to(dev)
+
+
+@pytest.mark.parametrize("shape,T,E,skew", [("small", 1, 8, False), ("small", 333, 8, True),
+                                            ("flash_gate_up", 64, 256, False), ("flash_down", 512, 256, True),
+                                            ("flash_gate_up", 4096, 256, False), ("pro_gate_up", 300, 32, False),
+                                            ("small", 16384, 64, False)])
+def test_contiguous_matches_reference(gpu_device, shape, T, E, skew):
+    N, K = SHAPES[shape]
+    k = 6
+    b, sb = weights(E, N, K, gpu_device)
+    row_src, layout = moe.align_routing(routing(T, k, E, skew, gpu_device), E)
+    x = torch.randn(T, K, device=gpu_device, dtype=torch.bfloat16)
+    xs = x[(row_src.clamp(min=0) // k).long()]
+    a, sa = moe.quantize_groups(xs)
+    out = torch.full((layout.numel(), N), float("nan"), device=gpu_device, dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8(a, sa, b, sb, layout, out, impl="tilelang")
+    ref = moe.grouped_gemm_contiguous_reference(a, sa, b, sb, layout)
+    rows = layout >= 0
+    close(out, ref, rows)
+    assert torch.isnan(out[~rows]).all()
+
+
+def test_contiguous_malformed_layout_gives_nan_rows(gpu_device):
+    E, N, K = 3, 256, 256
+    b, sb = weights(E, N, K, gpu_device)
+    layout = torch.full((512,), -1, dtype=torch.int32)
+    layout[:10], layout[10:20], layout[129:140], layout[256:300], layout[384:390] = 0, 1, 2, 7, 2
+    layout = layout.to(gpu_device)
+    a, sa = moe.quantize_groups(torch.randn(512, K, device=gpu_device))
+    out = torch.zeros(512, N, device=gpu_device, dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8(a, sa, b, sb, layout, out, impl="tilelang")
+    ref = moe.grouped_gemm_contiguous_reference(a, sa, b, sb, layout,
+                                                torch.zeros(512, N, device=gpu_device, dtype=torch.bfloat16))
+    nan_o, nan_r = torch.isnan(out).all(1), torch.isnan(ref).all(1)
+    assert torch.equal(nan_o, nan_r) and int(nan_r.sum()) == 10 + 11 + 44
+    assert torch.equal(out[~nan_r & (layout < 0)], ref[~nan_r & (layout < 0)])  # untouched zeros
+    close(out, ref, (layout >= 0) & ~nan_r)
+
+
+@pytest.mark.parametrize("shape,E,max_m,counts", [("small", 8, 5, "random"), ("flash_gate_up", 256, 64, "decode"),
+                                                  ("flash_down", 256, 128, "random"), ("pro_gate_up", 16, 200, "big")])
+def test_masked_matches_reference(gpu_device, shape, E, max_m, counts):
+    N, K = SHAPES[shape]
+    b, sb = weights(E, N, K, gpu_device, seed=1)
+    g = torch.Generator().manual_seed(E)
+    if counts == "decode":  # one decode step of 8 tokens x top-6: most experts empty
+        m = torch.bincount(torch.rand(8, E, generator=g).topk(6, 1).indices.flatten(), minlength=E)
+    elif counts == "big":
+        m = torch.tensor([max_m + 50, 0, -3] + [max_m] * (E - 3))  # clamped to [0, max_m]
+    else:
+        m = torch.randint(0, max_m + 1, (E,), generator=g)
+    m = m.to(torch.int32).to(gpu_device)
+    a, sa = moe.quantize_groups(torch.randn(E, max_m, K, device=gpu_device))
+    out = torch.full((E, max_m, N), float("nan"), device=gpu_device, dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8_masked(a, sa, b, sb, m, out, impl="tilelang")
+    ref = moe.grouped_gemm_masked_reference(a, sa, b, sb, m)
+    rows = torch.arange(max_m, device=gpu_device).view(1, -1) < m.clamp(0, max_m).view(-1, 1)
+    close(out, ref, rows)
+    assert torch.isnan(out[~rows]).all()

@@ -1,0 +1,92 @@
+"""The MoE grouped-GEMM programs: the launch glue against the programs' signatures (built, not compiled), both
+GEMM operands in shared memory (what MUSA MP31 lowers), the lowering for sm_90a (TMA loads, FP8 warp-group MMA),
+the refusal on a target without FP8, and real sm_90a builds with nvcc."""
+
+import pytest
+import torch
+
+from musa_attn_backend import _tilelang
+from musa_attn_backend.kernels import moe
+from musa_attn_backend.kernels._tir import gemm_operands
+from musa_attn_backend.kernels.moe import tilelang_impl as ti
+from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
+from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked
+from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
+
+TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32,
+            "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _signature_check(func, args):
+    params = list(func.params)
+    assert len(args) == len(params)
+    for p, a in zip(params, args):
+        buf = func.buffer_map[p]
+        assert a.dtype == TORCH_OF[str(buf.dtype)], (buf.name, a.dtype, buf.dtype)
+        assert a.dim() == len(buf.shape), buf.name
+        static = [int(s) if hasattr(s, "value") or isinstance(s, int) else None for s in buf.shape]
+        assert all(s is None or s == d for s, d in zip(static, a.shape)), (buf.name, static, a.shape)
+
+
+def test_launch_glue_matches_the_programs(use_settings):
+    use_settings(target="sm_90a")
+    E, N, K, M = 4, 256, 384, 300
+    b = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
+    sb = torch.ones(E, 2, 3)
+    a, sa = torch.zeros(M, K, dtype=torch.float8_e4m3fn), torch.ones(M, 3)
+    calls = []
+
+    def capture(key, build, target, pass_configs):
+        func = build()
+        return lambda *args: calls.append((key[0], func, args))
+
+    with _tilelang.intercepting(capture):
+        ti.grouped_gemm_contiguous_tilelang(a, sa, b, sb, torch.zeros(M, dtype=torch.int32),
+                                            torch.empty(M, N, dtype=torch.bfloat16))
+        ti.grouped_gemm_masked_tilelang(torch.zeros(E, 7, K, dtype=b.dtype),
+                                        torch.ones(E, 7, 3), b, sb, torch.zeros(E, dtype=torch.int32),
+                                        torch.empty(E, 7, N, dtype=torch.bfloat16))
+    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked"]
+    for _, func, args in calls:
+        _signature_check(func, args)
+
+
+@pytest.mark.parametrize("build", [lambda: build_grouped_gemm_contiguous(4096, 4096),
+                                   lambda: build_grouped_gemm_masked(4096, 2048)])
+def test_programs_take_both_gemm_operands_from_shared_memory(build):
+    ops = gemm_operands(build())
+    assert len(ops) == 1 and ops[0].a_scope.startswith("shared") and ops[0].b_scope.startswith("shared")
+
+
+@pytest.mark.parametrize("which", ["contiguous", "masked"])
+def test_programs_lower_for_sm90a(which):
+    func = build_grouped_gemm_contiguous(4096, 4096) if which == "contiguous" else build_grouped_gemm_masked(4096, 2048)
+    src = _tilelang.lower(func, HOPPER).source
+    assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32" in src
+    assert src.count("tl::tma_load(") == 2  # the A and B tiles
+    if which == "contiguous":
+        assert "(ushort)32704" in src  # the bf16 NaN of malformed rows
+
+
+@pytest.mark.parametrize("target", ["sm_80", "mp_22"])
+def test_targets_without_fp8_are_refused(use_settings, target, monkeypatch):
+    use_settings(target=target)
+    from musa_attn_backend.kernels import _common
+
+    monkeypatch.setattr(_common, "resolve_impl", lambda impl, device, op: "tilelang")
+    monkeypatch.setattr(moe, "resolve_impl", lambda impl, device, op: "tilelang")
+    b = torch.zeros(1, 128, 128, dtype=torch.float8_e4m3fn)
+    a = torch.zeros(3, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="needs FP8 tensor cores"):
+        moe.grouped_gemm_fp8(a, torch.ones(3, 1), b, torch.ones(1, 1, 1), torch.zeros(3, dtype=torch.int32))
+
+
+NVCC = nvcc_path()
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+@pytest.mark.parametrize("which", ["contiguous", "masked"])
+def test_programs_compile_for_sm90a(which):
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    kern = (ti.contiguous_kernel if which == "contiguous" else ti.masked_kernel)(4096, 4096, target=HOPPER)
+    assert "__global__" in kern.get_kernel_source()

@@ -1,0 +1,204 @@
+"""The MoE grouped-GEMM references (:mod:`musa_attn_backend.kernels.moe.reference`) against an independent float64
+computation written from the formats' definitions (per row, per element: no shared helper), the FP4 and UE8M0
+decoding exactly, the quantisers, and the public ops' refusals of bad input."""
+
+import pytest
+import torch
+
+from musa_attn_backend.kernels import moe
+from musa_attn_backend.kernels.moe import reference as R
+
+
+def e2m1_from_bits(nibble: int) -> float:
+    """E2M1 from its bits: sign, 2-bit exponent (bias 1), 1-bit mantissa; exponent 0 is subnormal (m * 0.5)."""
+    s, e, m = nibble >> 3, (nibble >> 1) & 3, nibble & 1
+    mag = m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1)
+    return -mag if s else mag
+
+
+def test_fp4_and_ue8m0_decoding_is_exact():
+    b = torch.arange(256, dtype=torch.uint8).view(1, 1, 256)
+    scale = torch.full((1, 1, 16), 127, dtype=torch.uint8)  # 2^0
+    got = R.dequantize_fp4(b, scale).view(256, 2)
+    for byte in range(256):
+        assert got[byte, 0].item() == e2m1_from_bits(byte & 15) and got[byte, 1].item() == e2m1_from_bits(byte >> 4)
+    s = torch.tensor([0, 1, 100, 126, 127, 128, 200, 254, 255], dtype=torch.uint8)
+    want = [2.0 ** (int(x) - 127) for x in s[:-1]]
+    got = R.ue8m0_to_float(s)
+    assert got[:-1].tolist() == want and torch.isnan(got[-1])
+
+
+def test_fp4_quantiser_round_trips_representable_values():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (3, 64, 256), generator=g)
+    exps = torch.randint(-20, 20, (3, 64, 8), generator=g)
+    vals = torch.tensor(R.E2M1_VALUES)[codes] * torch.exp2(exps.float()).repeat_interleave(32, -1)
+    vals[..., ::32] = 6.0 * torch.exp2(exps.float())  # each group's amax is 6 * its scale
+    packed, scale = R.quantize_fp4_reference(vals)
+    assert packed.shape == (3, 64, 128) and scale.shape == (3, 64, 8)
+    assert torch.equal(R.dequantize_fp4(packed, scale), vals)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_group_quantiser(pow2):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 384, generator=g) * torch.logspace(-3, 3, 7).view(-1, 1)
+    x[3, 128:256] = 0  # an all-zero group: scale from the 1e-4 floor
+    q, s = moe.quantize_groups(x, pow2=pow2)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (7, 3)
+    amax = x.view(7, 3, 128).abs().amax(-1).clamp(min=1e-4)
+    if pow2:
+        assert torch.equal(torch.log2(s), torch.log2(s).round()) and (s >= amax / 448).all() and (s < amax / 224).all()
+    else:
+        assert torch.allclose(s, amax / 448, rtol=1e-6)
+    back = R.dequantize_groups(q, s)
+    assert ((back - x).abs() <= 2 ** -4 * x.abs() + s.repeat_interleave(128, -1) * 2 ** -9).all()
+
+
+def _fp8_weights(g, E, N, K):
+    w = torch.randn(E, N, K, generator=g) * torch.rand(E, N // 128, 1, K // 128, 1, generator=g).mul(4).add(0.1) \
+        .expand(E, N // 128, 128, K // 128, 128).reshape(E, N, K)
+    return R.quantize_weight_blocks_reference(w)
+
+
+def _row64(a, sa, b, sb, e):
+    """One output row in float64 from the definitions: ``sum_k a[k] sa[k // 128] b[e, n, k] sb[e, n // 128, k // 128]``.
+    The bounds on it: bf16's rounding (2^-9 relative, 2^-8 allowed) plus float32 accumulation error (relative
+    to the row's largest value: a cancelling sum can come out far smaller than its terms)."""
+    K = a.shape[-1]
+    av = a.double() * sa.double()[torch.arange(K) // 128]
+    bv = b[e].double() * sb[e].double()[torch.arange(b.shape[1]) // 128][:, torch.arange(K) // 128]
+    return bv @ av
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_contiguous_reference_against_float64(seed):
+    g = torch.Generator().manual_seed(seed)
+    E, N, K = 5, 256, 384
+    b, sb = _fp8_weights(g, E, N, K)
+    sizes = [int(x) for x in torch.randint(0, 200, (E,), generator=g)]
+    sizes[1] = 0  # an empty expert
+    layout = []
+    for e, n in enumerate(sizes):
+        layout += [e] * n + [-1] * (-n % 128)
+    layout += [-1] * 128  # a whole padding tile
+    M = len(layout)
+    layout = torch.tensor(layout, dtype=torch.int32)
+    a, sa = moe.quantize_groups(torch.randn(M, K, generator=g))
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8(a, sa, b, sb, layout, out)
+    for m in range(M):
+        if layout[m] < 0:
+            assert torch.isnan(out[m]).all()  # not written
+            continue
+        want = _row64(a[m], sa[m], b, sb, int(layout[m]))
+        err = (out[m].double() - want).abs()
+        assert (err <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all(), (m, float(err.max()))
+
+
+def test_contiguous_malformed_layout_is_nan_not_silent():
+    g = torch.Generator().manual_seed(4)
+    E, N, K = 3, 128, 128
+    b, sb = _fp8_weights(g, E, N, K)
+    layout = torch.full((384,), -1, dtype=torch.int32)
+    layout[:10] = 0
+    layout[10:20] = 1  # a second expert inside tile 0
+    layout[129:140] = 2  # tile 1 starts with padding: its expert is -1
+    layout[256:300] = 7  # an expert past E
+    a, sa = moe.quantize_groups(torch.randn(384, K, generator=g))
+    out = torch.zeros(384, N, dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8(a, sa, b, sb, layout, out)
+    nan_rows = torch.isnan(out).all(1)
+    assert not nan_rows[:10].any() and nan_rows[10:20].all() and nan_rows[129:140].all() and nan_rows[256:300].all()
+    assert (out[20:129] == 0).all() and (out[140:256] == 0).all() and (out[300:] == 0).all()
+
+
+def test_masked_reference_against_float64():
+    g = torch.Generator().manual_seed(5)
+    E, MM, N, K = 4, 9, 128, 256
+    b, sb = _fp8_weights(g, E, N, K)
+    a, sa = moe.quantize_groups(torch.randn(E, MM, K, generator=g))
+    masked = torch.tensor([3, 0, 9, 40], dtype=torch.int32)  # 40: clamped to max_m
+    out = torch.full((E, MM, N), float("nan"), dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8_masked(a, sa, b, sb, masked, out)
+    for e in range(E):
+        m = min(int(masked[e]), MM)
+        assert torch.isnan(out[e, m:]).all()
+        for r in range(m):
+            want = _row64(a[e, r], sa[e, r], b, sb, e)
+            assert ((out[e, r].double() - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all()
+
+
+def test_fp4_weights_in_the_reference():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(2, 128, 256, generator=g)
+    packed, scale = R.quantize_fp4_reference(w)
+    a, sa = moe.quantize_groups(torch.randn(130, 256, generator=g))
+    layout = torch.tensor([1] * 130, dtype=torch.int32)
+    out = R.grouped_gemm_contiguous_reference(a, sa, packed, scale, layout)
+    want = R.dequantize_groups(a, sa).double() @ R.dequantize_fp4(packed, scale)[1].double().T
+    assert torch.allclose(out.double(), want, rtol=2 ** -8, atol=1e-5)
+
+
+def test_bad_input_is_refused_naming_the_argument():
+    E, N, K, M = 2, 128, 256, 5
+    b = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
+    sb = torch.ones(E, 1, 2)
+    a = torch.zeros(M, K, dtype=torch.float8_e4m3fn)
+    sa = torch.ones(M, 2)
+    lay = torch.zeros(M, dtype=torch.int32)
+    f = moe.grouped_gemm_fp8
+    cases = [
+        (lambda: f(a, sa, b.view(torch.uint8), sb, lay), "b must be float8_e4m3fn"),
+        (lambda: f(a, sa, torch.zeros(E, 100, K, dtype=b.dtype), sb, lay), "multiples of 128"),
+        (lambda: f(a, sa, b, torch.ones(E, 1, 3), lay), "b_scale must have shape"),
+        (lambda: f(a, sa, b, sb.double(), lay), "b_scale must be torch.float32"),
+        (lambda: f(a.float(), sa, b, sb, lay), "a must be torch.float8_e4m3fn"),
+        (lambda: f(a[:, :128], sa, b, sb, lay), "a must have shape"),
+        (lambda: f(a, sa[:, :1], b, sb, lay), "a_scale must have shape"),
+        (lambda: f(a, sa, b, sb, lay.long()), "grouped_layout must be torch.int32"),
+        (lambda: f(a, sa, b, sb, lay[:4]), "grouped_layout must have shape"),
+        (lambda: f(a, sa, b, sb, lay, torch.zeros(M, N)), "out must be torch.bfloat16"),
+        (lambda: f(a, sa, b, sb, lay, torch.zeros(N, M, dtype=torch.bfloat16).T), "out must be contiguous"),
+        (lambda: f(a, sa, b, sb, lay, impl="triton"), "impl must be one of"),
+        (lambda: f(a, sa, b, sb, lay, impl="tilelang"), "needs the tensors on a CUDA or MUSA device"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    g = moe.grouped_gemm_fp8_masked
+    a3, sa3 = a.view(1, M, K).expand(E, M, K).contiguous(), sa.view(1, M, 2).expand(E, M, 2).contiguous()
+    for call, msg in [(lambda: g(a3, sa3, b, sb, torch.zeros(3, dtype=torch.int32)), "masked_m must have shape"),
+                      (lambda: g(a3[:1], sa3, b, sb, lay[:2]), "a must have shape"),
+                      (lambda: g(a3, sa3, b, sb, lay[:2].float()), "masked_m must be torch.int32")]:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        moe.quantize_groups(torch.zeros(3, 100))
+
+
+@pytest.mark.parametrize("T,k,E,mapped", [(1, 6, 256, False), (37, 6, 16, False), (300, 2, 5, True), (0, 6, 8, False)])
+def test_align_routing_against_a_loop(T, k, E, mapped):
+    g = torch.Generator().manual_seed(T)
+    n_global = 2 * E if mapped else E
+    ids = torch.stack([torch.randperm(n_global, generator=g)[:k] for _ in range(T)]) if T else \
+        torch.zeros(0, k, dtype=torch.long)
+    emap = None
+    if mapped:  # half the experts on this rank, in a shuffled local order
+        emap = torch.full((n_global,), -1, dtype=torch.int32)
+        emap[torch.randperm(n_global, generator=g)[:E]] = torch.randperm(E, generator=g).to(torch.int32)
+    if T:
+        ids[0, 0] = -1  # a dropped choice
+    row_src, layout = moe.align_routing(ids.to(torch.int32), E, emap)
+    M = -(-(T * k + E * 127) // 128) * 128
+    assert row_src.shape == layout.shape == (M,) and row_src.dtype == layout.dtype == torch.int32
+    # the loop: each expert's choices in flat order, segments padded to 128
+    want_src, want_lay = [], []
+    flat = ids.reshape(-1).tolist()
+    for e in range(E):
+        mine = [i for i, x in enumerate(flat) if x >= 0 and (int(emap[x]) if mapped else x) == e]
+        want_src += mine + [-1] * (-len(mine) % 128)
+        want_lay += [e] * len(mine) + [-1] * (-len(mine) % 128)
+    n = len(want_src)
+    assert row_src[:n].tolist() == want_src and layout[:n].tolist() == want_lay
+    assert (row_src[n:] == -1).all() and (layout[n:] == -1).all()
