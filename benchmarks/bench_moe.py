@@ -1,0 +1,216 @@
+"""The MoE expert GEMMs (:mod:`musa_attn_backend.kernels.moe`) against the grouped GEMMs torch has, in one run.
+
+    python benchmarks/bench_moe.py [--out benchmarks/results] [--quick] [--models flash,pro]
+    python benchmarks/bench_moe.py --smoke        (CPU, tiny shapes: the harness only)
+
+Each row is one GEMM of one MoE layer's routed experts: ``gate_up`` (``N = 2 I``, ``K = H``) or ``down`` (``N = H``,
+``K = I``) of V4-Flash (256 experts, H 4096, I 2048) or V4-Pro (384, 7168, 3072), for ``T`` tokens with uniform
+top-6 routing (each token's six experts drawn at random). FP8 e4m3 weights with 128 x 128 block scales (random
+bytes, NaN codes cleared), activations quantised 1 x 128.
+
+Timed, each replayed from a CUDA graph (median of the replays):
+
+- ``ours``: :func:`grouped_gemm_fp8` on the contiguous layout of the routing (segments padded to 128 rows, the
+  layout sized for the worst routing of ``T x 6`` choices, as the layer op runs it with no host sync);
+- ``ours_masked`` (``T <= 512``): :func:`grouped_gemm_fp8_masked` with ``max_m`` the largest expert's rows
+  rounded up to 64;
+- ``scaled_grouped_mm``: ``torch._scaled_grouped_mm``, row-wise FP8 scales (one per row of A and per column of B,
+  not blocks: less work than ours), fast accumulation, segments padded to 16;
+- ``grouped_mm_bf16``: ``torch._grouped_mm`` on bf16 copies of the same operands;
+- ``dense_scaled_mm``: ``torch._scaled_mm`` (row-wise, fast accumulation) of one dense ``[T * 6, K] x [K, N]``: the
+  same FLOPs without grouping, an upper reference.
+
+The roofline of a row is the larger of its FLOPs at the run's dense FP8 matmul rate (``torch._scaled_mm`` at 8192^3)
+and its bytes (the weights of the experts the routing touches, A and D) at the run's copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _p in (str(ROOT), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from bench_attention import bench_ms, git_commit, measure_ceilings  # noqa: E402
+from musa_attn_backend.kernels import moe  # noqa: E402
+
+MODELS = {"flash": dict(E=256, H=4096, I=2048), "pro": dict(E=384, H=7168, I=3072)}
+TOPK = 6
+
+
+def random_fp8_weights(E, N, K, device, seed=0):
+    """Random e4m3 bytes (NaN codes cleared) and block scales: what the GEMMs read, without a float copy."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (E, N, K), dtype=torch.uint8, device=device, generator=g)
+    raw[(raw & 0x7F) == 0x7F] = 0
+    b = raw.view(torch.float8_e4m3fn)
+    sb = torch.rand(E, N // 128, K // 128, device=device, generator=g) * 1e-3 + 1e-4
+    return b, sb
+
+
+def fp8_rate(device) -> float:
+    """Dense FP8 matmul TFLOP/s (``torch._scaled_mm``, row-wise scales, fast accumulation) at 8192^3."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).T
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    ms = bench_ms(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True))
+    return 2 * n ** 3 / ms / 1e9
+
+
+def peers(a_rows, ids_sorted, counts, b, N, K, device):
+    """The peers' callables on the same routing: ``{name: fn}`` (a peer that cannot be set up is left out, its
+    error recorded by the caller)."""
+    E = b.shape[0]
+    out = {}
+    padded = (counts + 15) // 16 * 16
+    offs = torch.cumsum(padded, 0).to(torch.int32)
+    Mp = int(offs[-1])
+    a16 = torch.zeros(max(Mp, 16), K, device=device, dtype=torch.float8_e4m3fn)
+    sa16 = torch.ones(max(Mp, 16), device=device)
+    bt = b.transpose(-2, -1)
+    sbr = torch.ones(E, N, device=device)
+    out["scaled_grouped_mm"] = lambda: torch._scaled_grouped_mm(a16, bt, sa16, sbr, offs=offs,
+                                                                out_dtype=torch.bfloat16, use_fast_accum=True)
+    abf = a16.to(torch.bfloat16)
+    bbf = b.to(torch.bfloat16).transpose(-2, -1)
+    out["grouped_mm_bf16"] = lambda: torch._grouped_mm(abf, bbf, offs=offs, out_dtype=torch.bfloat16)
+    M = max(a_rows, 16)
+    ad = torch.zeros(M, K, device=device, dtype=torch.float8_e4m3fn)
+    bd = b[0].T  # [K, N] column-major
+    out["dense_scaled_mm"] = lambda: torch._scaled_mm(ad, bd, torch.ones(M, 1, device=device),
+                                                      torch.ones(1, N, device=device), out_dtype=torch.bfloat16,
+                                                      use_fast_accum=True)
+    return out, (abf, bbf)
+
+
+def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: bool) -> dict:
+    cfg = MODELS[model] if not smoke else dict(E=8, H=256, I=128)
+    E, H, I = cfg["E"], cfg["H"], cfg["I"]
+    N, K = (2 * I, H) if gemm == "gate_up" else (H, I)
+    b, sb = random_fp8_weights(E, N, K, device)
+    g = torch.Generator().manual_seed(T)
+    ids = torch.rand(T, E, generator=g).topk(TOPK, dim=1).indices.to(torch.int32).to(device)
+    row_src, layout = moe.align_routing(ids, E)
+    x = torch.randn(T, K, device=device, dtype=torch.bfloat16)
+    a, sa = moe.quantize_groups(x[(row_src.clamp(min=0) // TOPK).long()])
+    out = torch.empty(layout.numel(), N, device=device, dtype=torch.bfloat16)
+    counts = torch.bincount(ids.flatten().long(), minlength=E)
+    touched = int((counts > 0).sum())
+    flops = 2 * T * TOPK * N * K
+    nbytes = touched * N * K + T * TOPK * (K + 2 * N)
+    row = {"op": f"moe_{gemm}", "shape": {"model": model, "T": T, "topk": TOPK, "E": E, "N": N, "K": K,
+                                          "rows": T * TOPK, "layout_rows": layout.numel(),
+                                          "experts_touched": touched},
+           "flops": flops, "bytes": nbytes}
+    time = (lambda fn: bench_ms(fn, rep=20)) if device == "cuda" else (lambda fn: (fn(), 0.0)[1])
+
+    row["ours_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b, sb, layout, out))
+    if T <= 512:
+        max_m = max(64, (int(counts.max()) + 63) // 64 * 64)
+        am, sam = moe.quantize_groups(torch.randn(E, max_m, K, device=device, dtype=torch.bfloat16))
+        om = torch.empty(E, max_m, N, device=device, dtype=torch.bfloat16)
+        mm = counts.to(torch.int32)
+        row["ours_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b, sb, mm, om))
+        row["shape"]["max_m"] = max_m
+        del am, sam, om
+    row["peers"] = {}
+    if device == "cuda":
+        try:
+            fns, keep = peers(T * TOPK, None, counts, b, N, K, device)
+            for name, fn in fns.items():
+                try:
+                    row["peers"][name] = {"ms": time(fn)}
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    row["peers"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            del keep, fns
+        except Exception as e:  # noqa: BLE001
+            row["peers"]["setup_error"] = f"{type(e).__name__}: {e}"[:300]
+        roof = max(flops / (ceilings["fp8_matmul_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
+        row["roofline_ms"] = roof
+        row["roofline_fraction"] = roof / row["ours_ms"]
+        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+        timed = {k: v["ms"] for k, v in row["peers"].items() if isinstance(v, dict) and "ms" in v
+                 and k != "dense_scaled_mm"}
+        if timed:
+            best = min(timed, key=timed.get)
+            row["best_peer"], row["ratio_vs_best_peer"] = best, timed[best] / row["ours_ms"]
+    del b, sb, a, sa, out
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"torch": torch.__version__}
+    for pkg in ("tilelang",):
+        try:
+            out[pkg] = md.version(pkg)
+        except Exception:  # noqa: BLE001
+            out[pkg] = "unknown"
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--quick", action="store_true", help="V4-Flash, T in {1, 64, 4096}")
+    ap.add_argument("--models", default="flash,pro")
+    ap.add_argument("--tokens", default="1,8,64,512,4096,16384")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
+    args = ap.parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    ceilings = {}
+    if not args.smoke:
+        ceilings = measure_ceilings()
+        ceilings["fp8_matmul_tflops"] = fp8_rate(device)
+        print("ceilings", ceilings, flush=True)
+    tokens = [1, 64, 4096] if args.quick else [int(t) for t in args.tokens.split(",")]
+    models = ["flash"] if args.quick or args.smoke else args.models.split(",")
+    if args.smoke:
+        tokens = [1, 37]
+    stamp = _dt.datetime.now(_dt.timezone.utc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"moe-{'smoke-' if args.smoke else ''}{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
+    rows = []
+    for model in models:
+        for gemm in ("gate_up", "down"):
+            for T in tokens:
+                try:
+                    rows.append(measure(model, gemm, T, ceilings, device, args.smoke))
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    traceback.print_exc()
+                    rows.append({"op": f"moe_{gemm}", "shape": {"model": model, "T": T},
+                                 "errors": f"{type(e).__name__}: {e}"[:500]})
+                r = rows[-1]
+                peer = "  ".join(f"{k} {v['ms']:.4f}" for k, v in r.get("peers", {}).items()
+                                 if isinstance(v, dict) and "ms" in v)
+                print(f"{r['op']:<12} {model:<5} T {T:>6}: " + (r.get("errors") or (
+                    f"ours {r['ours_ms']:.4f} ms" + (f" masked {r['ours_masked_ms']:.4f}" if "ours_masked_ms" in r
+                                                    else "")
+                    + (f" ({r['ours_tflops']:.0f} TFLOP/s, roofline {r['roofline_fraction']:.2f}, "
+                       f"vs best peer {r['ratio_vs_best_peer']:.2f}x)" if "ratio_vs_best_peer" in r else "")
+                    + f"  | {peer}")), flush=True)
+                doc = {"kind": "moe-grouped-gemm", "device": torch.cuda.get_device_name() if device == "cuda"
+                       else "cpu", "commit": git_commit(), "date": stamp.isoformat(), "versions": versions(),
+                       "ceilings": ceilings, "rows": rows}
+                path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"results in {path}")
+    return 0 if all("errors" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
