@@ -1,7 +1,8 @@
-"""MoE expert GEMMs with block-scaled FP8 operands (DeepSeek-V4's routed experts; DeepGEMM's grouped GEMM
-semantics): :func:`grouped_gemm_fp8` (the contiguous layout, prefill) and :func:`grouped_gemm_fp8_masked` (the
-masked layout, decode under CUDA graphs), and :func:`quantize_groups` (the 1 x 128 activation quantisation they
-read). Formats and the exact rule of each layout: :mod:`.reference` (also the path on a CPU).
+"""MoE experts with block-scaled FP8 weights (DeepSeek-V4's routed experts): :func:`fused_experts` (the routed
+experts of one layer: routing, activation quantisation, the two grouped GEMMs, clamped SwiGLU, the weighted sum;
+:mod:`.layer`), built on the grouped GEMMs with DeepGEMM's semantics, :func:`grouped_gemm_fp8` (the contiguous
+layout, prefill) and :func:`grouped_gemm_fp8_masked` (the masked layout, decode under CUDA graphs), and
+:func:`quantize_groups` (the 1 x 128 activation quantisation they read). Formats and the exact rule of each layout: :mod:`.reference` (also the path on a CPU).
 
 Every op checks its arguments before anything runs and names the argument it refuses; none reads its index
 tensors on the host. Each takes ``impl="auto" | "tilelang" | "reference"`` (``auto``: TileLang on a GPU, the
@@ -20,12 +21,15 @@ from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, 
                         grouped_gemm_contiguous_reference, grouped_gemm_masked_reference, quantize_fp4_reference,
                         quantize_groups_reference, quantize_weight_blocks_reference)
 
-__all__ = ["grouped_gemm_fp8", "grouped_gemm_fp8_masked", "quantize_groups", "align_routing", "ALIGN", "BLOCK",
+__all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked", "quantize_groups", "align_routing", "ALIGN", "BLOCK",
            "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference", "quantize_groups_reference",
            "quantize_weight_blocks_reference", "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4",
            "dequantize_groups", "FP4_GROUP"]
 
+from .layer import MASKED_MAX_TOKENS, fused_experts_reference
+
 FP8 = torch.float8_e4m3fn
+LAYOUTS = ("auto", "contiguous", "masked")
 
 
 def _tensor(op, name, t, dtype, shape):
@@ -38,16 +42,17 @@ def _tensor(op, name, t, dtype, shape):
     check(t.is_contiguous(), lambda: f"{op}: {name} must be contiguous")
 
 
-def _weights(op, b, b_scale):
+def _weights(op, b, b_scale, name="b"):
     """Checks FP8 weights ``[E, N, K]`` with their block scales; returns ``(E, N, K)``."""
-    check(isinstance(b, torch.Tensor) and b.dim() == 3, lambda: f"{op}: b must be a [E, N, K] tensor")
-    check(b.dtype == FP8, lambda: f"{op}: b must be float8_e4m3fn (128 x 128 block-scaled FP8 weights), got "
+    check(isinstance(b, torch.Tensor) and b.dim() == 3, lambda: f"{op}: {name} must be a [E, N, K] tensor")
+    check(b.dtype == FP8, lambda: f"{op}: {name} must be float8_e4m3fn (128 x 128 block-scaled FP8 weights), got "
                                   f"{b.dtype}")
     E, N, K = b.shape
     check(E >= 1 and N % BLOCK == 0 and K % BLOCK == 0 and N > 0 and K > 0,
-          lambda: f"{op}: b's N and K must be positive multiples of {BLOCK} (its scale blocks), got N {N}, K {K}")
-    _tensor(op, "b", b, FP8, (E, N, K))
-    _tensor(op, "b_scale", b_scale, torch.float32, (E, N // BLOCK, K // BLOCK))
+          lambda: f"{op}: {name}'s N and K must be positive multiples of {BLOCK} (its scale blocks), got N {N}, "
+                  f"K {K}")
+    _tensor(op, name, b, FP8, (E, N, K))
+    _tensor(op, f"{name}_scale", b_scale, torch.float32, (E, N // BLOCK, K // BLOCK))
     return E, N, K
 
 
@@ -133,3 +138,73 @@ def quantize_groups(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
                                             f"{x.shape[-1]}")
     q, s = quantize_groups_reference(x, pow2)
     return q.contiguous(), s.contiguous()
+
+
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, *, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                  swiglu_limit: Optional[float] = None, expert_map: Optional[torch.Tensor] = None,
+                  apply_router_weight_on_input: bool = False, out: Optional[torch.Tensor] = None,
+                  layout: str = "auto", impl: str = "auto") -> torch.Tensor:
+    """The routed experts of one MoE layer (the formula: :mod:`.layer`): ``[T, H]`` bf16, written into ``out``
+    when given.
+
+    - ``hidden [T, H]`` bfloat16; ``topk_weights [T, k]`` floating, ``topk_ids [T, k]`` integer (global expert
+      ids, ``-1``: none);
+    - ``w13 [E, 2I, H]`` float8_e4m3fn (gate rows, then up rows) with ``w13_scale [E, 2I/128, H/128]`` float32;
+      ``w2 [E, H, I]`` with ``w2_scale [E, H/128, I/128]``; ``E`` the experts on this rank;
+    - ``expert_map [num_global]`` integer (optional): global id to local expert, ``-1`` where not on this rank;
+    - ``swiglu_limit``: V4's clamp (10), None for plain SwiGLU; ``apply_router_weight_on_input``: top-1 only;
+    - ``layout``: ``masked`` (fixed shapes, what a CUDA graph needs; ``E x T`` rows), ``contiguous`` (rows grouped
+      by expert), ``auto``: masked up to 64 tokens.
+
+    No host synchronisation on either layout."""
+    op = "fused_experts"
+    E, N13, H = _weights(op, w13, w13_scale, "w13")
+    check(N13 % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
+                                          f"got {N13}")
+    I = N13 // 2
+    check(isinstance(w2, torch.Tensor) and tuple(w2.shape) == (E, H, I),
+          lambda: f"{op}: w2 must have shape {(E, H, I)} (experts, hidden, intermediate), got "
+                  f"{tuple(getattr(w2, 'shape', ()))}")
+    _weights(op, w2, w2_scale, "w2")
+    check(isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and hidden.shape[1] == H,
+          lambda: f"{op}: hidden must be a [T, {H}] tensor, got {tuple(getattr(hidden, 'shape', ()))}")
+    T = hidden.shape[0]
+    _tensor(op, "hidden", hidden, torch.bfloat16, (T, H))
+    check(isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2 and topk_ids.shape[0] == T
+          and not topk_ids.is_floating_point() and topk_ids.dtype != torch.bool,
+          lambda: f"{op}: topk_ids must be an integer [{T}, k] tensor")
+    k = topk_ids.shape[1]
+    check(isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point()
+          and tuple(topk_weights.shape) == (T, k),
+          lambda: f"{op}: topk_weights must be a floating [{T}, {k}] tensor, got "
+                  f"{tuple(getattr(topk_weights, 'shape', ()))}")
+    check(expert_map is None or (isinstance(expert_map, torch.Tensor) and expert_map.dim() == 1
+                                 and not expert_map.is_floating_point()),
+          lambda: f"{op}: expert_map must be a 1-D integer tensor (global id -> local expert, -1: not here)")
+    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
+          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
+    check(not apply_router_weight_on_input or k == 1,
+          lambda: f"{op}: apply_router_weight_on_input needs top-1 routing, got top-{k}")
+    check(layout in LAYOUTS, lambda: f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=hidden.device)
+    _tensor(op, "out", out, torch.bfloat16, (T, H))
+    check_same_device(op, hidden=hidden, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
+                      topk_weights=topk_weights, topk_ids=topk_ids, expert_map=expert_map, out=out)
+    which = _run(op, impl, hidden.device)
+    if T == 0:
+        return out
+    from . import layer
+
+    if apply_router_weight_on_input:
+        hidden = (hidden.float() * topk_weights.float()).to(torch.bfloat16)
+        topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
+    masked = layout == "masked" or (layout == "auto" and T <= MASKED_MAX_TOKENS)
+    if masked:
+        gemm = lambda *args: grouped_gemm_fp8_masked(*args, impl=which)  # noqa: E731
+        return layer.fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                                          swiglu_limit, expert_map, gemm, out)
+    gemm = lambda *args: grouped_gemm_fp8(*args, impl=which)  # noqa: E731
+    return layer.fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
+                                          swiglu_limit, expert_map, gemm, out)

@@ -1,0 +1,120 @@
+"""The routed-experts op of a DeepSeek-V4 MoE layer, composed from the grouped GEMMs (:func:`fused_experts`), and
+its float32 reference (:func:`fused_experts_reference`).
+
+For each token ``t`` and each of its ``k`` choices ``(e, w) = (topk_ids[t, j], topk_weights[t, j])``::
+
+    a    = fp8_groups(hidden[t])                        # 1 x 128 quantisation, amax / 448
+    h    = bf16(a @ W13_e^T)                            # [2I]: gate = h[:I], up = h[I:]
+    act  = silu(min(gate, L)) * clamp(up, -L, L)        # L = swiglu_limit (no clamp when None)
+    y    = bf16(fp8_groups(act) @ W2_e^T)               # [H]
+    out[t] = bf16(sum_j w * y)                          # float32 sum over the choices
+
+``W13_e``, ``W2_e``: the expert's dequantised weights (128 x 128 block-scaled FP8). With
+``apply_router_weight_on_input`` (top-1 routing only, as the engines allow), ``hidden[t]`` is multiplied by ``w``
+before the quantisation and the sum takes weight 1. A choice whose expert is not on this rank (``expert_map``
+``-1``) or is out of range contributes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .reference import ALIGN, align_routing, dequantize_fp8_blocks, dequantize_groups, quantize_groups_reference
+
+# decode batches up to this many tokens run the masked layout (fixed shapes: CUDA-graph safe); larger ones the
+# contiguous layout
+MASKED_MAX_TOKENS = 64
+
+
+def swiglu(h: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    """``silu(min(gate, L)) * clamp(up, -L, L)`` in float32 of ``h = [gate | up]`` (no clamp when ``limit`` is None)."""
+    gate, up = h.float().chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def _local_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """int64 local expert per choice, ``num_experts`` for a choice with no local expert."""
+    ids = topk_ids.long()
+    if expert_map is not None:
+        inside = (ids >= 0) & (ids < expert_map.numel())
+        ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
+    return torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+
+
+def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scale, w2_scale,
+                            swiglu_limit=None, expert_map=None, apply_router_weight_on_input=False):
+    """The module docstring's formula, per expert, in float32 (``[T, H]`` bf16)."""
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    ids = _local_ids(topk_ids, E, expert_map)
+    wts = topk_weights.float()
+    x = hidden.float()
+    if apply_router_weight_on_input:
+        x, wts = x * wts[:, :1], torch.ones_like(wts)
+    acc = torch.zeros(T, w2.shape[1], dtype=torch.float32, device=hidden.device)
+    for e in torch.unique(ids[ids < E]).tolist():
+        t, j = torch.where(ids == e)
+        a = dequantize_groups(*quantize_groups_reference(x[t]))
+        h = (a @ dequantize_fp8_blocks(w13[e], w13_scale[e]).T).to(torch.bfloat16)
+        act = dequantize_groups(*quantize_groups_reference(swiglu(h, swiglu_limit)))
+        y = (act @ dequantize_fp8_blocks(w2[e], w2_scale[e]).T).to(torch.bfloat16)
+        acc.index_add_(0, t, y.float() * wts[t, j].unsqueeze(1))
+    return acc.to(torch.bfloat16)
+
+
+def _combine(y: torch.Tensor, row_of_choice: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[row_of_choice[t, j]]`` (float32 sum in choice order, deterministic; a row
+    index equal to ``y``'s row count is a choice with no row and adds nothing). Only the rows the choices name
+    are read: the GEMMs leave padding rows unwritten."""
+    T, k = weights.shape
+    ypad = torch.cat([y, y.new_zeros(1, y.shape[1])])
+    gathered = ypad[row_of_choice.reshape(-1)].view(T, k, -1).float()
+    out.copy_((gathered * weights.float().unsqueeze(-1)).sum(1))
+    return out
+
+
+def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit,
+                             expert_map, gemm, out):
+    """The contiguous layout: rows grouped by expert (:func:`.reference.align_routing`), two grouped GEMMs."""
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    row_src, layout = align_routing(topk_ids, E, expert_map)
+    M = layout.numel()
+    src = row_src.long()
+    a, sa = quantize_groups_reference(hidden[(src.clamp(min=0) // k)])
+    h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=a.device))
+    act = swiglu(h, swiglu_limit)
+    a2, sa2 = quantize_groups_reference(act)
+    y = gemm(a2, sa2, w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=a.device))
+    # each choice's row (M: none), from the rows' sources
+    row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=a.device)
+    row_of_choice[torch.where(src >= 0, src, T * k)] = torch.arange(M, device=a.device)
+    return _combine(y, row_of_choice[:T * k].view(T, k), topk_weights, out)
+
+
+def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit, expert_map,
+                         gemm, out):
+    """The masked layout: each expert's rows at ``[e, 0 .. count)`` of ``[E, T, K]`` buffers (a token picks an
+    expert at most once, so ``T`` rows always suffice), two masked grouped GEMMs. Fixed shapes, no host sync."""
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    ids = _local_ids(topk_ids, E, expert_map).reshape(-1)
+    keep = ids < E
+    e = ids.clamp(max=E - 1)
+    onehot = F.one_hot(torch.where(keep, ids, E), E + 1)[:, :E]
+    rank = (torch.cumsum(onehot, 0) - onehot).gather(1, e.unsqueeze(1)).squeeze(1)  # earlier choices of e
+    counts = onehot.sum(0).to(torch.int32)
+    slot = torch.where(keep, e * T + rank, E * T)
+    x = hidden[torch.arange(T * k, device=hidden.device) // k]
+    rows = torch.zeros(E * T + 1, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    rows[slot] = x
+    a, sa = quantize_groups_reference(rows[:E * T].view(E, T, -1))
+    h = gemm(a, sa, w13, w13_scale, counts, torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=a.device))
+    a2, sa2 = quantize_groups_reference(swiglu(h, swiglu_limit))
+    y = gemm(a2, sa2, w2, w2_scale, counts, torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=a.device))
+    return _combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)
