@@ -8,10 +8,12 @@ A block computes ``block_m x block_n`` of ``D`` (``block_m`` 128: one tile of th
 scales and the block's B scale, added to the float32 accumulator (the scales change every K step, so they cannot
 be applied after the loop). Both GEMM operands come from shared memory (what MUSA MP31 lowers).
 
-The tile's expert is the id of its first row. A tile whose expert is outside ``[0, E)`` skips the K loop (no
-weight is read). The epilogue writes, per row: the result where the row's id is the tile's (valid) expert,
-NaN where the id is another non-negative value or the tile's expert is invalid, nothing where the id is ``-1``
-or the row is past ``M``.
+The tile's expert is the id of its first row. Per row, the block writes: the result where the row's id is the
+tile's expert, NaN where the id is another non-negative value, nothing where the id is ``-1`` or the row is past
+``M``. A tile whose expert is outside ``[0, E)`` reads no weight and writes NaN to its rows with a non-negative
+id. The K loop, its epilogue and the invalid tile's NaN rows are the two arms of one branch: TileLang's
+automatic warp specialisation assigns code after a branch holding the pipeline to the producer warps, which do
+not hold the accumulator.
 """
 
 import functools
@@ -51,23 +53,26 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
             NAN_BF16 = T.reinterpret(T.uint16(0x7FC0), "bfloat16")
             row0 = by * block_m
             expert[0] = layout[row0]
-            valid = T.And(expert[0] >= 0, expert[0] < E)
-            e = T.if_then_else(valid, expert[0], 0)
-            T.clear(acc)
-            if valid:
+            if T.And(expert[0] >= 0, expert[0] < E):
+                T.clear(acc)
                 for k in T.Pipelined(KS, num_stages=num_stages):
                     T.copy(A[row0, k * block_k], A_s)
-                    T.copy(B[e, bx * block_n, k * block_k], B_s)
+                    T.copy(B[expert[0], bx * block_n, k * block_k], B_s)
                     for i in T.Parallel(block_m):
-                        scale_s[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0) * SB[e, bx * block_n // 128, k]
+                        scale_s[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0) * SB[expert[0], bx * block_n // 128, k]
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(block_m, block_n):
                         acc[i, j] += part[i, j] * scale_s[i]
-            T.copy(acc, D_s)
-            for i, j in T.Parallel(block_m, block_n):
-                if row0 + i < M:
-                    if layout[row0 + i] >= 0:
-                        D[row0 + i, bx * block_n + j] = T.if_then_else(
-                            T.And(valid, layout[row0 + i] == expert[0]), D_s[i, j], NAN_BF16)
+                T.copy(acc, D_s)
+                for i, j in T.Parallel(block_m, block_n):
+                    if row0 + i < M:
+                        if layout[row0 + i] >= 0:
+                            D[row0 + i, bx * block_n + j] = T.if_then_else(layout[row0 + i] == expert[0], D_s[i, j],
+                                                                           NAN_BF16)
+            else:
+                for i, j in T.Parallel(block_m, block_n):
+                    if row0 + i < M:
+                        if layout[row0 + i] >= 0:
+                            D[row0 + i, bx * block_n + j] = NAN_BF16
 
     return grouped_gemm_contiguous
