@@ -13,7 +13,8 @@ tile's expert, NaN where the id is another non-negative value, nothing where the
 ``M``. A tile whose expert is outside ``[0, E)`` reads no weight and writes NaN to its rows with a non-negative
 id. The K loop, its epilogue and the invalid tile's NaN rows are the two arms of one branch: TileLang's
 automatic warp specialisation assigns code after a branch holding the pipeline to the producer warps, which do
-not hold the accumulator.
+not hold the accumulator. The tile's expert is read from ``layout`` wherever it is used, not kept in a local:
+the same pass moves a local's initialisation past the branch that tests it.
 """
 
 import functools
@@ -48,18 +49,16 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
             D_s = T.alloc_shared((block_m, block_n), "bfloat16")
             part = T.alloc_fragment((block_m, block_n), ACC)
             acc = T.alloc_fragment((block_m, block_n), ACC)
-            expert = T.alloc_local((1,), "int32")
 
             NAN_BF16 = T.reinterpret(T.uint16(0x7FC0), "bfloat16")
             row0 = by * block_m
-            expert[0] = layout[row0]
-            if T.And(expert[0] >= 0, expert[0] < E):
+            if T.And(layout[row0] >= 0, layout[row0] < E):
                 T.clear(acc)
                 for k in T.Pipelined(KS, num_stages=num_stages):
                     T.copy(A[row0, k * block_k], A_s)
-                    T.copy(B[expert[0], bx * block_n, k * block_k], B_s)
+                    T.copy(B[layout[row0], bx * block_n, k * block_k], B_s)
                     for i in T.Parallel(block_m):
-                        scale_s[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0) * SB[expert[0], bx * block_n // 128, k]
+                        scale_s[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0) * SB[layout[row0], bx * block_n // 128, k]
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(block_m, block_n):
                         acc[i, j] += part[i, j] * scale_s[i]
@@ -67,7 +66,7 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
                 for i, j in T.Parallel(block_m, block_n):
                     if row0 + i < M:
                         if layout[row0 + i] >= 0:
-                            D[row0 + i, bx * block_n + j] = T.if_then_else(layout[row0 + i] == expert[0], D_s[i, j],
+                            D[row0 + i, bx * block_n + j] = T.if_then_else(layout[row0 + i] == layout[row0], D_s[i, j],
                                                                            NAN_BF16)
             else:
                 for i, j in T.Parallel(block_m, block_n):
