@@ -5,7 +5,9 @@
 A block computes ``block_m x block_n`` of ``D`` (``block_m`` 128: one tile of the layout; ``block_n`` a divisor of
 128, so one weight scale covers it per K step). Per K step of 128: both operands' FP8 tiles to shared memory
 (pipelined), one tensor-core GEMM of the tile into a float32 fragment, then that fragment, times the rows' A
-scales and the block's B scale, added to the float32 accumulator (the scales change every K step, so they cannot
+scales and the block's B scale (read from global memory into registers by the threads holding those rows; kept
+in shared memory, the two consumer warp groups' writes and reads of it raced under TileLang's warp
+specialisation), added to the float32 accumulator (the scales change every K step, so they cannot
 be applied after the loop). Both GEMM operands come from shared memory (what MUSA MP31 lowers).
 
 The tile's expert is the id of its first row. Per row, the block writes: the result where the row's id is the
@@ -45,7 +47,7 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
         with T.Kernel(N // block_n, T.ceildiv(M, block_m), threads=threads) as (bx, by):
             A_s = T.alloc_shared((block_m, block_k), FP8)
             B_s = T.alloc_shared((block_n, block_k), FP8)
-            scale_s = T.alloc_shared((block_m,), ACC)
+            scale = T.alloc_fragment((block_m,), ACC)
             D_s = T.alloc_shared((block_m, block_n), "bfloat16")
             part = T.alloc_fragment((block_m, block_n), ACC)
             acc = T.alloc_fragment((block_m, block_n), ACC)
@@ -58,10 +60,10 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
                     T.copy(A[row0, k * block_k], A_s)
                     T.copy(B[layout[row0], bx * block_n, k * block_k], B_s)
                     for i in T.Parallel(block_m):
-                        scale_s[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0) * SB[layout[row0], bx * block_n // 128, k]
+                        scale[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0) * SB[layout[row0], bx * block_n // 128, k]
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(block_m, block_n):
-                        acc[i, j] += part[i, j] * scale_s[i]
+                        acc[i, j] += part[i, j] * scale[i]
                 T.copy(acc, D_s)
                 for i, j in T.Parallel(block_m, block_n):
                     if row0 + i < M:
