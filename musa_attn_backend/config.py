@@ -79,10 +79,14 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("vllm_cuda_graphs", "MUSA_ATTN_VLLM_CUDA_GRAPHS", "bool", True, False,
            "the vLLM builder declares UNIFORM_SINGLE_TOKEN_DECODE and builds pure-decode batches into persistent "
            "buffers under full CUDA graphs (0: declares NEVER)"),
+    Switch("moe", "MUSA_ATTN_MOE", "text", "auto", False,
+           "the engines' FP8 MoE experts run on this package's grouped GEMMs (kernels.moe): auto (on a MUSA "
+           "device only), on (also on CUDA), off (the engines' own MoE kernels)"),
     Switch("commit", "MUSA_ATTN_COMMIT", "text", None, False,
            "the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)"),
 )
 BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
+CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -103,6 +107,7 @@ class Settings:
     cache_dir: Optional[Path] = None
     poison: bool = False
     vllm_cuda_graphs: bool = True
+    moe: str = "auto"
     commit: Optional[str] = None
 
 
@@ -135,7 +140,17 @@ def parse(switch: Switch, raw: str) -> Any:
                             f"or leave it unset for the default ({text(switch, switch.default)})")
     if switch.kind == "path":
         return Path(value).expanduser()
-    return value
+    return _choice(switch, value, f"{switch.env}={raw!r} is not understood")
+
+
+def _choice(switch: Switch, value: str, what: str) -> str:
+    """``value`` (lower-cased) for a text switch with a fixed set of values (:data:`CHOICES`), else as given."""
+    allowed = CHOICES.get(switch.field)
+    if allowed is None:
+        return value
+    if value.lower() not in allowed:
+        raise SettingsError(f"{what}: use one of {', '.join(allowed)}")
+    return value.lower()
 
 
 def _coerce(switch: Switch, value: Any) -> Any:
@@ -149,7 +164,7 @@ def _coerce(switch: Switch, value: Any) -> Any:
     if switch.kind == "path" and isinstance(value, (str, Path)):
         return Path(value).expanduser()
     if switch.kind == "text" and isinstance(value, str) and value.strip():
-        return value.strip()
+        return _choice(switch, value.strip(), f"override({switch.field}={value!r})")
     raise SettingsError(f"override({switch.field}=...): {switch.env} takes "
                         f"{'a path' if switch.kind == 'path' else 'a non-empty string'} or None, got {value!r}")
 
@@ -264,3 +279,14 @@ def markdown_table() -> str:
     for s in SWITCHES:
         rows.append(f"| `{s.env}` | {text(s, s.default)} | {'yes' if s.kernels else ''} | {s.meaning} |")
     return "\n".join(rows)
+
+
+def moe_experts_enabled() -> bool:
+    """Whether the engine adapters route the FP8 MoE experts to :mod:`musa_attn_backend.kernels.moe`
+    (``MUSA_ATTN_MOE``: ``auto`` on a MUSA device, ``on``, ``off``)."""
+    value = settings().moe
+    if value == "auto":
+        from .platform import get_platform
+
+        return get_platform().kind == "musa"
+    return value == "on"

@@ -44,6 +44,9 @@ def register() -> None:
     from .model_hooks import install as install_model_kernels
 
     install_model_kernels()
+    from .moe import install as install_moe_experts
+
+    install_moe_experts()
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     version = getattr(sglang, "__version__", "?")

@@ -5,7 +5,8 @@ vLLM calls :func:`register` with no arguments in every process. It adds the ``TI
 "tilelang_musa")`` and ``--attention-config '{"backend": "tilelang_musa"}'`` resolve; the lookup is
 case-insensitive) and makes that member survive pickling into *spawned* workers. For DeepSeek-V4, whose model
 picks its layer class itself, :mod:`.dsv4_selection` makes that choice return our V4 layer (:mod:`.dsv4`) for
-``tilelang_musa`` instead of dropping it (and refuse it, with a message, for V4.1 checkpoints).
+``tilelang_musa`` instead of dropping it (and refuse it, with a message, for V4.1 checkpoints). :mod:`.moe` runs
+the FP8 MoE experts on this package's grouped GEMMs where ``MUSA_ATTN_MOE`` says so (on MUSA by default).
 
 The spawn trap: enum members pickle by value, and a spawned worker unpickles the ``VllmConfig`` holding the
 member before it loads plugins, so a dynamically added member fails (``'...' is not a valid
@@ -55,6 +56,9 @@ def register() -> None:
     from . import dsv4_selection
 
     dsv4_selection.install()  # DeepSeek-V4 picks its layer class itself: take that choice over
+    from . import moe
+
+    moe.install()  # FP8 MoE experts on our grouped GEMMs where MUSA_ATTN_MOE says so
     import vllm
 
     version = getattr(vllm, "__version__", "?")

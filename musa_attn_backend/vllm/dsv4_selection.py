@@ -18,15 +18,9 @@ that loads the plugin (fork and spawn alike: each loads the plugin).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-
 V4 = "vllm.models.deepseek_v4.nvidia.model"
 V41 = "vllm.models.deepseek_v41.nvidia.model"
 TARGETS = (V4, V41)
-
-_state = {"finder": None}
 
 
 def refusal_v41() -> str:
@@ -68,40 +62,9 @@ def _patch(module) -> None:
     module._select_dsv4_attn_cls = select
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds each of ``TARGETS`` through the other finders, and patches it right after it executes."""
-
-    def __init__(self):
-        self._loaders = {}
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in TARGETS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                self._loaders[name] = spec.loader
-                spec.loader = self
-                return spec
-        return None
-
-    def create_module(self, spec):
-        loader = self._loaders[spec.name]
-        return loader.create_module(spec) if hasattr(loader, "create_module") else None
-
-    def exec_module(self, module):
-        self._loaders[module.__spec__.name].exec_module(module)
-        _patch(module)
-
-
 def install() -> None:
     """Take V4 layer selection over (idempotent; see the module docstring)."""
+    from ..import_hooks import patch_on_import
+
     for name in TARGETS:
-        module = sys.modules.get(name)
-        if module is not None:
-            _patch(module)
-    if _state["finder"] is None:
-        _state["finder"] = _PatchOnImport()
-        sys.meta_path.insert(0, _state["finder"])
+        patch_on_import(name, _patch)
