@@ -131,3 +131,20 @@ def test_fused_experts_matches_reference(gpu_device, T, layout, mapped):
     assert torch.isfinite(out).all()
     rel = float((out.float() - ref.float()).norm() / ref.float().norm())
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("shape,E,max_m", [("small", 8, 5), ("flash_gate_up", 256, 64), ("pro_gate_up", 16, 130)])
+def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m):
+    """FP4 (MXFP4) experts converted in the kernel: the same bound as FP8 (the conversion is exact)."""
+    N, K = SHAPES[shape]
+    g = torch.Generator(device=gpu_device).manual_seed(4)
+    packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g,
+                                                           dtype=torch.bfloat16))
+    m = torch.randint(0, max_m + 1, (E,), device=gpu_device, generator=g).to(torch.int32)
+    a, sa = moe.quantize_groups(torch.randn(E, max_m, K, device=gpu_device))
+    out = torch.full((E, max_m, N), float("nan"), device=gpu_device, dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8_masked(a, sa, packed, scale, m, out, impl="tilelang")
+    ref = moe.grouped_gemm_masked_reference(a, sa, packed, scale, m)
+    rows = torch.arange(max_m, device=gpu_device).view(1, -1) < m.view(-1, 1)
+    close(out, ref, rows)
+    assert torch.isnan(out[~rows]).all()

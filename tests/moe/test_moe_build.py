@@ -10,10 +10,11 @@ from musa_attn_backend.kernels import moe
 from musa_attn_backend.kernels._tir import gemm_operands
 from musa_attn_backend.kernels.moe import tilelang_impl as ti
 from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
+from musa_attn_backend.kernels.moe.masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
 
-TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32,
+TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8,
             "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
@@ -46,16 +47,28 @@ def test_launch_glue_matches_the_programs(use_settings):
         ti.grouped_gemm_masked_tilelang(torch.zeros(E, 7, K, dtype=b.dtype),
                                         torch.ones(E, 7, 3), b, sb, torch.zeros(E, dtype=torch.int32),
                                         torch.empty(E, 7, N, dtype=torch.bfloat16))
-    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked"]
+        ti.grouped_gemm_masked_tilelang(torch.zeros(E, 7, K, dtype=b.dtype), torch.ones(E, 7, 3),
+                                        torch.zeros(E, N, K // 2, dtype=torch.uint8),
+                                        torch.zeros(E, N, K // 32, dtype=torch.uint8), torch.zeros(E, dtype=torch.int32),
+                                        torch.empty(E, 7, N, dtype=torch.bfloat16), fp4=True)
+    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked"]
     for _, func, args in calls:
         _signature_check(func, args)
 
 
 @pytest.mark.parametrize("build", [lambda: build_grouped_gemm_contiguous(4096, 4096),
-                                   lambda: build_grouped_gemm_masked(4096, 2048)])
+                                   lambda: build_grouped_gemm_masked(4096, 2048),
+                                   lambda: build_grouped_gemm_masked_fp4(4096, 2048)])
 def test_programs_take_both_gemm_operands_from_shared_memory(build):
     ops = gemm_operands(build())
     assert len(ops) == 1 and ops[0].a_scope.startswith("shared") and ops[0].b_scope.startswith("shared")
+
+
+def test_fp4_program_lowers_for_sm90a_converting_in_the_kernel():
+    """Packed E2M1 bytes and UE8M0 scales in, a bf16 tensor-core GEMM of the two converted shared tiles."""
+    src = _tilelang.lower(build_grouped_gemm_masked_fp4(4096, 2048), HOPPER).source
+    assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in src
+    assert "<< (uint)23" in src  # the scale byte placed in a float32's exponent field
 
 
 @pytest.mark.parametrize("which", ["contiguous", "masked"])
@@ -85,8 +98,8 @@ NVCC = nvcc_path()
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
-@pytest.mark.parametrize("which", ["contiguous", "masked"])
+@pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    kern = (ti.contiguous_kernel if which == "contiguous" else ti.masked_kernel)(4096, 4096, target=HOPPER)
+    kern = getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER)
     assert "__global__" in kern.get_kernel_source()

@@ -202,3 +202,36 @@ def test_align_routing_against_a_loop(T, k, E, mapped):
     n = len(want_src)
     assert row_src[:n].tolist() == want_src and layout[:n].tolist() == want_lay
     assert (row_src[n:] == -1).all() and (layout[n:] == -1).all()
+
+
+def test_masked_fp4_weights_against_float64():
+    g = torch.Generator().manual_seed(7)
+    E, MM, N, K = 3, 5, 128, 256
+    packed, scale = R.quantize_fp4_reference(torch.randn(E, N, K, generator=g))
+    a, sa = moe.quantize_groups(torch.randn(E, MM, K, generator=g))
+    masked = torch.tensor([5, 2, 0], dtype=torch.int32)
+    out = torch.full((E, MM, N), float("nan"), dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8_masked(a, sa, packed, scale, masked, out)
+    table = [e2m1_from_bits(n) for n in range(16)]
+    for e in range(E):
+        w = torch.tensor([[table[int(packed[e, n, j // 2]) >> (4 * (j % 2)) & 15] for j in range(K)] for n in range(N)],
+                         dtype=torch.float64) * (2.0 ** (scale[e].double() - 127)).repeat_interleave(32, -1)
+        for r in range(MM):
+            if r >= masked[e]:
+                assert torch.isnan(out[e, r]).all()
+                continue
+            want = w @ (a[e, r].double() * sa[e, r].double().repeat_interleave(128))
+            assert ((out[e, r].double() - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all()
+
+
+def test_fp4_weights_are_refused_where_not_supported():
+    packed = torch.zeros(2, 128, 128, dtype=torch.uint8)
+    a, sa = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
+    with pytest.raises(ValueError, match="b must be float8_e4m3fn .128 x 128 block-scaled FP8 weights., got"):
+        moe.grouped_gemm_fp8(a, sa, packed, torch.zeros(2, 128, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32))
+    a3, sa3 = torch.zeros(2, 4, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 4, 2)
+    with pytest.raises(ValueError, match=r"b_scale must be torch.uint8"):
+        moe.grouped_gemm_fp8_masked(a3, sa3, packed, torch.zeros(2, 128, 8), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"b_scale must have shape \(2, 128, 8\)"):
+        moe.grouped_gemm_fp8_masked(a3, sa3, packed, torch.zeros(2, 128, 4, dtype=torch.uint8),
+                                    torch.zeros(2, dtype=torch.int32))

@@ -42,18 +42,26 @@ def _tensor(op, name, t, dtype, shape):
     check(t.is_contiguous(), lambda: f"{op}: {name} must be contiguous")
 
 
-def _weights(op, b, b_scale, name="b"):
-    """Checks FP8 weights ``[E, N, K]`` with their block scales; returns ``(E, N, K)``."""
+def _weights(op, b, b_scale, name="b", fp4=False):
+    """Checks expert weights with their scales: FP8 ``[E, N, K]`` with float32 ``[E, N/128, K/128]`` block scales,
+    or (``fp4``) also MXFP4 ``[E, N, K/2]`` uint8 with UE8M0 ``[E, N, K/32]`` uint8 scales. Returns ``(E, N, K,
+    is_fp4)``."""
     check(isinstance(b, torch.Tensor) and b.dim() == 3, lambda: f"{op}: {name} must be a [E, N, K] tensor")
-    check(b.dtype == FP8, lambda: f"{op}: {name} must be float8_e4m3fn (128 x 128 block-scaled FP8 weights), got "
-                                  f"{b.dtype}")
-    E, N, K = b.shape
+    is_fp4 = fp4 and b.dtype == torch.uint8
+    check(b.dtype == FP8 or is_fp4,
+          lambda: f"{op}: {name} must be float8_e4m3fn (128 x 128 block-scaled FP8 weights)"
+                  + (" or uint8 (packed MXFP4)" if fp4 else "") + f", got {b.dtype}")
+    E, N, K = b.shape[0], b.shape[1], b.shape[2] * (2 if is_fp4 else 1)
     check(E >= 1 and N % BLOCK == 0 and K % BLOCK == 0 and N > 0 and K > 0,
           lambda: f"{op}: {name}'s N and K must be positive multiples of {BLOCK} (its scale blocks), got N {N}, "
                   f"K {K}")
-    _tensor(op, name, b, FP8, (E, N, K))
-    _tensor(op, f"{name}_scale", b_scale, torch.float32, (E, N // BLOCK, K // BLOCK))
-    return E, N, K
+    if is_fp4:
+        _tensor(op, name, b, torch.uint8, (E, N, K // 2))
+        _tensor(op, f"{name}_scale", b_scale, torch.uint8, (E, N, K // FP4_GROUP))
+    else:
+        _tensor(op, name, b, FP8, (E, N, K))
+        _tensor(op, f"{name}_scale", b_scale, torch.float32, (E, N // BLOCK, K // BLOCK))
+    return E, N, K, is_fp4
 
 
 def _run(op, impl, device):
@@ -79,7 +87,7 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
 
     All tensors contiguous, on one device. Returns ``out``."""
     op = "grouped_gemm_fp8"
-    E, N, K = _weights(op, b, b_scale)
+    E, N, K, _ = _weights(op, b, b_scale)
     check(isinstance(a, torch.Tensor) and a.dim() == 2, lambda: f"{op}: a must be a [M, {K}] tensor")
     M = a.shape[0]
     _tensor(op, "a", a, FP8, (M, K))
@@ -104,13 +112,15 @@ def grouped_gemm_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Ten
     a CUDA graph can hold it.
 
     - ``a [E, max_m, K]`` float8_e4m3fn, ``a_scale [E, max_m, K/128]`` float32;
-    - ``b [E, N, K]``, ``b_scale [E, N/128, K/128]`` as for :func:`grouped_gemm_fp8`;
+    - ``b [E, N, K]``, ``b_scale [E, N/128, K/128]`` as for :func:`grouped_gemm_fp8`, or FP4 (MXFP4) experts:
+      ``b [E, N, K/2]`` uint8 (two E2M1 values a byte, the even one low) with ``b_scale [E, N, K/32]`` uint8
+      (UE8M0), converted in the kernel;
     - ``masked_m [E]`` int32, clamped to ``[0, max_m]``;
     - ``out [E, max_m, N]`` bfloat16 (allocated when None): rows at or past ``masked_m[e]`` are not written.
 
     All tensors contiguous, on one device. Returns ``out``."""
     op = "grouped_gemm_fp8_masked"
-    E, N, K = _weights(op, b, b_scale)
+    E, N, K, fp4 = _weights(op, b, b_scale, fp4=True)
     check(isinstance(a, torch.Tensor) and a.dim() == 3, lambda: f"{op}: a must be a [{E}, max_m, {K}] tensor")
     MM = a.shape[1]
     _tensor(op, "a", a, FP8, (E, MM, K))
@@ -124,7 +134,7 @@ def grouped_gemm_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Ten
         return grouped_gemm_masked_reference(a, a_scale, b, b_scale, masked_m, out)
     from .tilelang_impl import grouped_gemm_masked_tilelang
 
-    return grouped_gemm_masked_tilelang(a, a_scale, b, b_scale, masked_m, out)
+    return grouped_gemm_masked_tilelang(a, a_scale, b, b_scale, masked_m, out, fp4=fp4)
 
 
 def quantize_groups(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +169,7 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
 
     No host synchronisation on either layout."""
     op = "fused_experts"
-    E, N13, H = _weights(op, w13, w13_scale, "w13")
+    E, N13, H, _ = _weights(op, w13, w13_scale, "w13")
     check(N13 % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
                                           f"got {N13}")
     I = N13 // 2

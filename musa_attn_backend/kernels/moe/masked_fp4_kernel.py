@@ -1,0 +1,88 @@
+"""TileLang program: the masked grouped GEMM with FP4 (MXFP4) expert weights (the rule and the formats:
+:mod:`.reference`): ``D[e, m] = (A[e, m] * a_scale[e, m]) @ W_e^T`` for ``m < masked_m[e]``, ``W_e`` the expert's
+E2M1 weights times their UE8M0 scales (one per 32 values of a row).
+
+The weights are converted in the kernel, per K step of 128, into a bf16 tile in shared memory: each value is its
+E2M1 magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6 by the nibble's low three bits, the fourth its sign) times ``2^(s -
+127)``, exact in bf16 for every scale byte from 1 to 254 (0 gives 0 instead of 2^-127; 255, NaN in the format,
+gives infinity). The A tile (FP8) is widened to bf16 beside it, exactly, and one bf16 tensor-core GEMM of the two
+shared tiles (what MUSA MP31 lowers) goes into a float32 fragment that is scaled by the rows' A scales into the
+accumulator. The weights stay packed in memory: the program reads half the bytes of FP8 weights and converts on
+the fly, no FP8 copy exists. Blocks past ``masked_m[e]`` (clamped to ``[0, max_m]``) exit before reading anything;
+rows past it are not written.
+"""
+
+import functools
+
+from ..._tilelang import tl_lang as T
+
+FP8 = "float8_e4m3"
+ACC = "float32"
+BF16 = "bfloat16"
+
+
+@functools.lru_cache(maxsize=None)
+def build_grouped_gemm_masked_fp4(N: int, K: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
+                                  threads: int = 128):
+    """``N``, ``K``: the weights' logical shape (multiples of 128); the expert count and ``max_m`` are dynamic."""
+    block_k = 128
+    assert N % block_n == 0 and K % block_k == 0
+    E, MM = T.dynamic("experts"), T.dynamic("max_m")
+    KS = K // block_k
+
+    def e2m1(nib):
+        """The float32 value of an E2M1 nibble."""
+        code = nib & 7
+        exp = T.shift_right(code, 1)
+        man = T.Cast(ACC, code & 1)
+        mag = T.if_then_else(exp == 0, man * 0.5, (1.0 + man * 0.5) * T.Cast(ACC, T.shift_left(1, T.max(exp, 1) - 1)))
+        return T.if_then_else(nib >= 8, -mag, mag)
+
+    def pow2(s):
+        """``2^(s - 127)`` for a UE8M0 byte, as the float32 whose exponent field is ``s``."""
+        return T.reinterpret(T.shift_left(T.Cast("uint32", s), T.uint32(23)), ACC)
+
+    @T.prim_func
+    def grouped_gemm_masked_fp4(
+        A: T.Tensor((E, MM, K), FP8),
+        SA: T.Tensor((E, MM, KS), ACC),
+        B: T.Tensor((E, N, K // 2), "uint8"),
+        SB: T.Tensor((E, N, K // 32), "uint8"),
+        masked_m: T.Tensor((E,), "int32"),
+        D: T.Tensor((E, MM, N), BF16),
+    ):
+        with T.Kernel(N // block_n, T.ceildiv(MM, block_m), E, threads=threads) as (bx, by, e):
+            A_s = T.alloc_shared((block_m, block_k), FP8)
+            Bq_s = T.alloc_shared((block_n, block_k // 2), "uint8")
+            Bs_s = T.alloc_shared((block_n, block_k // 32), "uint8")
+            A_w = T.alloc_shared((block_m, block_k), BF16)
+            B_w = T.alloc_shared((block_n, block_k), BF16)
+            D_s = T.alloc_shared((block_m, block_n), BF16)
+            part = T.alloc_fragment((block_m, block_n), ACC)
+            acc = T.alloc_fragment((block_m, block_n), ACC)
+            scale = T.alloc_fragment((block_m,), ACC)
+
+            rows = T.min(T.max(masked_m[e], 0), MM)
+            row0 = by * block_m
+            if row0 < rows:
+                T.clear(acc)
+                for k in T.Pipelined(KS, num_stages=num_stages):
+                    T.copy(A[e, row0, k * block_k], A_s)
+                    T.copy(B[e, bx * block_n, k * (block_k // 2)], Bq_s)
+                    T.copy(SB[e, bx * block_n, k * (block_k // 32)], Bs_s)
+                    for i, j in T.Parallel(block_m, block_k):
+                        A_w[i, j] = T.Cast(BF16, A_s[i, j])
+                    for n, j in T.Parallel(block_n, block_k):
+                        nib = T.shift_right(T.Cast("int32", Bq_s[n, j // 2]), (j % 2) * 4) & 15
+                        B_w[n, j] = T.Cast(BF16, e2m1(nib) * pow2(Bs_s[n, j // 32]))
+                    for i in T.Parallel(block_m):
+                        scale[i] = T.if_then_else(row0 + i < rows, SA[e, T.min(row0 + i, MM - 1), k], 0.0)
+                    T.gemm(A_w, B_w, part, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(block_m, block_n):
+                        acc[i, j] += part[i, j] * scale[i]
+                T.copy(acc, D_s)
+                for i, j in T.Parallel(block_m, block_n):
+                    if row0 + i < rows:
+                        D[e, row0 + i, bx * block_n + j] = D_s[i, j]
+
+    return grouped_gemm_masked_fp4
