@@ -96,11 +96,12 @@ def quantize_fp4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     amax = g.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -100)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     x = g / torch.exp2(exp)
-    mags = e2m1_table(w.device)[:8]
-    code = (x.abs().unsqueeze(-1) - mags).abs().argmin(-1)
-    code = code + 8 * (x < 0).long() * (code > 0).long()
+    # the nearest magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6) by the midpoints between them; a tie takes the smaller
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)
+    code = torch.bucketize(x.abs(), mids).to(torch.uint8)
+    code = code + 8 * ((x < 0) & (code > 0)).to(torch.uint8)
     code = code.flatten(-2)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed, (exp.squeeze(-1) + 127).to(torch.uint8)
 
 
