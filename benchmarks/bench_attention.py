@@ -360,6 +360,19 @@ def write_run(out, tag: str, doc: dict) -> Path:
     return path
 
 
+def package_versions(*packages: str) -> dict:
+    """torch's version and each package's installed version (``unknown`` where it is not installed)."""
+    import importlib.metadata as md
+
+    out = {"torch": torch.__version__}
+    for pkg in packages:
+        try:
+            out[pkg] = md.version(pkg)
+        except Exception:  # noqa: BLE001
+            out[pkg] = "unknown"
+    return out
+
+
 def git_commit() -> str:
     """The commit the run measures: the ``.commit`` file the caller leaves in the tree (the lent GPU machine
     gets a copy whose git metadata can be stale), else MUSA_ATTN_COMMIT, else HEAD of the checkout."""

@@ -41,7 +41,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_attention import bench_ms, git_commit, measure_ceilings  # noqa: E402
+from bench_attention import bench_ms, git_commit, measure_ceilings, package_versions  # noqa: E402
 from musa_attn_backend.kernels import moe  # noqa: E402
 
 MODELS = {"flash": dict(E=256, H=4096, I=2048), "pro": dict(E=384, H=7168, I=3072)}
@@ -152,15 +152,7 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"torch": torch.__version__}
-    for pkg in ("tilelang",):
-        try:
-            out[pkg] = md.version(pkg)
-        except Exception:  # noqa: BLE001
-            out[pkg] = "unknown"
-    return out
+    return package_versions("tilelang")
 
 
 def main(argv=None) -> int:

@@ -42,7 +42,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_attention import capture_graph, eager_ms, git_commit  # noqa: E402
+from bench_attention import capture_graph, eager_ms, git_commit, package_versions  # noqa: E402
 
 OURS = "tilelang_musa"
 ROW_BYTES = 584  # one FP8 MODEL1 cache row
@@ -273,15 +273,7 @@ def configs(quick: bool, smoke: bool):
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"torch": torch.__version__}
-    for pkg in ("tilelang", "sglang"):
-        try:
-            out[pkg] = md.version(pkg)
-        except Exception:  # noqa: BLE001
-            out[pkg] = "unknown"
-    return out
+    return package_versions("tilelang", "sglang")
 
 
 def main(argv=None) -> int:

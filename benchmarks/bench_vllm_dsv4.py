@@ -38,7 +38,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_attention import capture_graph, eager_ms, git_commit  # noqa: E402
+from bench_attention import capture_graph, eager_ms, git_commit, package_versions  # noqa: E402
 
 ROW_BYTES = 584
 WINDOW = 128
@@ -177,15 +177,7 @@ def configs(quick: bool, smoke: bool):
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"torch": torch.__version__}
-    for pkg in ("tilelang", "vllm"):
-        try:
-            out[pkg] = md.version(pkg)
-        except Exception:  # noqa: BLE001
-            out[pkg] = "unknown"
-    return out
+    return package_versions("tilelang", "vllm")
 
 
 def main(argv=None) -> int:
