@@ -2,6 +2,7 @@
 
     python benchmarks/bench_moe.py [--out benchmarks/results] [--quick] [--models flash,pro]
     python benchmarks/bench_moe.py --smoke        (CPU, tiny shapes: the harness only)
+    python benchmarks/bench_moe.py --plot benchmarks/results/moe-....json   (the PNG of a run, beside it)
 
 Each row is one GEMM of one MoE layer's routed experts: ``gate_up`` (``N = 2 I``, ``K = H``) or ``down`` (``N = H``,
 ``K = I``) of V4-Flash (256 experts, H 4096, I 2048) or V4-Pro (384, 7168, 3072), for ``T`` tokens with uniform
@@ -151,6 +152,36 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
     return row
 
 
+def plot(rows, path) -> bool:
+    """Time against tokens, one panel per model and GEMM, ours (both layouts) and the peers; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = sorted({(r["shape"]["model"], r["op"]) for r in rows if "ours_ms" in r})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, (model, op) in zip(axes[0], panels):
+        sel = sorted((r for r in rows if r["shape"]["model"] == model and r["op"] == op and "ours_ms" in r),
+                     key=lambda r: r["shape"]["T"])
+        T = [r["shape"]["T"] for r in sel]
+        ax.plot(T, [r["ours_ms"] for r in sel], "o-", label="ours (contiguous)")
+        masked = [r for r in sel if "ours_masked_ms" in r]
+        ax.plot([r["shape"]["T"] for r in masked], [r["ours_masked_ms"] for r in masked], "o-", label="ours (masked)")
+        for peer in ("scaled_grouped_mm", "grouped_mm_bf16"):
+            have = [r for r in sel if "ms" in r["peers"].get(peer, {})]
+            ax.plot([r["shape"]["T"] for r in have], [r["peers"][peer]["ms"] for r in have], "s--", label=peer)
+        ax.plot(T, [r["roofline_ms"] for r in sel], ":", color="gray", label="roofline")
+        ax.set(xscale="log", yscale="log", xlabel="tokens (top-6)", ylabel="ms", title=f"V4-{model} {op[4:]}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def versions() -> dict:
     return package_versions("tilelang")
 
@@ -162,7 +193,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="flash,pro")
     ap.add_argument("--tokens", default="1,8,64,512,4096,16384")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results file, beside it")
     args = ap.parse_args(argv)
+    if args.plot:
+        src = Path(args.plot)
+        return 0 if plot(json.loads(src.read_text())["rows"], src.with_suffix(".png")) else 1
     device = "cpu" if args.smoke else "cuda"
     ceilings = {}
     if not args.smoke:
@@ -200,6 +235,8 @@ def main(argv=None) -> int:
                        else "cpu", "commit": git_commit(), "date": stamp.isoformat(), "versions": versions(),
                        "ceilings": ceilings, "rows": rows}
                 path.write_text(json.dumps(doc, indent=1) + "\n")
+    if device == "cuda" and plot(rows, path.with_suffix(".png")):
+        print(f"plot in {path.with_suffix('.png')}")
     print(f"results in {path}")
     return 0 if all("errors" not in r for r in rows) else 1
 
