@@ -104,15 +104,21 @@ def test_masked_matches_reference(gpu_device, shape, E, max_m, counts):
 
 @pytest.mark.parametrize("T,layout,mapped", [(1, "masked", False), (64, "masked", True), (65, "contiguous", False),
                                              (2000, "contiguous", True)])
-def test_fused_experts_matches_reference(gpu_device, T, layout, mapped):
+@pytest.mark.parametrize("fp4", [False, True])
+def test_fused_experts_matches_reference(gpu_device, T, layout, mapped, fp4):
     """The layer op (routing, both GEMMs, clamped SwiGLU, the weighted sum) against its float32 reference, V4-Flash
     widths with 32 local experts: relative L2 error below 1e-2 (an activation near an FP8 rounding boundary can
     round the other way on either side), every output finite, the whole ``out`` written."""
     E, H, I, k = 32, 4096, 2048, 6
-    w13, s13 = weights(E, 2 * I, H, gpu_device, seed=2)
-    w2, s2 = weights(E, H, I, gpu_device, seed=3)
-    s13 /= 64  # keep the activations of order one
-    s2 /= 64
+    if fp4:  # MXFP4 experts (the conversion in the kernel)
+        g4 = torch.Generator(device=gpu_device).manual_seed(2)
+        w13, s13 = moe.quantize_fp4_reference(torch.randn(E, 2 * I, H, device=gpu_device, generator=g4) / 64)
+        w2, s2 = moe.quantize_fp4_reference(torch.randn(E, H, I, device=gpu_device, generator=g4) / 64)
+    else:
+        w13, s13 = weights(E, 2 * I, H, gpu_device, seed=2)
+        w2, s2 = weights(E, H, I, gpu_device, seed=3)
+        s13 /= 64  # keep the activations of order one
+        s2 /= 64
     n_global = 64 if mapped else E
     g = torch.Generator().manual_seed(T)
     ids = torch.rand(T, n_global, generator=g).topk(k, 1).indices.to(torch.int32).to(gpu_device)
@@ -148,3 +154,17 @@ def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m):
     rows = torch.arange(max_m, device=gpu_device).view(1, -1) < m.view(-1, 1)
     close(out, ref, rows)
     assert torch.isnan(out[~rows]).all()
+
+
+@pytest.mark.parametrize("shape,T,E", [("small", 333, 8), ("flash_gate_up", 512, 32)])
+def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E):
+    N, K = SHAPES[shape]
+    g = torch.Generator(device=gpu_device).manual_seed(5)
+    packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g))
+    row_src, layout = moe.align_routing(routing(T, 6, E, True, gpu_device), E)
+    a, sa = moe.quantize_groups(torch.randn(T, K, device=gpu_device)[(row_src.clamp(min=0) // 6).long()])
+    out = torch.full((layout.numel(), N), float("nan"), device=gpu_device, dtype=torch.bfloat16)
+    moe.grouped_gemm_fp8(a, sa, packed, scale, layout, out, impl="tilelang")
+    ref = moe.grouped_gemm_contiguous_reference(a, sa, packed, scale, layout)
+    close(out, ref, layout >= 0)
+    assert torch.isnan(out[layout < 0]).all()

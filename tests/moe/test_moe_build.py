@@ -9,6 +9,7 @@ from musa_attn_backend import _tilelang
 from musa_attn_backend.kernels import moe
 from musa_attn_backend.kernels._tir import gemm_operands
 from musa_attn_backend.kernels.moe import tilelang_impl as ti
+from musa_attn_backend.kernels.moe.contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
 from musa_attn_backend.kernels.moe.masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked
@@ -51,22 +52,28 @@ def test_launch_glue_matches_the_programs(use_settings):
                                         torch.zeros(E, N, K // 2, dtype=torch.uint8),
                                         torch.zeros(E, N, K // 32, dtype=torch.uint8), torch.zeros(E, dtype=torch.int32),
                                         torch.empty(E, 7, N, dtype=torch.bfloat16), fp4=True)
-    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked"]
+        ti.grouped_gemm_contiguous_tilelang(a, sa, torch.zeros(E, N, K // 2, dtype=torch.uint8),
+                                            torch.zeros(E, N, K // 32, dtype=torch.uint8),
+                                            torch.zeros(M, dtype=torch.int32), torch.empty(M, N, dtype=torch.bfloat16),
+                                            fp4=True)
+    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked", "moe_fp4_contiguous"]
     for _, func, args in calls:
         _signature_check(func, args)
 
 
 @pytest.mark.parametrize("build", [lambda: build_grouped_gemm_contiguous(4096, 4096),
                                    lambda: build_grouped_gemm_masked(4096, 2048),
-                                   lambda: build_grouped_gemm_masked_fp4(4096, 2048)])
+                                   lambda: build_grouped_gemm_masked_fp4(4096, 2048),
+                                   lambda: build_grouped_gemm_contiguous_fp4(4096, 2048)])
 def test_programs_take_both_gemm_operands_from_shared_memory(build):
     ops = gemm_operands(build())
     assert len(ops) == 1 and ops[0].a_scope.startswith("shared") and ops[0].b_scope.startswith("shared")
 
 
-def test_fp4_program_lowers_for_sm90a_converting_in_the_kernel():
+@pytest.mark.parametrize("build", [build_grouped_gemm_masked_fp4, build_grouped_gemm_contiguous_fp4])
+def test_fp4_programs_lower_for_sm90a_converting_in_the_kernel(build):
     """Packed E2M1 bytes and UE8M0 scales in, a bf16 tensor-core GEMM of the two converted shared tiles."""
-    src = _tilelang.lower(build_grouped_gemm_masked_fp4(4096, 2048), HOPPER).source
+    src = _tilelang.lower(build(4096, 2048), HOPPER).source
     assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in src
     assert "<< (uint)23" in src  # the scale byte placed in a float32's exponent field
 
@@ -98,7 +105,7 @@ NVCC = nvcc_path()
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
-@pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4"])
+@pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     kern = getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER)

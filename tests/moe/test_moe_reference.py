@@ -149,7 +149,8 @@ def test_bad_input_is_refused_naming_the_argument():
     lay = torch.zeros(M, dtype=torch.int32)
     f = moe.grouped_gemm_fp8
     cases = [
-        (lambda: f(a, sa, b.view(torch.uint8), sb, lay), "b must be float8_e4m3fn"),
+        (lambda: f(a, sa, b.view(torch.int8), sb, lay), "b must be float8_e4m3fn"),
+        (lambda: f(a, sa, b.view(torch.uint8), sb, lay), "b_scale must be torch.uint8"),  # read as packed FP4
         (lambda: f(a, sa, torch.zeros(E, 100, K, dtype=b.dtype), sb, lay), "multiples of 128"),
         (lambda: f(a, sa, b, torch.ones(E, 1, 3), lay), "b_scale must have shape"),
         (lambda: f(a, sa, b, sb.double(), lay), "b_scale must be torch.float32"),
@@ -224,14 +225,40 @@ def test_masked_fp4_weights_against_float64():
             assert ((out[e, r].double() - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * want.abs().max()).all()
 
 
-def test_fp4_weights_are_refused_where_not_supported():
+def test_fp4_weights_with_bad_scales_are_refused():
     packed = torch.zeros(2, 128, 128, dtype=torch.uint8)
     a, sa = torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2)
-    with pytest.raises(ValueError, match="b must be float8_e4m3fn .128 x 128 block-scaled FP8 weights., got"):
-        moe.grouped_gemm_fp8(a, sa, packed, torch.zeros(2, 128, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"b_scale must have shape \(2, 128, 8\)"):
+        moe.grouped_gemm_fp8(a, sa, packed, torch.zeros(2, 128, 4, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32))
     a3, sa3 = torch.zeros(2, 4, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 4, 2)
     with pytest.raises(ValueError, match=r"b_scale must be torch.uint8"):
         moe.grouped_gemm_fp8_masked(a3, sa3, packed, torch.zeros(2, 128, 8), torch.zeros(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"b_scale must have shape \(2, 128, 8\)"):
-        moe.grouped_gemm_fp8_masked(a3, sa3, packed, torch.zeros(2, 128, 4, dtype=torch.uint8),
+    with pytest.raises(ValueError, match=r"b must be float8_e4m3fn .* or uint8 .packed MXFP4., got torch.int8"):
+        moe.grouped_gemm_fp8_masked(a3, sa3, packed.view(torch.int8), torch.zeros(2, 128, 8, dtype=torch.uint8),
                                     torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_fused_experts_with_fp4_experts_against_float64(layout):
+    """The layer op with MXFP4 experts against a float64 per-choice computation from the definitions (same
+    activation quantisation): relative L2 error below 1e-2."""
+    g = torch.Generator().manual_seed(8)
+    E, H, I, T, k = 4, 256, 128, 40, 2
+    w13, s13 = R.quantize_fp4_reference(torch.randn(E, 2 * I, H, generator=g) * 0.1)
+    w2, s2 = R.quantize_fp4_reference(torch.randn(E, H, I, generator=g) * 0.1)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=g).topk(k, 1).indices.to(torch.int32)
+    w = torch.rand(T, k, generator=g)
+    out = moe.fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, swiglu_limit=10.0, layout=layout)
+    W13 = R.dequantize_fp4(w13, s13).double()
+    W2 = R.dequantize_fp4(w2, s2).double()
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        a = R.dequantize_groups(*moe.quantize_groups(x[t:t + 1])).double()[0]
+        for j in range(k):
+            h = (W13[int(ids[t, j])] @ a).to(torch.bfloat16).double()
+            gate, up = h[:I].clamp(max=10.0), h[I:].clamp(-10.0, 10.0)
+            act = R.dequantize_groups(*moe.quantize_groups((torch.nn.functional.silu(gate) * up).float().view(1, -1)))
+            want[t] += float(w[t, j]) * (W2[int(ids[t, j])] @ act.double()[0]).to(torch.bfloat16).double()
+    rel = float((out.double() - want).norm() / want.norm())
+    assert rel < 1e-2, rel

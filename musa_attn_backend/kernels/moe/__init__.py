@@ -79,7 +79,9 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     of row ``m``'s 128-row tile (DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous``).
 
     - ``a [M, K]`` float8_e4m3fn, ``a_scale [M, K/128]`` float32 (:func:`quantize_groups`);
-    - ``b [E, N, K]`` float8_e4m3fn, ``b_scale [E, N/128, K/128]`` float32; ``N``, ``K`` multiples of 128;
+    - ``b [E, N, K]`` float8_e4m3fn, ``b_scale [E, N/128, K/128]`` float32; ``N``, ``K`` multiples of 128; or FP4
+      (MXFP4) experts: ``b [E, N, K/2]`` uint8 (two E2M1 values a byte, the even one low) with ``b_scale [E, N,
+      K/32]`` uint8 (UE8M0), converted in the kernel;
     - ``grouped_layout [M]`` int32: each row's expert, ``-1`` for padding; each 128-row tile holds one expert's
       rows and padding, and its expert is its first row's id;
     - ``out [M, N]`` bfloat16 (allocated when None): rows with id ``-1`` are not written; a row whose id is not
@@ -87,7 +89,7 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
 
     All tensors contiguous, on one device. Returns ``out``."""
     op = "grouped_gemm_fp8"
-    E, N, K, _ = _weights(op, b, b_scale)
+    E, N, K, fp4 = _weights(op, b, b_scale, fp4=True)
     check(isinstance(a, torch.Tensor) and a.dim() == 2, lambda: f"{op}: a must be a [M, {K}] tensor")
     M = a.shape[0]
     _tensor(op, "a", a, FP8, (M, K))
@@ -101,7 +103,7 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         return grouped_gemm_contiguous_reference(a, a_scale, b, b_scale, grouped_layout, out)
     from .tilelang_impl import grouped_gemm_contiguous_tilelang
 
-    return grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out)
+    return grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=fp4)
 
 
 def grouped_gemm_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -112,9 +114,7 @@ def grouped_gemm_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Ten
     a CUDA graph can hold it.
 
     - ``a [E, max_m, K]`` float8_e4m3fn, ``a_scale [E, max_m, K/128]`` float32;
-    - ``b [E, N, K]``, ``b_scale [E, N/128, K/128]`` as for :func:`grouped_gemm_fp8`, or FP4 (MXFP4) experts:
-      ``b [E, N, K/2]`` uint8 (two E2M1 values a byte, the even one low) with ``b_scale [E, N, K/32]`` uint8
-      (UE8M0), converted in the kernel;
+    - ``b``, ``b_scale``: FP8 or FP4 experts, as for :func:`grouped_gemm_fp8`;
     - ``masked_m [E]`` int32, clamped to ``[0, max_m]``;
     - ``out [E, max_m, N]`` bfloat16 (allocated when None): rows at or past ``masked_m[e]`` are not written.
 
@@ -161,7 +161,8 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     - ``hidden [T, H]`` bfloat16; ``topk_weights [T, k]`` floating, ``topk_ids [T, k]`` integer (global expert
       ids, ``-1``: none);
     - ``w13 [E, 2I, H]`` float8_e4m3fn (gate rows, then up rows) with ``w13_scale [E, 2I/128, H/128]`` float32;
-      ``w2 [E, H, I]`` with ``w2_scale [E, H/128, I/128]``; ``E`` the experts on this rank;
+      ``w2 [E, H, I]`` with ``w2_scale [E, H/128, I/128]``; ``E`` the experts on this rank. Or FP4 (MXFP4)
+      experts: ``w13 [E, 2I, H/2]``, ``w2 [E, H, I/2]`` uint8 with UE8M0 scales ``[E, 2I, H/32]``, ``[E, H, I/32]``;
     - ``expert_map [num_global]`` integer (optional): global id to local expert, ``-1`` where not on this rank;
     - ``swiglu_limit``: V4's clamp (10), None for plain SwiGLU; ``apply_router_weight_on_input``: top-1 only;
     - ``layout``: ``masked`` (fixed shapes, what a CUDA graph needs; ``E x T`` rows), ``contiguous`` (rows grouped
@@ -169,14 +170,16 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
 
     No host synchronisation on either layout."""
     op = "fused_experts"
-    E, N13, H, _ = _weights(op, w13, w13_scale, "w13")
+    E, N13, H, fp4 = _weights(op, w13, w13_scale, "w13", fp4=True)
     check(N13 % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
                                           f"got {N13}")
     I = N13 // 2
-    check(isinstance(w2, torch.Tensor) and tuple(w2.shape) == (E, H, I),
-          lambda: f"{op}: w2 must have shape {(E, H, I)} (experts, hidden, intermediate), got "
+    w2_shape = (E, H, I // 2 if fp4 else I)
+    check(isinstance(w2, torch.Tensor) and tuple(w2.shape) == w2_shape and w2.dtype == w13.dtype,
+          lambda: f"{op}: w2 must be {w13.dtype} of shape {w2_shape} (experts, hidden, intermediate"
+                  f"{' / 2: packed FP4' if fp4 else ''}), got {getattr(w2, 'dtype', None)} "
                   f"{tuple(getattr(w2, 'shape', ()))}")
-    _weights(op, w2, w2_scale, "w2")
+    _weights(op, w2, w2_scale, "w2", fp4=fp4)
     check(isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and hidden.shape[1] == H,
           lambda: f"{op}: hidden must be a [T, {H}] tensor, got {tuple(getattr(hidden, 'shape', ()))}")
     T = hidden.shape[0]

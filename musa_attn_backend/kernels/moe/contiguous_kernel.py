@@ -60,7 +60,8 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
                     T.copy(A[row0, k * block_k], A_s)
                     T.copy(B[layout[row0], bx * block_n, k * block_k], B_s)
                     for i in T.Parallel(block_m):
-                        scale[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0) * SB[layout[row0], bx * block_n // 128, k]
+                        scale[i] = (T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
+                                    * SB[layout[row0], bx * block_n // 128, k])
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(block_m, block_n):
                         acc[i, j] += part[i, j] * scale[i]

@@ -9,7 +9,7 @@ For each token ``t`` and each of its ``k`` choices ``(e, w) = (topk_ids[t, j], t
     y    = bf16(fp8_groups(act) @ W2_e^T)               # [H]
     out[t] = bf16(sum_j w * y)                          # float32 sum over the choices
 
-``W13_e``, ``W2_e``: the expert's dequantised weights (128 x 128 block-scaled FP8). With
+``W13_e``, ``W2_e``: the expert's dequantised weights (128 x 128 block-scaled FP8, or MXFP4). With
 ``apply_router_weight_on_input`` (top-1 routing only, as the engines allow), ``hidden[t]`` is multiplied by ``w``
 before the quantisation and the sum takes weight 1. A choice whose expert is not on this rank (``expert_map``
 ``-1``) or is out of range contributes nothing.
@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .reference import ALIGN, align_routing, dequantize_fp8_blocks, dequantize_groups, quantize_groups_reference
+from .reference import align_routing, dequantize_groups, dequantize_weights, quantize_groups_reference
 
 # decode batches up to this many tokens run the masked layout (fixed shapes: CUDA-graph safe); larger ones the
 # contiguous layout
@@ -60,9 +60,9 @@ def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scal
     for e in torch.unique(ids[ids < E]).tolist():
         t, j = torch.where(ids == e)
         a = dequantize_groups(*quantize_groups_reference(x[t]))
-        h = (a @ dequantize_fp8_blocks(w13[e], w13_scale[e]).T).to(torch.bfloat16)
+        h = (a @ dequantize_weights(w13[e], w13_scale[e]).T).to(torch.bfloat16)
         act = dequantize_groups(*quantize_groups_reference(swiglu(h, swiglu_limit)))
-        y = (act @ dequantize_fp8_blocks(w2[e], w2_scale[e]).T).to(torch.bfloat16)
+        y = (act @ dequantize_weights(w2[e], w2_scale[e]).T).to(torch.bfloat16)
         acc.index_add_(0, t, y.float() * wts[t, j].unsqueeze(1))
     return acc.to(torch.bfloat16)
 

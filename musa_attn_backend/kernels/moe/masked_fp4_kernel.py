@@ -3,9 +3,7 @@
 E2M1 weights times their UE8M0 scales (one per 32 values of a row).
 
 The weights are converted in the kernel, per K step of 128, into a bf16 tile in shared memory: each value is its
-E2M1 magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6 by the nibble's low three bits, the fourth its sign) times ``2^(s -
-127)``, exact in bf16 for every scale byte from 1 to 254 (0 gives 0 instead of 2^-127; 255, NaN in the format,
-gives infinity). The A tile (FP8) is widened to bf16 beside it, exactly, and one bf16 tensor-core GEMM of the two
+E2M1 value times ``2^(s - 127)`` (:mod:`.fp4_tir`), exact in bf16 for every scale byte from 1 to 254. The A tile (FP8) is widened to bf16 beside it, exactly, and one bf16 tensor-core GEMM of the two
 shared tiles (what MUSA MP31 lowers) goes into a float32 fragment that is scaled by the rows' A scales into the
 accumulator. The weights stay packed in memory: the program reads half the bytes of FP8 weights and converts on
 the fly, no FP8 copy exists. Blocks past ``masked_m[e]`` (clamped to ``[0, max_m]``) exit before reading anything;
@@ -15,6 +13,7 @@ rows past it are not written.
 import functools
 
 from ..._tilelang import tl_lang as T
+from .fp4_tir import fp4_weight
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -29,18 +28,6 @@ def build_grouped_gemm_masked_fp4(N: int, K: int, block_m: int = 64, block_n: in
     assert N % block_n == 0 and K % block_k == 0
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
     KS = K // block_k
-
-    def e2m1(nib):
-        """The float32 value of an E2M1 nibble."""
-        code = nib & 7
-        exp = T.shift_right(code, 1)
-        man = T.Cast(ACC, code & 1)
-        mag = T.if_then_else(exp == 0, man * 0.5, (1.0 + man * 0.5) * T.Cast(ACC, T.shift_left(1, T.max(exp, 1) - 1)))
-        return T.if_then_else(nib >= 8, -mag, mag)
-
-    def pow2(s):
-        """``2^(s - 127)`` for a UE8M0 byte, as the float32 whose exponent field is ``s``."""
-        return T.reinterpret(T.shift_left(T.Cast("uint32", s), T.uint32(23)), ACC)
 
     @T.prim_func
     def grouped_gemm_masked_fp4(
@@ -73,8 +60,7 @@ def build_grouped_gemm_masked_fp4(N: int, K: int, block_m: int = 64, block_n: in
                     for i, j in T.Parallel(block_m, block_k):
                         A_w[i, j] = T.Cast(BF16, A_s[i, j])
                     for n, j in T.Parallel(block_n, block_k):
-                        nib = T.shift_right(T.Cast("int32", Bq_s[n, j // 2]), (j % 2) * 4) & 15
-                        B_w[n, j] = T.Cast(BF16, e2m1(nib) * pow2(Bs_s[n, j // 32]))
+                        B_w[n, j] = T.Cast(BF16, fp4_weight(Bq_s, Bs_s, n, j))
                     for i in T.Parallel(block_m):
                         scale[i] = T.if_then_else(row0 + i < rows, SA[e, T.min(row0 + i, MM - 1), k], 0.0)
                     T.gemm(A_w, B_w, part, transpose_B=True, clear_accum=True)

@@ -105,7 +105,8 @@ def quantize_fp4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return packed, (exp.squeeze(-1) + 127).to(torch.uint8)
 
 
-def _weights(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+def dequantize_weights(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """``[..., N, K]`` float32 of FP8 block-scaled (e4m3) or FP4 (packed uint8) weights."""
     return dequantize_fp4(b, b_scale) if b.dtype == torch.uint8 else dequantize_fp8_blocks(b, b_scale)
 
 
@@ -113,7 +114,7 @@ def grouped_gemm_contiguous_reference(a: torch.Tensor, a_scale: torch.Tensor, b:
                                       grouped_layout: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The contiguous layout (module docstring): ``out [M, N]`` bf16 (allocated, zeros, when None)."""
     M, E = a.shape[0], b.shape[0]
-    w = _weights(b, b_scale)
+    w = dequantize_weights(b, b_scale)
     N = w.shape[1]
     out = torch.zeros(M, N, dtype=torch.bfloat16, device=a.device) if out is None else out
     ids = grouped_layout.long()
@@ -133,7 +134,7 @@ def grouped_gemm_masked_reference(a: torch.Tensor, a_scale: torch.Tensor, b: tor
                                   masked_m: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The masked layout (module docstring): ``out [E, max_m, N]`` bf16 (allocated, zeros, when None)."""
     E, max_m = a.shape[0], a.shape[1]
-    w = _weights(b, b_scale)
+    w = dequantize_weights(b, b_scale)
     out = torch.zeros(E, max_m, w.shape[1], dtype=torch.bfloat16, device=a.device) if out is None else out
     x = dequantize_groups(a, a_scale)
     for e, m in enumerate(masked_m.clamp(0, max_m).tolist()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..._tilelang import compile_cached
+from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
@@ -13,6 +14,7 @@ from .masked_kernel import build_grouped_gemm_masked
 CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256)
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
+CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
 
 
 def contiguous_kernel(N: int, K: int, target=None, **tiling):
@@ -27,15 +29,22 @@ def masked_kernel(N: int, K: int, target=None, **tiling):
     return compile_cached(key, lambda: build_grouped_gemm_masked(N, K, **cfg), target=target)
 
 
+def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
+    cfg = {**CONTIGUOUS_FP4, **tiling}
+    key = ("moe_fp4_contiguous", N, K, *sorted(cfg.items()))
+    return compile_cached(key, lambda: build_grouped_gemm_contiguous_fp4(N, K, **cfg), target=target)
+
+
 def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
     cfg = {**MASKED_FP4, **tiling}
     key = ("moe_fp4_masked", N, K, *sorted(cfg.items()))
     return compile_cached(key, lambda: build_grouped_gemm_masked_fp4(N, K, **cfg), target=target)
 
 
-def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out):
+def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=False):
     if a.shape[0]:
-        contiguous_kernel(b.shape[1], b.shape[2])(a, a_scale, b, b_scale, grouped_layout, out)
+        build = contiguous_fp4_kernel if fp4 else contiguous_kernel
+        build(b.shape[1], a.shape[1])(a, a_scale, b, b_scale, grouped_layout, out)
     return out
 
 
