@@ -10,9 +10,16 @@ re-layout) and whose quant config carries the block shape and V4's SwiGLU clamp;
 kernel, the no-EP prepare/finalize step around our experts class. Models other than V4 take the same path: the
 experts class computes plain SwiGLU when the layer has no clamp.
 
-Not hooked here: FP4 (MXFP4) experts, the default V4 checkpoints (vLLM's MXFP4 selector refuses on a MUSA
-platform; our FP4 kernel is not built yet), and all-to-all expert parallelism (our class refuses it through
-``_supports_parallel_config``, so vLLM's selection answers).
+FP4 (MXFP4) experts, the default V4 checkpoints: ``Mxfp4MoEMethod.__init__`` asks
+``select_deepseek_v4_mxfp4_moe_backend`` (a name bound in ``vllm.model_executor.layers.quantization.mxfp4``;
+on a MUSA platform vLLM's own answer raises, none of its MXFP4 kernels runs there). The same switch rebinds it
+to :func:`_select_mxfp4`, which answers ``(Mxfp4MoeBackend.EMULATION, MusaBlockFp8Experts)``: EMULATION keeps the
+checkpoint's packed layout (``w13 [E, 2I, H/2]`` uint8 with ``[E, 2I, H/32]`` UE8M0 scales), leaves the
+activations in bf16 and carries the SwiGLU clamp; our op converts the weights in its kernels and quantises the
+activations 1 x 128 to FP8 (V4's recipe in vLLM is MXFP8, 1 x 32; SGLang's FP4-to-FP8 path also uses 1 x 128).
+
+Not hooked: all-to-all expert parallelism (our class refuses it through ``_supports_parallel_config``, so vLLM's
+selection answers).
 """
 
 from __future__ import annotations
@@ -24,20 +31,24 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MODULE = "vllm.model_executor.layers.quantization.fp8"
+_MXFP4_MODULE = "vllm.model_executor.layers.quantization.mxfp4"
 _original = None
+_original_mxfp4 = None
 
 
 def _experts_class():
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
-    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8Dynamic128Sym, kFp8Static128BlockSym
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (kFp8Dynamic128Sym, kFp8Static128BlockSym,
+                                                                           kMxfp4Static)
 
     class MusaBlockFp8Experts(mk.FusedMoEExpertsModular):
         """The routed experts of one layer in one call of :func:`~musa_attn_backend.kernels.moe.fused_experts`:
         routing, the 1 x 128 activation quantisation, both grouped GEMMs, the (clamped) SwiGLU and the weighted
-        sum into vLLM's output. It takes the bf16 hidden states (``expects_unquantized_inputs``: vLLM's
-        prepare step would quantise with a Triton kernel) and needs no vLLM workspace."""
+        sum into vLLM's output. FP8 block-scaled or MXFP4 weights (the op tells them by dtype). It takes the
+        bf16 hidden states (``expects_unquantized_inputs``: vLLM's prepare step would quantise with a Triton
+        kernel) and needs no vLLM workspace."""
 
         @staticmethod
         def activation_format():
@@ -57,7 +68,10 @@ def _experts_class():
 
         @staticmethod
         def _supports_quant_scheme(weight_key, activation_key) -> bool:
-            return weight_key == kFp8Static128BlockSym and activation_key == kFp8Dynamic128Sym
+            # block FP8 weights with 1 x 128 dynamic activations; MXFP4 weights with the activations left to us
+            # (vLLM's EMULATION backend passes them in bf16)
+            return ((weight_key == kFp8Static128BlockSym and activation_key == kFp8Dynamic128Sym)
+                    or (weight_key == kMxfp4Static and activation_key is None))
 
         @staticmethod
         def _supports_activation(activation) -> bool:
@@ -120,6 +134,34 @@ def _select(*args, **kwargs):
     return _original(*args, **kwargs)
 
 
+def _select_mxfp4(config):
+    """``select_deepseek_v4_mxfp4_moe_backend`` with our experts for MXFP4 layers (module docstring)."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
+
+    from ..config import moe_experts_enabled
+
+    if moe_experts_enabled():
+        cls = experts_class()
+        ok, why = cls.is_supported_config(cls, config, kMxfp4Static, None, cls.activation_format())
+        if ok:
+            logger.info("musa_attn_backend: an MXFP4 MoE layer runs on musa_attn_backend.kernels.moe")
+            return Mxfp4MoeBackend.EMULATION, cls
+        logger.info("musa_attn_backend: MXFP4 MoE layer left to vLLM's selection (%s)", why)
+    return _original_mxfp4(config)
+
+
+_select_mxfp4._musa_attn = True
+
+
+def _patch_mxfp4(mxfp4) -> None:
+    global _original_mxfp4
+    if getattr(mxfp4.select_deepseek_v4_mxfp4_moe_backend, "_musa_attn", False):
+        return
+    _original_mxfp4 = mxfp4.select_deepseek_v4_mxfp4_moe_backend
+    mxfp4.select_deepseek_v4_mxfp4_moe_backend = _select_mxfp4
+
+
 def _patch(fp8) -> None:
     global _original
     if getattr(fp8.select_fp8_moe_backend, "_musa_attn", False):
@@ -132,9 +174,12 @@ _select._musa_attn = True
 
 
 def install() -> None:
-    """Rebind ``select_fp8_moe_backend`` in vLLM's FP8 quantisation module when vLLM imports it (idempotent; every
-    process, from the plugin's ``register``): MoE layers built afterwards see :func:`_select`. The module is not
-    imported here: some installs cannot import it without their compiled extensions."""
+    """Rebind ``select_fp8_moe_backend`` in vLLM's FP8 quantisation module and
+    ``select_deepseek_v4_mxfp4_moe_backend`` in its MXFP4 module when vLLM imports them (idempotent; every
+    process, from the plugin's ``register``): MoE layers built afterwards see :func:`_select` and
+    :func:`_select_mxfp4`. The modules are not imported here: some installs cannot import them without their
+    compiled extensions."""
     from ..import_hooks import patch_on_import
 
     patch_on_import(_MODULE, _patch)
+    patch_on_import(_MXFP4_MODULE, _patch_mxfp4)

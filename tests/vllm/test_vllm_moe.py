@@ -1,5 +1,6 @@
-"""vLLM's FP8 block-scaled MoE layer built by vLLM's own constructors (``FusedMoEFactory`` with an ``Fp8Config`` of
-128 x 128 blocks, a tiny DeepSeek-V4-like layer: 4 experts, H 256, I 128, top-2, SwiGLU clamp 10) on this package's
+"""vLLM's FP8 block-scaled and MXFP4 MoE layers built by vLLM's own constructors (``FusedMoEFactory`` with an
+``Fp8Config`` of 128 x 128 blocks or an ``Mxfp4Config``, a tiny DeepSeek-V4-like layer: 4 experts, H 256, I 128,
+top-2, SwiGLU clamp 10) on this package's
 experts class (:mod:`musa_attn_backend.vllm.moe`), run in a fresh interpreter on the CPU: vLLM picks our class
 under ``MUSA_ATTN_MOE=on``, its kernel (no-EP prepare/finalize + our experts) computes exactly what
 ``fused_experts_reference`` computes, through our op, for plain and expert-mapped routing; with the switch at
@@ -28,6 +29,9 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
+
+fp4 = sys.argv[2] == "fp4"
 
 calls = []
 real = moe.fused_experts
@@ -38,20 +42,23 @@ moe.fused_experts = counted
 report = {}
 with set_current_vllm_config(VllmConfig()):
     fx.init_distributed()
-    qc = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic", weight_block_size=[128, 128])
+    qc = Mxfp4Config() if fp4 else Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                                             weight_block_size=[128, 128])
     runner = FusedMoEFactory(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128,
                              params_dtype=torch.bfloat16, quant_config=qc, swiglu_limit=10.0,
                              prefix="model.layers.0.mlp.experts")
     qm = runner._quant_method
     report["experts_cls"] = getattr(qm.experts_cls, "__name__", str(qm.experts_cls))
-    report["backend"] = str(qm.fp8_backend)
+    report["backend"] = str(qm.mxfp4_backend if fp4 else qm.fp8_backend)
     if report["experts_cls"] == "MusaBlockFp8Experts":
         g = torch.Generator().manual_seed(0)
         layer = runner.routed_experts
-        w13, s13 = moe.quantize_weight_blocks_reference(torch.randn(4, 256, 256, generator=g) * 0.2)
-        w2, s2 = moe.quantize_weight_blocks_reference(torch.randn(4, 256, 128, generator=g) * 0.2)
-        for name, t in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale_inv", s13),
-                        ("w2_weight_scale_inv", s2)):
+        quant = moe.quantize_fp4_reference if fp4 else moe.quantize_weight_blocks_reference
+        w13, s13 = quant(torch.randn(4, 256, 256, generator=g) * 0.2)
+        w2, s2 = quant(torch.randn(4, 256, 128, generator=g) * 0.2)
+        scale_name = "weight_scale" if fp4 else "weight_scale_inv"
+        for name, t in (("w13_weight", w13), ("w2_weight", w2), (f"w13_{scale_name}", s13),
+                        (f"w2_{scale_name}", s2)):
             getattr(layer, name).data.copy_(t)
         qm.process_weights_after_loading(layer)
         x = torch.randn(37, 256, generator=g).to(torch.bfloat16)
@@ -73,19 +80,22 @@ json.dump(report, open(sys.argv[1], "w"))
 '''
 
 
-def _run(tmp_path, moe_switch):
+def _run(tmp_path, moe_switch, fmt="fp8"):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                MUSA_ATTN_MOE=moe_switch, VLLM_LOGGING_LEVEL="WARNING")
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(out), fmt], capture_output=True, text=True, env=env,
                          timeout=900, cwd=ROOT)
     assert run.returncode == 0 and out.exists(), run.stderr[-5000:]
     return json.loads(out.read_text())
 
 
-def test_vllm_fp8_moe_layer_runs_on_our_op(tmp_path):
-    rep = _run(tmp_path, "on")
-    assert rep["experts_cls"] == "MusaBlockFp8Experts" and rep["backend"] == "Fp8MoeBackend.TRITON", rep
+@pytest.mark.parametrize("fmt,backend", [("fp8", "Fp8MoeBackend.TRITON"), ("fp4", "Mxfp4MoeBackend.EMULATION")])
+def test_vllm_moe_layer_runs_on_our_op(tmp_path, fmt, backend):
+    """FP8: ``Fp8MoEMethod`` through ``select_fp8_moe_backend``; FP4: ``Mxfp4MoEMethod`` (what V4's FP4 experts
+    build) through ``select_deepseek_v4_mxfp4_moe_backend``, the packed weights kept as loaded."""
+    rep = _run(tmp_path, "on", fmt)
+    assert rep["experts_cls"] == "MusaBlockFp8Experts" and rep["backend"] == backend, rep
     assert rep["calls"] == [10.0, 10.0], rep  # both runs went through our op, with V4's clamp
     for mapped in (False, True):  # the same op on the same inputs: identical on the CPU
         assert rep[f"max_diff_mapped_{mapped}"] == 0.0 and rep[f"max_abs_mapped_{mapped}"] > 0.1, rep
