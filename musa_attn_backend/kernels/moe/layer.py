@@ -80,16 +80,18 @@ def _combine(y: torch.Tensor, row_of_choice: torch.Tensor, weights: torch.Tensor
 
 def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit,
                              expert_map, gemm, out):
-    """The contiguous layout: rows grouped by expert (:func:`.reference.align_routing`), two grouped GEMMs."""
+    """The contiguous layout: rows grouped by expert (:func:`.reference.align_routing`), two grouped GEMMs. Each
+    token is quantised once and its FP8 row gathered into its choices' rows."""
     T, k = topk_ids.shape
     E = w13.shape[0]
     row_src, layout = align_routing(topk_ids, E, expert_map)
     M = layout.numel()
     src = row_src.long()
-    a, sa = quantize_groups_reference(hidden[(src.clamp(min=0) // k)])
+    q, s = quantize_groups_reference(hidden)
+    token = src.clamp(min=0) // k  # padding rows take token 0's row: computed, never written
+    a, sa = q[token], s[token]
     h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=a.device))
-    act = swiglu(h, swiglu_limit)
-    a2, sa2 = quantize_groups_reference(act)
+    a2, sa2 = quantize_groups_reference(swiglu(h, swiglu_limit))
     y = gemm(a2, sa2, w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=a.device))
     # each choice's row (M: none), from the rows' sources
     row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=a.device)
@@ -100,21 +102,32 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
 def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit, expert_map,
                          gemm, out):
     """The masked layout: each expert's rows at ``[e, 0 .. count)`` of ``[E, T, K]`` buffers (a token picks an
-    expert at most once, so ``T`` rows always suffice), two masked grouped GEMMs. Fixed shapes, no host sync."""
+    expert at most once, so ``T`` rows always suffice), two masked grouped GEMMs. Fixed shapes, no host sync. The
+    torch work between the GEMMs touches the ``T x k`` chosen rows only (gathered from and scattered into the
+    buffers by each choice's slot); the buffers' other rows are never initialised, and the GEMMs read and write
+    no row at or past an expert's count."""
     T, k = topk_ids.shape
     E = w13.shape[0]
+    dev = hidden.device
     ids = _local_ids(topk_ids, E, expert_map).reshape(-1)
     keep = ids < E
     e = ids.clamp(max=E - 1)
     onehot = F.one_hot(torch.where(keep, ids, E), E + 1)[:, :E]
     rank = (torch.cumsum(onehot, 0) - onehot).gather(1, e.unsqueeze(1)).squeeze(1)  # earlier choices of e
     counts = onehot.sum(0).to(torch.int32)
-    slot = torch.where(keep, e * T + rank, E * T)
-    x = hidden[torch.arange(T * k, device=hidden.device) // k]
-    rows = torch.zeros(E * T + 1, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    rows[slot] = x
-    a, sa = quantize_groups_reference(rows[:E * T].view(E, T, -1))
-    h = gemm(a, sa, w13, w13_scale, counts, torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=a.device))
-    a2, sa2 = quantize_groups_reference(swiglu(h, swiglu_limit))
-    y = gemm(a2, sa2, w2, w2_scale, counts, torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=a.device))
+    slot = torch.where(keep, e * T + rank, E * T)  # E * T: a spare row for dropped choices
+    q, s = quantize_groups_reference(hidden)
+    token = torch.arange(T * k, device=dev) // k
+    a = torch.empty(E * T + 1, q.shape[1], dtype=q.dtype, device=dev)
+    sa = torch.empty(E * T + 1, s.shape[1], dtype=s.dtype, device=dev)
+    a[slot], sa[slot] = q[token], s[token]
+    h = gemm(a[:E * T].view(E, T, -1), sa[:E * T].view(E, T, -1), w13, w13_scale, counts,
+             torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
+    rows = slot.clamp(max=E * T - 1)  # a dropped choice reads some row: its result is never used
+    q2, s2 = quantize_groups_reference(swiglu(h.view(E * T, -1)[rows], swiglu_limit))
+    a2 = torch.empty(E * T + 1, q2.shape[1], dtype=q2.dtype, device=dev)
+    sa2 = torch.empty(E * T + 1, s2.shape[1], dtype=s2.dtype, device=dev)
+    a2[slot], sa2[slot] = q2, s2
+    y = gemm(a2[:E * T].view(E, T, -1), sa2[:E * T].view(E, T, -1), w2, w2_scale, counts,
+             torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
     return _combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)
