@@ -194,11 +194,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,8,64,512,4096,16384")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results file, beside it")
+    ap.add_argument("--tiling", default="", metavar="K=V,...",
+                    help="the contiguous programs' tiling for this run (kernels.moe.tilelang_impl.CONTIGUOUS keys: "
+                         "block_n, num_stages, threads, policy), recorded in the JSON")
     args = ap.parse_args(argv)
     if args.plot:
         src = Path(args.plot)
         return 0 if plot(json.loads(src.read_text())["rows"], src.with_suffix(".png")) else 1
     device = "cpu" if args.smoke else "cuda"
+    tiling = {}
+    for item in filter(None, args.tiling.split(",")):
+        key, value = item.split("=", 1)
+        tiling[key] = value if key == "policy" else int(value)
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    tilelang_impl.CONTIGUOUS.update(tiling)
     ceilings = {}
     if not args.smoke:
         ceilings = measure_ceilings()
@@ -233,7 +243,7 @@ def main(argv=None) -> int:
                     + f"  | {peer}")), flush=True)
                 doc = {"kind": "moe-grouped-gemm", "device": torch.cuda.get_device_name() if device == "cuda"
                        else "cpu", "commit": git_commit(), "date": stamp.isoformat(), "versions": versions(),
-                       "ceilings": ceilings, "rows": rows}
+                       "ceilings": ceilings, "tiling": dict(tilelang_impl.CONTIGUOUS), "rows": rows}
                 path.write_text(json.dumps(doc, indent=1) + "\n")
     if device == "cuda" and plot(rows, path.with_suffix(".png")):
         print(f"plot in {path.with_suffix('.png')}")

@@ -110,3 +110,11 @@ def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     kern = getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER)
     assert "__global__" in kern.get_kernel_source()
+
+
+@pytest.mark.parametrize("policy,shape", [("Square", "64, 64, 32"), ("FullRow", "64, 128, 32")])
+def test_contiguous_warp_policy_sets_the_wgmma_shape(policy, shape):
+    """The tiling knob the bench sweeps (``--tiling policy=...``): FullRow gives each warp group whole rows of the
+    tile, one m64n128 WGMMA per k-slice instead of two m64n64."""
+    src = _tilelang.lower(build_grouped_gemm_contiguous(4096, 4096, policy=policy), HOPPER).source
+    assert f"kFloat32, {shape}, false, false" in src

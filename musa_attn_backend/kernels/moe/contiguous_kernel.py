@@ -28,8 +28,11 @@ ACC = "float32"
 
 
 @functools.lru_cache(maxsize=None)
-def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages: int = 4, threads: int = 256):
-    """``N``, ``K``: the weights' shape (multiples of 128); ``M`` and the expert count are dynamic."""
+def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages: int = 4, threads: int = 256,
+                                  policy: str = "Square"):
+    """``N``, ``K``: the weights' shape (multiples of 128); ``M`` and the expert count are dynamic. ``policy``: how
+    the tile GEMM splits the block among the warps (TileLang's ``GemmWarpPolicy``: ``Square``, ``FullRow``: each
+    warp group whole rows of the tile, ``FullCol``)."""
     block_m, block_k = 128, 128
     assert N % block_n == 0 and 128 % block_n == 0 and K % block_k == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
@@ -62,7 +65,8 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
                     for i in T.Parallel(block_m):
                         scale[i] = (T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
                                     * SB[layout[row0], bx * block_n // 128, k])
-                    T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True)
+                    T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True,
+                           policy=getattr(T.GemmWarpPolicy, policy))
                     for i, j in T.Parallel(block_m, block_n):
                         acc[i, j] += part[i, j] * scale[i]
                 T.copy(acc, D_s)

@@ -11,7 +11,7 @@ from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 
 # the tilings: the contiguous layout's tile is 128 rows (its alignment); masked decode batches are small, so 64
-CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256)
+CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="Square")
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
