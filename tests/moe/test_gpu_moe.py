@@ -168,3 +168,44 @@ def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E):
     ref = moe.grouped_gemm_contiguous_reference(a, sa, packed, scale, layout)
     close(out, ref, layout >= 0)
     assert torch.isnan(out[layout < 0]).all()
+
+
+@pytest.mark.parametrize("T,layout", [(8, "masked"), (200, "contiguous")])
+def test_fused_experts_is_captured_in_a_cuda_graph(gpu_device, T, layout):
+    """No host synchronisation on either layout (``torch.cuda.set_sync_debug_mode("error")`` while it runs), and
+    a CUDA graph of the whole op, replayed on new routing written into the captured buffers, gives the eager
+    result."""
+    E, H, I, k = 16, 512, 256, 6
+    w13, s13 = weights(E, 2 * I, H, gpu_device, seed=6)
+    w2, s2 = weights(E, H, I, gpu_device, seed=7)
+    s13 /= 16
+    s2 /= 16
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, device=gpu_device, dtype=torch.bfloat16)
+    ids = torch.rand(T, E, generator=g).topk(k, 1).indices.to(torch.int32).to(gpu_device)
+    w = torch.rand(T, k, generator=g).to(gpu_device)
+    out = torch.empty(T, H, device=gpu_device, dtype=torch.bfloat16)
+    run = lambda: moe.fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, swiglu_limit=10.0,  # noqa: E731
+                                    out=out, layout=layout, impl="tilelang")
+    run()  # compile and warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    ids.copy_(torch.rand(T, E, generator=g).topk(k, 1).indices.to(torch.int32))
+    x.copy_(torch.randn(T, H, device=gpu_device, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    run()
+    assert torch.equal(replayed, out)

@@ -112,7 +112,9 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     ids = _local_ids(topk_ids, E, expert_map).reshape(-1)
     keep = ids < E
     e = ids.clamp(max=E - 1)
-    onehot = F.one_hot(torch.where(keep, ids, E), E + 1)[:, :E]
+    # the choices of each expert, one-hot (a scatter: F.one_hot checks the ids' range on the host)
+    onehot = torch.zeros(T * k, E + 1, dtype=torch.long, device=dev).scatter_(
+        1, torch.where(keep, ids, E).unsqueeze(1), 1)[:, :E]
     rank = (torch.cumsum(onehot, 0) - onehot).gather(1, e.unsqueeze(1)).squeeze(1)  # earlier choices of e
     counts = onehot.sum(0).to(torch.int32)
     slot = torch.where(keep, e * T + rank, E * T)  # E * T: a spare row for dropped choices

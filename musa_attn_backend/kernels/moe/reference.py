@@ -161,7 +161,10 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int,
         inside = (ids >= 0) & (ids < expert_map.numel())
         ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # num_experts: no row
-    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
+    # a scatter, not torch.bincount: bincount reads the largest id on the host (a synchronisation, and no CUDA
+    # graph capture)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, ids, torch.ones_like(ids))[:num_experts]
     padded = (counts + ALIGN - 1) // ALIGN * ALIGN
     starts = torch.cumsum(padded, 0) - padded
     order = torch.argsort(ids, stable=True)
