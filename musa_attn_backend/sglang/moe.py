@@ -127,12 +127,17 @@ def fused_experts_none_to_triton(dispatch_output, quant_info, runner_config):
 
 def install() -> None:
     """Put :func:`fused_experts_none_to_triton` into SGLang's ``FusedOpPool`` for ``("none", "triton")``,
-    keeping SGLang's function in :data:`original`. Idempotent; a warning and nothing else if SGLang registers no
-    such function."""
+    keeping SGLang's function in :data:`original`. Idempotent. Where SGLang's MoE runner does not import, or
+    registers no such function, it logs that and changes nothing: the attention backend's registration goes on."""
     global original, ROUTED_SCALE_IN_EXPERTS
-    import sglang.srt.layers.moe.moe_runner.triton  # noqa: F401  (registers SGLang's function for KEY)
-    from sglang.srt.layers.moe.moe_runner.base import FusedOpPool
-    from sglang.srt.utils import is_cuda, is_musa
+    try:
+        import sglang.srt.layers.moe.moe_runner.triton  # noqa: F401  (registers SGLang's function for KEY)
+        from sglang.srt.layers.moe.moe_runner.base import FusedOpPool
+        from sglang.srt.utils import is_cuda, is_musa
+    except Exception as e:  # noqa: BLE001 - the attention backend must still register
+        logger.error("musa_attn_backend: SGLang's MoE runner does not import here (%s: %s); MoE layers keep "
+                     "SGLang's kernels", type(e).__name__, e)
+        return
 
     current = FusedOpPool._fused_funcs.get(KEY)
     if current is fused_experts_none_to_triton:
