@@ -152,25 +152,24 @@ def _select_mxfp4(config):
 
 
 _select_mxfp4._musa_attn = True
+_select._musa_attn = True
 
 
-def _patch_mxfp4(mxfp4) -> None:
-    global _original_mxfp4
-    if getattr(mxfp4.select_deepseek_v4_mxfp4_moe_backend, "_musa_attn", False):
+def _rebind(module, attr: str, wrapper, slot: str) -> None:
+    """``module.attr = wrapper``, the original kept in this module's global ``slot`` (once: a second call finds
+    the wrapper and leaves it)."""
+    if getattr(getattr(module, attr), "_musa_attn", False):
         return
-    _original_mxfp4 = mxfp4.select_deepseek_v4_mxfp4_moe_backend
-    mxfp4.select_deepseek_v4_mxfp4_moe_backend = _select_mxfp4
+    globals()[slot] = getattr(module, attr)
+    setattr(module, attr, wrapper)
 
 
 def _patch(fp8) -> None:
-    global _original
-    if getattr(fp8.select_fp8_moe_backend, "_musa_attn", False):
-        return
-    _original = fp8.select_fp8_moe_backend
-    fp8.select_fp8_moe_backend = _select
+    _rebind(fp8, "select_fp8_moe_backend", _select, "_original")
 
 
-_select._musa_attn = True
+def _patch_mxfp4(mxfp4) -> None:
+    _rebind(mxfp4, "select_deepseek_v4_mxfp4_moe_backend", _select_mxfp4, "_original_mxfp4")
 
 
 def install() -> None:

@@ -17,28 +17,27 @@ MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
 
 
+def _kernel(name: str, build, tiling: dict, N: int, K: int, target, overrides: dict):
+    """``build(N, K, **tiling)`` compiled once per (name, shape, tiling, target); ``overrides`` replace entries
+    of the default ``tiling``."""
+    cfg = {**tiling, **overrides}
+    return compile_cached((name, N, K, *sorted(cfg.items())), lambda: build(N, K, **cfg), target=target)
+
+
 def contiguous_kernel(N: int, K: int, target=None, **tiling):
-    cfg = {**CONTIGUOUS, **tiling}
-    key = ("moe_fp8_contiguous", N, K, *sorted(cfg.items()))
-    return compile_cached(key, lambda: build_grouped_gemm_contiguous(N, K, **cfg), target=target)
+    return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, N, K, target, tiling)
 
 
 def masked_kernel(N: int, K: int, target=None, **tiling):
-    cfg = {**MASKED, **tiling}
-    key = ("moe_fp8_masked", N, K, *sorted(cfg.items()))
-    return compile_cached(key, lambda: build_grouped_gemm_masked(N, K, **cfg), target=target)
+    return _kernel("moe_fp8_masked", build_grouped_gemm_masked, MASKED, N, K, target, tiling)
 
 
 def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
-    cfg = {**CONTIGUOUS_FP4, **tiling}
-    key = ("moe_fp4_contiguous", N, K, *sorted(cfg.items()))
-    return compile_cached(key, lambda: build_grouped_gemm_contiguous_fp4(N, K, **cfg), target=target)
+    return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, N, K, target, tiling)
 
 
 def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
-    cfg = {**MASKED_FP4, **tiling}
-    key = ("moe_fp4_masked", N, K, *sorted(cfg.items()))
-    return compile_cached(key, lambda: build_grouped_gemm_masked_fp4(N, K, **cfg), target=target)
+    return _kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4, N, K, target, tiling)
 
 
 def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=False):
