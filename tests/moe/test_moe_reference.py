@@ -262,3 +262,22 @@ def test_fused_experts_with_fp4_experts_against_float64(layout):
             want[t] += float(w[t, j]) * (W2[int(ids[t, j])] @ act.double()[0]).to(torch.bfloat16).double()
     rel = float((out.double() - want).norm() / want.norm())
     assert rel < 1e-2, rel
+
+
+def test_fused_experts_layouts_agree_with_the_reference_on_dropped_choices():
+    """Choices of experts on another rank (``expert_map`` -1), ids out of range and ``-1`` ids take no row, on
+    both layouts: each equals the reference exactly (the same quantisation and products on the CPU)."""
+    g = torch.Generator().manual_seed(9)
+    E, H, I, T, k = 3, 256, 128, 50, 3
+    w13, s13 = R.quantize_weight_blocks_reference(torch.randn(E, 2 * I, H, generator=g) * 0.1)
+    w2, s2 = R.quantize_weight_blocks_reference(torch.randn(E, H, I, generator=g) * 0.1)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, 8, generator=g).topk(k, 1).indices.to(torch.int32)  # 8 global experts
+    ids[0, 0], ids[1, 1] = -1, 99
+    emap = torch.tensor([2, -1, 0, -1, 1, -1, -1, -1], dtype=torch.int32)
+    w = torch.rand(T, k, generator=g)
+    kw = dict(w13_scale=s13, w2_scale=s2, swiglu_limit=10.0, expert_map=emap)
+    want = moe.fused_experts_reference(x, w13, w2, w, ids, **kw)
+    assert (want.float().abs().sum(1) > 0).sum() > T // 2  # most tokens reach a local expert
+    for layout in ("masked", "contiguous"):
+        assert torch.equal(moe.fused_experts(x, w13, w2, w, ids, layout=layout, **kw), want), layout

@@ -81,22 +81,30 @@ def _combine(y: torch.Tensor, row_of_choice: torch.Tensor, weights: torch.Tensor
 def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit,
                              expert_map, gemm, out):
     """The contiguous layout: rows grouped by expert (:func:`.reference.align_routing`), two grouped GEMMs. Each
-    token is quantised once and its FP8 row gathered into its choices' rows."""
+    token is quantised once and its FP8 row gathered into its choices' rows. The layout is sized for the worst
+    routing, so most of its rows can be padding: the torch work between the GEMMs touches the ``T x k`` chosen
+    rows only (gathered and scattered by each choice's row); padding rows stay uninitialised, and the GEMMs
+    write none of them."""
     T, k = topk_ids.shape
     E = w13.shape[0]
+    dev = hidden.device
     row_src, layout = align_routing(topk_ids, E, expert_map)
     M = layout.numel()
     src = row_src.long()
     q, s = quantize_groups_reference(hidden)
     token = src.clamp(min=0) // k  # padding rows take token 0's row: computed, never written
     a, sa = q[token], s[token]
-    h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=a.device))
-    a2, sa2 = quantize_groups_reference(swiglu(h, swiglu_limit))
-    y = gemm(a2, sa2, w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=a.device))
-    # each choice's row (M: none), from the rows' sources
-    row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=a.device)
-    row_of_choice[torch.where(src >= 0, src, T * k)] = torch.arange(M, device=a.device)
-    return _combine(y, row_of_choice[:T * k].view(T, k), topk_weights, out)
+    h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=dev))
+    # each choice's row (M: a dropped choice, whose spare row is never read back)
+    row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=dev)
+    row_of_choice[torch.where(src >= 0, src, T * k)] = torch.arange(M, device=dev)
+    rows = row_of_choice[:T * k]
+    q2, s2 = quantize_groups_reference(swiglu(h[rows.clamp(max=M - 1)], swiglu_limit))
+    a2 = torch.empty(M + 1, q2.shape[1], dtype=q2.dtype, device=dev)
+    sa2 = torch.empty(M + 1, s2.shape[1], dtype=s2.dtype, device=dev)
+    a2[rows], sa2[rows] = q2, s2
+    y = gemm(a2[:M], sa2[:M], w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=dev))
+    return _combine(y, rows.view(T, k), topk_weights, out)
 
 
 def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit, expert_map,
