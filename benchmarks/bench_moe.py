@@ -69,7 +69,7 @@ def fp8_rate(device) -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def peers(a_rows, ids_sorted, counts, b, N, K, device):
+def peers(a_rows, counts, b, N, K, device):
     """The peers' callables on the same routing: ``{name: fn}`` (a peer that cannot be set up is left out, its
     error recorded by the caller)."""
     E = b.shape[0]
@@ -128,7 +128,7 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
     row["peers"] = {}
     if device == "cuda":
         try:
-            fns, keep = peers(T * TOPK, None, counts, b, N, K, device)
+            fns, keep = peers(T * TOPK, counts, b, N, K, device)
             for name, fn in fns.items():
                 try:
                     row["peers"][name] = {"ms": time(fn)}

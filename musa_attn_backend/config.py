@@ -80,8 +80,8 @@ SWITCHES: tuple[Switch, ...] = (
            "the vLLM builder declares UNIFORM_SINGLE_TOKEN_DECODE and builds pure-decode batches into persistent "
            "buffers under full CUDA graphs (0: declares NEVER)"),
     Switch("moe", "MUSA_ATTN_MOE", "text", "auto", False,
-           "the engines' FP8 MoE experts run on this package's grouped GEMMs (kernels.moe): auto (on a MUSA "
-           "device only), on (also on CUDA), off (the engines' own MoE kernels)"),
+           "the engines' FP8 and MXFP4 MoE experts run on this package's grouped GEMMs (kernels.moe): auto "
+           "(on a MUSA device only), on (also on CUDA), off (the engines' own MoE kernels)"),
     Switch("commit", "MUSA_ATTN_COMMIT", "text", None, False,
            "the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)"),
 )

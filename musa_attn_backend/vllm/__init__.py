@@ -6,7 +6,8 @@ vLLM calls :func:`register` with no arguments in every process. It adds the ``TI
 case-insensitive) and makes that member survive pickling into *spawned* workers. For DeepSeek-V4, whose model
 picks its layer class itself, :mod:`.dsv4_selection` makes that choice return our V4 layer (:mod:`.dsv4`) for
 ``tilelang_musa`` instead of dropping it (and refuse it, with a message, for V4.1 checkpoints). :mod:`.moe` runs
-the FP8 MoE experts on this package's grouped GEMMs where ``MUSA_ATTN_MOE`` says so (on MUSA by default).
+the FP8 and MXFP4 MoE experts on this package's grouped GEMMs where ``MUSA_ATTN_MOE`` says so (on MUSA by
+default).
 
 The spawn trap: enum members pickle by value, and a spawned worker unpickles the ``VllmConfig`` holding the
 member before it loads plugins, so a dynamically added member fails (``'...' is not a valid

@@ -116,22 +116,29 @@ def experts_class():
     return _cls
 
 
+def _ours(config, weight_key, activation_key, kind: str):
+    """Our experts class for a layer of this scheme when ``MUSA_ATTN_MOE`` is on and the class supports it, else
+    None (logged: the caller asks vLLM)."""
+    from ..config import moe_experts_enabled
+
+    if not moe_experts_enabled():
+        return None
+    cls = experts_class()
+    ok, why = cls.is_supported_config(cls, config, weight_key, activation_key, cls.activation_format())
+    if ok:
+        logger.info("musa_attn_backend: an %s MoE layer runs on musa_attn_backend.kernels.moe", kind)
+        return cls
+    logger.info("musa_attn_backend: %s MoE layer left to vLLM's selection (%s)", kind, why)
+    return None
+
+
 def _select(*args, **kwargs):
     """``select_fp8_moe_backend`` with our experts for the block-FP8 scheme (module docstring)."""
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
 
-    from ..config import moe_experts_enabled
-
-    if moe_experts_enabled():
-        config = kwargs.get("config", args[0] if args else None)
-        cls = experts_class()
-        ok, why = cls.is_supported_config(cls, config, kwargs.get("weight_key"), kwargs.get("activation_key"),
-                                          cls.activation_format())
-        if ok:
-            logger.info("musa_attn_backend: an FP8 MoE layer runs on musa_attn_backend.kernels.moe")
-            return Fp8MoeBackend.TRITON, cls
-        logger.info("musa_attn_backend: FP8 MoE layer left to vLLM's selection (%s)", why)
-    return _original(*args, **kwargs)
+    cls = _ours(kwargs.get("config", args[0] if args else None), kwargs.get("weight_key"),
+                kwargs.get("activation_key"), "FP8")
+    return (Fp8MoeBackend.TRITON, cls) if cls is not None else _original(*args, **kwargs)
 
 
 def _select_mxfp4(config):
@@ -139,16 +146,8 @@ def _select_mxfp4(config):
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
     from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Static
 
-    from ..config import moe_experts_enabled
-
-    if moe_experts_enabled():
-        cls = experts_class()
-        ok, why = cls.is_supported_config(cls, config, kMxfp4Static, None, cls.activation_format())
-        if ok:
-            logger.info("musa_attn_backend: an MXFP4 MoE layer runs on musa_attn_backend.kernels.moe")
-            return Mxfp4MoeBackend.EMULATION, cls
-        logger.info("musa_attn_backend: MXFP4 MoE layer left to vLLM's selection (%s)", why)
-    return _original_mxfp4(config)
+    cls = _ours(config, kMxfp4Static, None, "MXFP4")
+    return (Mxfp4MoeBackend.EMULATION, cls) if cls is not None else _original_mxfp4(config)
 
 
 _select_mxfp4._musa_attn = True

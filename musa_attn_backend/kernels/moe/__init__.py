@@ -2,7 +2,8 @@
 experts of one layer: routing, activation quantisation, the two grouped GEMMs, clamped SwiGLU, the weighted sum;
 :mod:`.layer`), built on the grouped GEMMs with DeepGEMM's semantics, :func:`grouped_gemm_fp8` (the contiguous
 layout, prefill) and :func:`grouped_gemm_fp8_masked` (the masked layout, decode under CUDA graphs), and
-:func:`quantize_groups` (the 1 x 128 activation quantisation they read). Formats and the exact rule of each layout: :mod:`.reference` (also the path on a CPU).
+:func:`quantize_groups` (the 1 x 128 activation quantisation they read). Formats and the exact rule of each
+layout: :mod:`.reference` (also the path on a CPU).
 
 Every op checks its arguments before anything runs and names the argument it refuses; none reads its index
 tensors on the host. Each takes ``impl="auto" | "tilelang" | "reference"`` (``auto``: TileLang on a GPU, the
@@ -17,16 +18,15 @@ import torch
 
 from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
-from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks, dequantize_groups,
-                        grouped_gemm_contiguous_reference, grouped_gemm_masked_reference, quantize_fp4_reference,
-                        quantize_groups_reference, quantize_weight_blocks_reference)
-
-__all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked", "quantize_groups", "align_routing", "ALIGN", "BLOCK",
-           "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference", "quantize_groups_reference",
-           "quantize_weight_blocks_reference", "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4",
-           "dequantize_groups", "FP4_GROUP"]
-
 from .layer import MASKED_MAX_TOKENS, fused_experts_reference
+from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
+                        dequantize_groups, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference,
+                        quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
+
+__all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked",
+           "quantize_groups", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
+           "grouped_gemm_masked_reference", "quantize_groups_reference", "quantize_weight_blocks_reference",
+           "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4", "dequantize_groups", "FP4_GROUP"]
 
 FP8 = torch.float8_e4m3fn
 LAYOUTS = ("auto", "contiguous", "masked")

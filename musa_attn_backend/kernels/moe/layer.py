@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .reference import align_routing, dequantize_groups, dequantize_weights, quantize_groups_reference
+from .reference import (align_routing, dequantize_groups, dequantize_weights, local_expert_ids,
+                        quantize_groups_reference)
 
 # decode batches up to this many tokens run the masked layout (fixed shapes: CUDA-graph safe); larger ones the
 # contiguous layout
@@ -37,13 +38,13 @@ def swiglu(h: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _local_ids(topk_ids: torch.Tensor, num_experts: int, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
-    """int64 local expert per choice, ``num_experts`` for a choice with no local expert."""
-    ids = topk_ids.long()
-    if expert_map is not None:
-        inside = (ids >= 0) & (ids < expert_map.numel())
-        ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
-    return torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+def _scatter_rows(q: torch.Tensor, s: torch.Tensor, index: torch.Tensor, rows: int):
+    """FP8 rows ``q`` and their scales ``s`` at ``index`` of new ``[rows + 1, ...]`` buffers (row ``rows``: the
+    spare that dropped choices write; no other row is initialised)."""
+    a = torch.empty(rows + 1, q.shape[1], dtype=q.dtype, device=q.device)
+    sa = torch.empty(rows + 1, s.shape[1], dtype=s.dtype, device=s.device)
+    a[index], sa[index] = q, s
+    return a, sa
 
 
 def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scale, w2_scale,
@@ -51,7 +52,7 @@ def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scal
     """The module docstring's formula, per expert, in float32 (``[T, H]`` bf16)."""
     T, k = topk_ids.shape
     E = w13.shape[0]
-    ids = _local_ids(topk_ids, E, expert_map)
+    ids = local_expert_ids(topk_ids, E, expert_map)
     wts = topk_weights.float()
     x = hidden.float()
     if apply_router_weight_on_input:
@@ -99,10 +100,7 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
     row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=dev)
     row_of_choice[torch.where(src >= 0, src, T * k)] = torch.arange(M, device=dev)
     rows = row_of_choice[:T * k]
-    q2, s2 = quantize_groups_reference(swiglu(h[rows.clamp(max=M - 1)], swiglu_limit))
-    a2 = torch.empty(M + 1, q2.shape[1], dtype=q2.dtype, device=dev)
-    sa2 = torch.empty(M + 1, s2.shape[1], dtype=s2.dtype, device=dev)
-    a2[rows], sa2[rows] = q2, s2
+    a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h[rows.clamp(max=M - 1)], swiglu_limit)), rows, M)
     y = gemm(a2[:M], sa2[:M], w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=dev))
     return _combine(y, rows.view(T, k), topk_weights, out)
 
@@ -117,7 +115,7 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     T, k = topk_ids.shape
     E = w13.shape[0]
     dev = hidden.device
-    ids = _local_ids(topk_ids, E, expert_map).reshape(-1)
+    ids = local_expert_ids(topk_ids, E, expert_map).reshape(-1)
     keep = ids < E
     e = ids.clamp(max=E - 1)
     # the choices of each expert, one-hot (a scatter: F.one_hot checks the ids' range on the host)
@@ -128,16 +126,11 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     slot = torch.where(keep, e * T + rank, E * T)  # E * T: a spare row for dropped choices
     q, s = quantize_groups_reference(hidden)
     token = torch.arange(T * k, device=dev) // k
-    a = torch.empty(E * T + 1, q.shape[1], dtype=q.dtype, device=dev)
-    sa = torch.empty(E * T + 1, s.shape[1], dtype=s.dtype, device=dev)
-    a[slot], sa[slot] = q[token], s[token]
+    a, sa = _scatter_rows(q[token], s[token], slot, E * T)
     h = gemm(a[:E * T].view(E, T, -1), sa[:E * T].view(E, T, -1), w13, w13_scale, counts,
              torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
     rows = slot.clamp(max=E * T - 1)  # a dropped choice reads some row: its result is never used
-    q2, s2 = quantize_groups_reference(swiglu(h.view(E * T, -1)[rows], swiglu_limit))
-    a2 = torch.empty(E * T + 1, q2.shape[1], dtype=q2.dtype, device=dev)
-    sa2 = torch.empty(E * T + 1, s2.shape[1], dtype=s2.dtype, device=dev)
-    a2[slot], sa2[slot] = q2, s2
+    a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h.view(E * T, -1)[rows], swiglu_limit)), slot, E * T)
     y = gemm(a2[:E * T].view(E, T, -1), sa2[:E * T].view(E, T, -1), w2, w2_scale, counts,
              torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
     return _combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)

@@ -3,9 +3,9 @@
 E2M1 weights times their UE8M0 scales (one per 32 values of a row).
 
 The weights are converted in the kernel, per K step of 128, into a bf16 tile in shared memory: each value is its
-E2M1 value times ``2^(s - 127)`` (:mod:`.fp4_tir`), exact in bf16 for every scale byte from 1 to 254. The A tile (FP8) is widened to bf16 beside it, exactly, and one bf16 tensor-core GEMM of the two
-shared tiles (what MUSA MP31 lowers) goes into a float32 fragment that is scaled by the rows' A scales into the
-accumulator. The weights stay packed in memory: the program reads half the bytes of FP8 weights and converts on
+E2M1 value times ``2^(s - 127)`` (:mod:`.fp4_tir`), exact in bf16 for every scale byte from 1 to 254. The A tile
+(FP8) is widened to bf16 beside it, exactly, and one bf16 tensor-core GEMM of the two shared tiles (what MUSA
+MP31 lowers) goes into a float32 fragment that is scaled by the rows' A scales into the accumulator. The weights stay packed in memory: the program reads half the bytes of FP8 weights and converts on
 the fly, no FP8 copy exists. Blocks past ``masked_m[e]`` (clamped to ``[0, max_m]``) exit before reading anything;
 rows past it are not written.
 """

@@ -52,7 +52,8 @@ def build_grouped_gemm_masked(N: int, K: int, block_m: int = 64, block_n: int = 
                     T.copy(A[e, row0, k * block_k], A_s)
                     T.copy(B[e, bx * block_n, k * block_k], B_s)
                     for i in T.Parallel(block_m):
-                        scale_s[i] = T.if_then_else(row0 + i < rows, SA[e, T.min(row0 + i, MM - 1), k], 0.0) * SB[e, bx * block_n // 128, k]
+                        scale_s[i] = (T.if_then_else(row0 + i < rows, SA[e, T.min(row0 + i, MM - 1), k], 0.0)
+                                      * SB[e, bx * block_n // 128, k])
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(block_m, block_n):
                         acc[i, j] += part[i, j] * scale_s[i]

@@ -143,6 +143,17 @@ def grouped_gemm_masked_reference(a: torch.Tensor, a_scale: torch.Tensor, b: tor
     return out
 
 
+def local_expert_ids(topk_ids: torch.Tensor, num_experts: int,
+                     expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 local expert of each choice (``topk_ids``' shape), ``num_experts`` for a choice with none: a negative
+    id, an id past ``expert_map`` or mapped to ``-1`` by it, or a local id outside ``[0, num_experts)``."""
+    ids = topk_ids.long()
+    if expert_map is not None:
+        inside = (ids >= 0) & (ids < expert_map.numel())
+        ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
+    return torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+
+
 def align_routing(topk_ids: torch.Tensor, num_experts: int,
                   expert_map: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contiguous layout of a routing, on the routing's device with no host synchronisation: ``(row_src,
@@ -156,11 +167,7 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int,
     and ``grouped_layout[m]`` the expert (``-1`` for padding)."""
     T, k = topk_ids.shape
     dev = topk_ids.device
-    ids = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        inside = (ids >= 0) & (ids < expert_map.numel())
-        ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
-    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # num_experts: no row
+    ids = local_expert_ids(topk_ids, num_experts, expert_map).reshape(-1)  # num_experts: no row
     # a scatter, not torch.bincount: bincount reads the largest id on the host (a synchronisation, and no CUDA
     # graph capture)
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
