@@ -78,6 +78,14 @@ def test_fp4_programs_lower_for_sm90a_converting_in_the_kernel(build):
     assert "<< (uint)23" in src  # the scale byte placed in a float32's exponent field
 
 
+@pytest.mark.parametrize("which", ["masked_fp4", "contiguous_fp4"])
+def test_fp4_programs_are_built_without_warp_specialisation(which):
+    """The glue builds the FP4 programs with every thread pipelining (``tilelang_impl._fp4_pass_configs``: the
+    warp-specialised build released the scale bytes' slot too early); no producer/consumer barriers remain."""
+    src = getattr(ti, f"{which}_kernel")(4096, 2048, target=HOPPER).get_kernel_source()
+    assert "cp_async" in src and "mbarrier" not in src
+
+
 @pytest.mark.parametrize("which", ["contiguous", "masked"])
 def test_programs_lower_for_sm90a(which):
     func = build_grouped_gemm_contiguous(4096, 4096) if which == "contiguous" else build_grouped_gemm_masked(4096, 2048)

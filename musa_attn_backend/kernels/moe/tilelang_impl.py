@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._tilelang import compile_cached
+from ..._tilelang import compile_cached, tl
 from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
@@ -17,11 +17,20 @@ MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
 
 
-def _kernel(name: str, build, tiling: dict, N: int, K: int, target, overrides: dict):
+def _fp4_pass_configs() -> dict:
+    """The FP4 programs are pipelined by every thread, without TileLang's warp specialisation: its producer
+    released the scale bytes' shared slot when the consumers had finished converting the A tile, not the weights
+    that read them, so the next stage's scales overwrote a slot still being read (wrong results on the H200 with
+    TileLang 0.1.15)."""
+    return {tl.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+
+
+def _kernel(name: str, build, tiling: dict, N: int, K: int, target, overrides: dict, pass_configs=None):
     """``build(N, K, **tiling)`` compiled once per (name, shape, tiling, target); ``overrides`` replace entries
     of the default ``tiling``."""
     cfg = {**tiling, **overrides}
-    return compile_cached((name, N, K, *sorted(cfg.items())), lambda: build(N, K, **cfg), target=target)
+    return compile_cached((name, N, K, *sorted(cfg.items())), lambda: build(N, K, **cfg), target=target,
+                          pass_configs=pass_configs)
 
 
 def contiguous_kernel(N: int, K: int, target=None, **tiling):
@@ -33,11 +42,13 @@ def masked_kernel(N: int, K: int, target=None, **tiling):
 
 
 def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, N, K, target, tiling)
+    return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, N, K, target, tiling,
+                   _fp4_pass_configs())
 
 
 def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4, N, K, target, tiling)
+    return _kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4, N, K, target, tiling,
+                   _fp4_pass_configs())
 
 
 def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=False):
