@@ -184,9 +184,10 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int,
     dest = torch.where(keep, starts[e] + rank, M)  # M: a spare slot, dropped below
     row_src = torch.full((M + 1,), -1, dtype=torch.int32, device=dev)
     layout = torch.full((M + 1,), -1, dtype=torch.int32, device=dev)
-    # scatter_, not ``row_src[dest] = ...``: CUDA's index_put synchronises with the host (it fails CUDA graph
-    # capture); several dropped choices may land on the spare slot M, reset below
+    # scatter_ and fill_, not ``row_src[dest] = ...`` and ``row_src[M] = -1``: on CUDA both assignments copy
+    # from the host and synchronise (no CUDA graph capture); dropped choices land on the spare slot M
     row_src.scatter_(0, dest, order.to(torch.int32))
     layout.scatter_(0, dest, sorted_ids.to(torch.int32))
-    row_src[M], layout[M] = -1, -1
+    row_src[M:].fill_(-1)
+    layout[M:].fill_(-1)
     return row_src[:M], layout[:M]
