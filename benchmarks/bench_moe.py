@@ -19,7 +19,17 @@ Timed, each replayed from a CUDA graph (median of the replays):
   not blocks: less work than ours), fast accumulation, segments padded to 16;
 - ``grouped_mm_bf16``: ``torch._grouped_mm`` on bf16 copies of the same operands;
 - ``dense_scaled_mm``: ``torch._scaled_mm`` (row-wise, fast accumulation) of one dense ``[T * 6, K] x [K, N]``: the
-  same FLOPs without grouping, an upper reference.
+  same FLOPs without grouping, an upper reference;
+- ``sglang_triton``: SGLang's Triton ``fused_moe_kernel`` (``invoke_fused_moe_kernel``) with 128 x 128 block FP8,
+  the same weights and 1 x 128 activations, under the tile config SGLang picks for this GPU and shape
+  (``try_get_optimal_moe_config``, recorded); its token alignment is computed here in torch, untimed, because
+  SGLang's is a compiled op;
+- ``ours_fp4`` / ``ours_fp4_masked`` (``T <= 512``): both layouts with MXFP4 weights of the same shape (random
+  E2M1 bytes, UE8M0 scales), converted in the kernel.
+
+``moe_layer`` rows time the whole routed-expert op, :func:`fused_experts` (routing, quantisation, both GEMMs,
+V4's clamped SwiGLU, the weighted sum; FP8 and FP4 weights), against the same layer composed from SGLang's Triton
+GEMMs (its kernel twice, torch for the SwiGLU, the quantisation and the sum).
 
 The roofline of a row is the larger of its FLOPs at the run's dense FP8 matmul rate (``torch._scaled_mm`` at 8192^3)
 and its bytes (the weights of the experts the routing touches, A and D) at the run's copy rate.
@@ -67,6 +77,55 @@ def fp8_rate(device) -> float:
     sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
     ms = bench_ms(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True))
     return 2 * n ** 3 / ms / 1e9
+
+
+def random_fp4_weights(E, N, K, device, seed=0):
+    """Random packed E2M1 bytes and UE8M0 scale bytes around 2^-7."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    b = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=device, generator=g)
+    sb = torch.randint(116, 124, (E, N, K // 32), dtype=torch.uint8, device=device, generator=g)
+    return b, sb
+
+
+def triton_alignment(ids: torch.Tensor, num_experts: int, block_m: int):
+    """What SGLang's ``moe_align_block_size`` gives its Triton kernel, in torch (host syncs; untimed):
+    ``sorted_token_ids`` (each expert's choices, ``ids``' flat positions, padded to ``block_m`` with ``ids.numel()``),
+    ``expert_ids`` (one per block) and ``num_tokens_post_padded``."""
+    flat = ids.flatten().long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    total = int(padded.sum())
+    order = torch.argsort(flat, stable=True)
+    e = flat[order]
+    rank = torch.arange(flat.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[e]
+    sorted_ids = torch.full((total,), flat.numel(), dtype=torch.int32, device=ids.device)
+    sorted_ids[((torch.cumsum(padded, 0) - padded)[e] + rank)] = order.to(torch.int32)
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=ids.device, dtype=torch.int32),
+                                         padded // block_m)
+    return sorted_ids, expert_ids, torch.tensor([total], dtype=torch.int32, device=ids.device)
+
+
+def sglang_triton(model_shape, ids, a_tok, sa_tok, b, sb, out, topk_weights=None, per_choice=False):
+    """SGLang's Triton block-FP8 MoE GEMM of token rows ``a_tok [T, K]`` (each gathered once per choice; with
+    ``per_choice`` the rows are already ``[T * k, K]``, as SGLang runs its down GEMM) into ``out [T * k, N]``, times
+    ``topk_weights`` when given: ``(fn, config)``."""
+    import triton.language as tl
+    from sglang.kernels.ops.moe.fused_moe_triton_kernels import invoke_fused_moe_kernel
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import try_get_optimal_moe_config
+
+    E, H, I = model_shape
+    T, k = ids.shape
+    config = try_get_optimal_moe_config((E, 2 * I, H), (E, H, I), k, "fp8_w8a8", T, block_shape=[128, 128])
+    config = config[0] if isinstance(config, tuple) else config
+    sorted_ids, expert_ids, post = triton_alignment(ids, E, config["BLOCK_SIZE_M"])
+    w = topk_weights if topk_weights is not None else torch.ones(T, k, device=ids.device)
+
+    def fn():
+        invoke_fused_moe_kernel(a_tok, b, None, out, sa_tok, sb, None, w, ids, sorted_ids, expert_ids, post,
+                                topk_weights is not None, 1 if per_choice else k, config, compute_type=tl.bfloat16, use_fp8_w8a8=True,
+                                use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                                per_channel_quant=False, block_shape=[128, 128])
+    return fn, dict(config)
 
 
 def peers(a_rows, counts, b, N, K, device):
@@ -124,7 +183,10 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
         mm = counts.to(torch.int32)
         row["ours_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b, sb, mm, om))
         row["shape"]["max_m"] = max_m
-        del am, sam, om
+        b4, sb4 = random_fp4_weights(E, N, K, device)
+        row["ours_fp4_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
+        row["ours_fp4_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
+        del am, sam, om, b4, sb4
     row["peers"] = {}
     if device == "cuda":
         try:
@@ -137,6 +199,14 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
             del keep, fns
         except Exception as e:  # noqa: BLE001
             row["peers"]["setup_error"] = f"{type(e).__name__}: {e}"[:300]
+        try:
+            a_tok, sa_tok = moe.quantize_groups(x)
+            out_t = torch.empty(T * TOPK, N, device=device, dtype=torch.bfloat16)
+            fn, config = sglang_triton((E, H, I), ids, a_tok, sa_tok, b, sb, out_t)
+            row["peers"]["sglang_triton"] = {"ms": time(fn), "config": config}
+            del out_t
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["peers"]["sglang_triton"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         roof = max(flops / (ceilings["fp8_matmul_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
         row["roofline_ms"] = roof
         row["roofline_fraction"] = roof / row["ours_ms"]
@@ -152,6 +222,68 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
     return row
 
 
+def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) -> dict:
+    """One MoE layer's routed experts: :func:`fused_experts` with FP8 and with FP4 weights, and the same layer
+    from SGLang's Triton GEMMs."""
+    from musa_attn_backend.kernels.moe import layer
+
+    cfg = MODELS[model] if not smoke else dict(E=8, H=256, I=128)
+    E, H, I = cfg["E"], cfg["H"], cfg["I"]
+    w13, s13 = random_fp8_weights(E, 2 * I, H, device, seed=1)
+    w2, s2 = random_fp8_weights(E, H, I, device, seed=2)
+    g = torch.Generator().manual_seed(T)
+    ids = torch.rand(T, E, generator=g).topk(TOPK, dim=1).indices.to(torch.int32).to(device)
+    w = torch.rand(T, TOPK, generator=g).to(device)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    out = torch.empty(T, H, device=device, dtype=torch.bfloat16)
+    flops = 2 * T * TOPK * 3 * I * H
+    touched = int((torch.bincount(ids.flatten().long(), minlength=E) > 0).sum())
+    row = {"op": "moe_layer", "shape": {"model": model, "T": T, "topk": TOPK, "E": E, "H": H, "I": I,
+                                        "experts_touched": touched},
+           "flops": flops, "bytes": touched * 3 * I * H + 4 * T * H}
+    time = (lambda fn: bench_ms(fn, rep=20)) if device == "cuda" else (lambda fn: (fn(), 0.0)[1])
+    run = lambda a, sa, b, sb: moe.fused_experts(x, a, b, w, ids, w13_scale=sa, w2_scale=sb,  # noqa: E731
+                                                  swiglu_limit=10.0, out=out)
+    row["ours_ms"] = time(lambda: run(w13, s13, w2, s2))
+    w13f, s13f = random_fp4_weights(E, 2 * I, H, device, seed=1)
+    w2f, s2f = random_fp4_weights(E, H, I, device, seed=2)
+    row["ours_fp4_ms"] = time(lambda: run(w13f, s13f, w2f, s2f))
+    del w13f, s13f, w2f, s2f
+    row["peers"] = {}
+    if device == "cuda":
+        try:
+            a1, sa1 = moe.quantize_groups(x)
+            h1 = torch.empty(T * TOPK, 2 * I, device=device, dtype=torch.bfloat16)
+            a2 = torch.empty(T * TOPK, I, device=device, dtype=torch.float8_e4m3fn)
+            sa2 = torch.empty(T * TOPK, I // 128, device=device)
+            h2 = torch.empty(T * TOPK, H, device=device, dtype=torch.bfloat16)
+            gemm1, config = sglang_triton((E, H, I), ids, a1, sa1, w13, s13, h1)
+            gemm2, _ = sglang_triton((E, H, I), ids, a2, sa2, w2, s2, h2, topk_weights=w, per_choice=True)
+
+            def peer():
+                q, s = moe.quantize_groups(x)
+                a1.copy_(q)
+                sa1.copy_(s)
+                gemm1()
+                q, s = moe.quantize_groups(layer.swiglu(h1, 10.0).to(torch.bfloat16))
+                a2.copy_(q)
+                sa2.copy_(s)
+                gemm2()
+                torch.sum(h2.view(T, TOPK, H), 1, out=out)
+
+            row["peers"]["sglang_triton"] = {"ms": time(peer), "config": config}
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["peers"]["sglang_triton"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        roof = max(flops / (ceilings["fp8_matmul_tflops"] * 1e9), row["bytes"] / (ceilings["copy_tbps"] * 1e9))
+        row["roofline_ms"], row["roofline_fraction"] = roof, roof / row["ours_ms"]
+        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+        if "ms" in row["peers"]["sglang_triton"]:
+            row["best_peer"] = "sglang_triton"
+            row["ratio_vs_best_peer"] = row["peers"]["sglang_triton"]["ms"] / row["ours_ms"]
+        torch.cuda.empty_cache()
+    return row
+
+
 def plot(rows, path) -> bool:
     """Time against tokens, one panel per model and GEMM, ours (both layouts) and the peers; False without
     matplotlib."""
@@ -162,7 +294,7 @@ def plot(rows, path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = sorted({(r["shape"]["model"], r["op"]) for r in rows if "ours_ms" in r})
+    panels = sorted({(r["shape"]["model"], r["op"]) for r in rows if "ours_ms" in r})  # gemms and the layer
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for ax, (model, op) in zip(axes[0], panels):
         sel = sorted((r for r in rows if r["shape"]["model"] == model and r["op"] == op and "ours_ms" in r),
@@ -171,7 +303,9 @@ def plot(rows, path) -> bool:
         ax.plot(T, [r["ours_ms"] for r in sel], "o-", label="ours (contiguous)")
         masked = [r for r in sel if "ours_masked_ms" in r]
         ax.plot([r["shape"]["T"] for r in masked], [r["ours_masked_ms"] for r in masked], "o-", label="ours (masked)")
-        for peer in ("scaled_grouped_mm", "grouped_mm_bf16"):
+        fp4 = [r for r in sel if "ours_fp4_ms" in r]
+        ax.plot([r["shape"]["T"] for r in fp4], [r["ours_fp4_ms"] for r in fp4], "o-", label="ours (FP4 experts)")
+        for peer in ("scaled_grouped_mm", "grouped_mm_bf16", "sglang_triton"):
             have = [r for r in sel if "ms" in r["peers"].get(peer, {})]
             ax.plot([r["shape"]["T"] for r in have], [r["peers"][peer]["ms"] for r in have], "s--", label=peer)
         ax.plot(T, [r["roofline_ms"] for r in sel], ":", color="gray", label="roofline")
@@ -192,6 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="V4-Flash, T in {1, 64, 4096}")
     ap.add_argument("--models", default="flash,pro")
     ap.add_argument("--tokens", default="1,8,64,512,4096,16384")
+    ap.add_argument("--ops", default="gate_up,down,layer", help="which rows: the two GEMMs and the whole layer")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results file, beside it")
     ap.add_argument("--tiling", default="", metavar="K=V,...",
@@ -224,10 +359,11 @@ def main(argv=None) -> int:
     path = out / f"moe-{'smoke-' if args.smoke else ''}{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
     rows = []
     for model in models:
-        for gemm in ("gate_up", "down"):
+        for gemm in args.ops.split(","):
             for T in tokens:
                 try:
-                    rows.append(measure(model, gemm, T, ceilings, device, args.smoke))
+                    rows.append(measure_layer(model, T, ceilings, device, args.smoke) if gemm == "layer"
+                                else measure(model, gemm, T, ceilings, device, args.smoke))
                 except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                     traceback.print_exc()
                     rows.append({"op": f"moe_{gemm}", "shape": {"model": model, "T": T},
@@ -238,6 +374,7 @@ def main(argv=None) -> int:
                 print(f"{r['op']:<12} {model:<5} T {T:>6}: " + (r.get("errors") or (
                     f"ours {r['ours_ms']:.4f} ms" + (f" masked {r['ours_masked_ms']:.4f}" if "ours_masked_ms" in r
                                                     else "")
+                    + (f" fp4 {r['ours_fp4_ms']:.4f}" if "ours_fp4_ms" in r else "")
                     + (f" ({r['ours_tflops']:.0f} TFLOP/s, roofline {r['roofline_fraction']:.2f}, "
                        f"vs best peer {r['ratio_vs_best_peer']:.2f}x)" if "ratio_vs_best_peer" in r else "")
                     + f"  | {peer}")), flush=True)

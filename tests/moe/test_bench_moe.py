@@ -19,8 +19,29 @@ def test_smoke_writes_json(tmp_path):
     doc = json.loads(path.read_text())
     for key in ("device", "commit", "date", "versions", "rows"):
         assert key in doc, key
-    assert {r["op"] for r in doc["rows"]} == {"moe_gate_up", "moe_down"}
+    assert {r["op"] for r in doc["rows"]} == {"moe_gate_up", "moe_down", "moe_layer"}
     for r in doc["rows"]:
         assert "errors" not in r, r
+        assert "ours_ms" in r and "ours_fp4_ms" in r
+        if r["op"] == "moe_layer":
+            continue
         assert "ours_ms" in r and "ours_masked_ms" in r and r["shape"]["rows"] == r["shape"]["T"] * 6
         assert r["shape"]["layout_rows"] % 128 == 0 and r["flops"] > 0
+
+
+def test_triton_alignment_is_sglangs_layout():
+    """The peer's token alignment (SGLang's ``moe_align_block_size`` contract): every choice once, in its expert's
+    blocks, padding marked ``T * k``, one expert id a block."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    ids = torch.randint(0, 8, (37, 3), dtype=torch.int32)
+    sorted_ids, expert_ids, post = bench.triton_alignment(ids, 8, 16)
+    assert int(post) == sorted_ids.numel() == expert_ids.numel() * 16
+    real = sorted_ids[sorted_ids < ids.numel()].long()
+    assert torch.equal(real.sort().values, torch.arange(ids.numel()))
+    block_of = torch.nonzero(sorted_ids < ids.numel()).flatten() // 16
+    assert torch.equal(ids.flatten()[real].long(), expert_ids[block_of].long())

@@ -221,3 +221,24 @@ def test_fused_experts_is_captured_in_a_cuda_graph(gpu_device, T, layout):
     replayed = out.clone()
     run()
     assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("tiling", [dict(policy="FullRow"), dict(policy="FullRow", num_stages=3)])
+@pytest.mark.parametrize("shape,T,E", [("small", 333, 8), ("flash_down", 2048, 256)])
+def test_contiguous_tilings_match_reference(gpu_device, tiling, shape, T, E):
+    """The contiguous program under the other tilings ``bench_moe.py --tiling`` measures (one m64n128 WGMMA a
+    k-slice; three stages), before any of them becomes the default."""
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    N, K = SHAPES[shape]
+    b, sb = weights(E, N, K, gpu_device, seed=3)
+    row_src, layout = moe.align_routing(routing(T, 6, E, True, gpu_device, seed=3), E)
+    x = torch.randn(T, K, device=gpu_device, dtype=torch.bfloat16)
+    a, sa = moe.quantize_groups(x[(row_src.clamp(min=0) // 6).long()])
+    out = torch.full((layout.numel(), N), float("nan"), device=gpu_device, dtype=torch.bfloat16)
+    tilelang_impl.contiguous_kernel(N, K, **tiling)(a, sa, b, sb, layout, out)
+    ref = moe.grouped_gemm_contiguous_reference(a, sa, b, sb, layout)
+    mag = moe.grouped_gemm_contiguous_reference(absolute(a), sa, absolute(b), sb, layout)
+    rows = layout >= 0
+    close(out, ref, rows, mag)
+    assert torch.isnan(out[~rows]).all()
