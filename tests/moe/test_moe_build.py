@@ -56,7 +56,10 @@ def test_launch_glue_matches_the_programs(use_settings):
                                             torch.zeros(E, N, K // 32, dtype=torch.uint8),
                                             torch.zeros(M, dtype=torch.int32), torch.empty(M, N, dtype=torch.bfloat16),
                                             fp4=True)
-    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked", "moe_fp4_contiguous"]
+        ti.swiglu_quant_tilelang(torch.zeros(M, 2 * K, dtype=torch.bfloat16), torch.arange(5),
+                                 10, (torch.empty(M, K, dtype=torch.float8_e4m3fn), torch.empty(M, 3)))
+    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked", "moe_fp4_contiguous",
+                                     "moe_swiglu_quant"]
     for _, func, args in calls:
         _signature_check(func, args)
 
@@ -76,6 +79,18 @@ def test_fp4_programs_lower_for_sm90a_converting_in_the_kernel(build):
     src = _tilelang.lower(build(4096, 2048), HOPPER).source
     assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in src
     assert "<< (uint)23" in src  # the scale byte placed in a float32's exponent field
+
+
+@pytest.mark.parametrize("limit", [10.0, None])
+def test_swiglu_quant_lowers_for_sm90a(limit):
+    """One block a chosen row: IEEE divisions (the scale and the quantisation, as torch's), the clamp only with a
+    limit, 64-bit row offsets (``R x 2I`` passes 2^31 at V4-Pro's sizes), and a guard on the row index."""
+    from musa_attn_backend.kernels.moe.swiglu_quant_kernel import build_swiglu_quant
+
+    src = _tilelang.lower(build_swiglu_quant(3072, limit), HOPPER).source
+    assert "__fdiv_rn(" in src and "(0 <= r) && (r < rows_1)" in src
+    assert "((int64_t)r) * (int64_t)6144" in src
+    assert ("0x1.4p+3f" in src) == (limit is not None)  # 10.0
 
 
 @pytest.mark.parametrize("which", ["masked_fp4", "contiguous_fp4"])
@@ -113,10 +128,11 @@ NVCC = nvcc_path()
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
-@pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4"])
+@pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    kern = getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER)
+    kern = (ti.swiglu_quant_kernel(2048, 10.0, target=HOPPER) if which == "swiglu_quant"
+            else getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER))
     assert "__global__" in kern.get_kernel_source()
 
 

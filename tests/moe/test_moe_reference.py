@@ -281,3 +281,44 @@ def test_fused_experts_layouts_agree_with_the_reference_on_dropped_choices():
     assert (want.float().abs().sum(1) > 0).sum() > T // 2  # most tokens reach a local expert
     for layout in ("masked", "contiguous"):
         assert torch.equal(moe.fused_experts(x, w13, w2, w, ids, layout=layout, **kw), want), layout
+
+
+def test_swiglu_quant_against_float64_from_the_definition():
+    """``swiglu_quant`` (the reference path) against V4's clamped SwiGLU and the 1 x 128 rule written in float64:
+    named rows quantised (dequantised within half an e4m3 step of the float64 value), indices outside ``[0, R)``
+    skipped, rows no index names left as they were (NaN bytes and NaN scales)."""
+    g = torch.Generator().manual_seed(5)
+    R, I, L = 9, 256, 10.0
+    h = (torch.randn(R, 2 * I, generator=g) * 6).to(torch.bfloat16)
+    rows = torch.tensor([4, 0, 9, -1, 7, 4, 100], dtype=torch.int32)
+    q = torch.full((R, I), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.full((R, I // 128), float("nan"))
+    moe.swiglu_quant(h, rows, L, out=(q, s))
+    named = [0, 4, 7]
+    x = h[named].double()
+    gate, up = x[:, :I].clamp(max=L), x[:, I:].clamp(-L, L)
+    act = gate / (1 + torch.exp(-gate)) * up
+    amax = act.unflatten(-1, (I // 128, 128)).abs().amax(-1).clamp(min=1e-4)
+    torch.testing.assert_close(s[named].double(), amax / 448, rtol=2 ** -22, atol=0)
+    scale = (amax / 448).repeat_interleave(128, -1)
+    v = act / scale  # the e4m3 domain: 3 mantissa bits, normal from 2^-6 (below it the step stays 2^-9)
+    step = 2.0 ** (torch.floor(torch.log2(v.abs().clamp(min=2 ** -6))) - 3) * scale
+    err = (q[named].double() * s[named].double().repeat_interleave(128, -1) - act).abs()
+    assert (err <= 0.5 * step * (1 + 2 ** -20)).all()
+    others = [r for r in range(R) if r not in named]
+    assert (q[others].view(torch.uint8) == 0x7F).all() and torch.isnan(s[others]).all()
+
+
+def test_swiglu_quant_refuses_bad_input_naming_the_argument():
+    h = torch.zeros(4, 512, dtype=torch.bfloat16)
+    rows = torch.arange(4)
+    with pytest.raises(ValueError, match="h must be a .R, 2I. tensor with I a multiple of 128"):
+        moe.swiglu_quant(torch.zeros(4, 300, dtype=torch.bfloat16), rows)
+    with pytest.raises(ValueError, match="h must be torch.bfloat16"):
+        moe.swiglu_quant(h.float(), rows)
+    with pytest.raises(ValueError, match="rows must be a 1-D int32 or int64"):
+        moe.swiglu_quant(h, rows.float())
+    with pytest.raises(ValueError, match="swiglu_limit must be a positive number"):
+        moe.swiglu_quant(h, rows, -1.0)
+    with pytest.raises(ValueError, match=r"out\[1\] must have shape \(4, 2\)"):
+        moe.swiglu_quant(h, rows, out=(torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 3)))

@@ -2,7 +2,8 @@
 experts of one layer: routing, activation quantisation, the two grouped GEMMs, clamped SwiGLU, the weighted sum;
 :mod:`.layer`), built on the grouped GEMMs with DeepGEMM's semantics, :func:`grouped_gemm_fp8` (the contiguous
 layout, prefill) and :func:`grouped_gemm_fp8_masked` (the masked layout, decode under CUDA graphs), and
-:func:`quantize_groups` (the 1 x 128 activation quantisation they read). Formats and the exact rule of each
+:func:`quantize_groups` (the 1 x 128 activation quantisation they read), and :func:`swiglu_quant` (V4's SwiGLU
+of GEMM1's rows quantised for GEMM2 in one pass). Formats and the exact rule of each
 layout: :mod:`.reference` (also the path on a CPU).
 
 Every op checks its arguments before anything runs and names the argument it refuses; none reads its index
@@ -18,13 +19,13 @@ import torch
 
 from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
-from .layer import MASKED_MAX_TOKENS, fused_experts_reference
+from .layer import MASKED_MAX_TOKENS, fused_experts_reference, swiglu_quant_reference
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
                         dequantize_groups, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference,
                         quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
 
 __all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked",
-           "quantize_groups", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
+           "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
            "grouped_gemm_masked_reference", "quantize_groups_reference", "quantize_weight_blocks_reference",
            "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4", "dequantize_groups", "FP4_GROUP"]
 
@@ -148,6 +149,43 @@ def quantize_groups(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
                                             f"{x.shape[-1]}")
     q, s = quantize_groups_reference(x, pow2)
     return q.contiguous(), s.contiguous()
+
+
+def swiglu_quant(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Optional[float] = None,
+                 out: Optional[tuple] = None, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM2's FP8 input from GEMM1's output, in one pass: for each ``r`` of ``rows`` in ``[0, R)``, row ``r`` of
+    ``q`` and ``s`` is :func:`quantize_groups` of ``silu(min(gate, L)) * clamp(up, -L, L)`` (float32; ``gate``,
+    ``up`` the halves of ``h[r]``; no clamp when ``swiglu_limit`` is None). Other indices (a dropped choice's
+    spare row) are skipped; rows no index names are not written.
+
+    - ``h [R, 2I]`` bfloat16, ``I`` a multiple of 128; ``rows [n]`` int32 or int64;
+    - ``out``: ``(q [R, I] float8_e4m3fn, s [R, I/128] float32)``, allocated when None.
+
+    All tensors contiguous, on one device; no host read of ``rows``. Returns ``(q, s)``."""
+    op = "swiglu_quant"
+    check(isinstance(h, torch.Tensor) and h.dim() == 2 and h.shape[1] % (2 * BLOCK) == 0,
+          lambda: f"{op}: h must be a [R, 2I] tensor with I a multiple of {BLOCK}, got "
+                  f"{tuple(getattr(h, 'shape', ()))}")
+    R, I = h.shape[0], h.shape[1] // 2
+    _tensor(op, "h", h, torch.bfloat16, (R, 2 * I))
+    check(isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.dtype in (torch.int32, torch.int64),
+          lambda: f"{op}: rows must be a 1-D int32 or int64 tensor")
+    check(rows.is_contiguous(), lambda: f"{op}: rows must be contiguous")
+    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
+          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
+    if out is None:
+        out = (torch.empty(R, I, dtype=FP8, device=h.device),
+               torch.empty(R, I // BLOCK, dtype=torch.float32, device=h.device))
+    check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
+    _tensor(op, "out[0]", out[0], FP8, (R, I))
+    _tensor(op, "out[1]", out[1], torch.float32, (R, I // BLOCK))
+    check_same_device(op, h=h, rows=rows, q=out[0], s=out[1])
+    check(R < 2 ** 31, lambda: f"{op}: at most 2^31 - 1 rows, got {R}")
+    if _run(op, impl, h.device) == "reference":
+        return swiglu_quant_reference(h, rows, swiglu_limit, tuple(out))
+    from .tilelang_impl import swiglu_quant_tilelang
+
+    return swiglu_quant_tilelang(h, rows, swiglu_limit, tuple(out))
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -38,6 +38,22 @@ def swiglu(h: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_quant_reference(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Optional[float] = None,
+                           out: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM2's input from GEMM1's output rows: for each ``r`` of ``rows`` in ``[0, R)``, ``(q[r], s[r]) =
+    quantize_groups(swiglu(h[r], swiglu_limit))`` (float32 SwiGLU, 1 x 128 e4m3); other indices are skipped and rows
+    no index names are left as they are. ``h [R, 2I]``; returns ``(q [R, I] float8_e4m3fn, s [R, I/128] float32)``,
+    ``out`` when given."""
+    R, I = h.shape[0], h.shape[1] // 2
+    q, s = out if out is not None else (torch.empty(R, I, dtype=torch.float8_e4m3fn, device=h.device),
+                                        torch.empty(R, I // 128, dtype=torch.float32, device=h.device))
+    r = rows.long()
+    r = r[(r >= 0) & (r < R)]  # a boolean index: a host synchronisation, acceptable in the reference
+    if r.numel():
+        q[r], s[r] = quantize_groups_reference(swiglu(h[r], swiglu_limit))
+    return q, s
+
+
 def _scatter_rows(q: torch.Tensor, s: torch.Tensor, index: torch.Tensor, rows: int):
     """FP8 rows ``q`` and their scales ``s`` at ``index`` of new ``[rows + 1, ...]`` buffers (row ``rows``: the
     spare that dropped choices write; no other row is initialised)."""

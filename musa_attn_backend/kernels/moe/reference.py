@@ -184,8 +184,8 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int,
     dest = torch.where(keep, starts[e] + rank, M)  # M: a spare slot, dropped below
     row_src = torch.full((M + 1,), -1, dtype=torch.int32, device=dev)
     layout = torch.full((M + 1,), -1, dtype=torch.int32, device=dev)
-    # scatter_ and fill_, not ``row_src[dest] = ...`` and ``row_src[M] = -1``: on CUDA both assignments copy
-    # from the host and synchronise (no CUDA graph capture); dropped choices land on the spare slot M
+    # dropped choices land on the spare slot M, reset by fill_: ``row_src[M] = -1`` copies a host scalar, a
+    # synchronisation that fails CUDA graph capture (the GPU test in sync-debug mode caught it)
     row_src.scatter_(0, dest, order.to(torch.int32))
     layout.scatter_(0, dest, sorted_ids.to(torch.int32))
     row_src[M:].fill_(-1)

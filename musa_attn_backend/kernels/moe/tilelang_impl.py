@@ -9,12 +9,14 @@ from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
+from .swiglu_quant_kernel import build_swiglu_quant
 
 # the tilings: the contiguous layout's tile is 128 rows (its alignment); masked decode batches are small, so 64
 CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="Square")
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
+SWIGLU_QUANT = dict(groups=4, threads=128)
 
 
 def _fp4_pass_configs() -> dict:
@@ -63,3 +65,17 @@ def grouped_gemm_masked_tilelang(a, a_scale, b, b_scale, masked_m, out, fp4=Fals
         build = masked_fp4_kernel if fp4 else masked_kernel
         build(b.shape[1], a.shape[2])(a, a_scale, b, b_scale, masked_m, out)
     return out
+
+
+def swiglu_quant_kernel(I: int, limit, target=None, **tiling):
+    cfg = {**SWIGLU_QUANT, **tiling}
+    limit = None if limit is None else float(limit)
+    return compile_cached(("moe_swiglu_quant", I, limit, *sorted(cfg.items())),
+                          lambda: build_swiglu_quant(I, limit, **cfg), target=target)
+
+
+def swiglu_quant_tilelang(h, rows, limit, out):
+    q, s = out
+    if rows.numel() and h.shape[0]:
+        swiglu_quant_kernel(h.shape[1] // 2, limit)(h, rows.to(torch.int32), q, s)
+    return q, s

@@ -1,0 +1,70 @@
+"""TileLang program: V4's clamped SwiGLU of GEMM1's output rows, quantised 1 x 128 for GEMM2, in one pass (the
+rule: :func:`.reference.swiglu_quant_reference`): for each ``r = rows[i]`` in ``[0, R)``::
+
+    act       = silu(min(gate, L)) * clamp(up, -L, L)     # float32, gate = H[r, :I], up = H[r, I:]
+    S[r, g]   = max(amax(act[128 g : 128 g + 128]), 1e-4) / 448
+    Q[r, c]   = e4m3(clamp(act[c] / S[r, c / 128], -448, 448))
+
+One block a chosen row, ``groups`` 128-column groups a step; a row index outside ``[0, R)`` (a dropped choice) makes
+its block exit before reading anything, and rows no index names are not written. The scale and the division are
+IEEE (``T.ieee_fdiv``), as torch's; the sigmoid's exponential is the fast one, so ``act`` can differ from torch's
+in its last bits and a value on an e4m3 rounding boundary can land one e4m3 step away.
+"""
+
+import functools
+from typing import Optional
+
+from ..._tilelang import tl_lang as T
+
+FP8 = "float8_e4m3"
+ACC = "float32"
+BF16 = "bfloat16"
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def build_swiglu_quant(I: int, limit: Optional[float], groups: int = 4, threads: int = 128):
+    """``I``: the intermediate size (a multiple of 128); ``limit``: V4's clamp (None: plain SwiGLU). The row count
+    ``R`` and the number of chosen rows are dynamic."""
+    assert I % 128 == 0
+    G = I // 128
+    groups = max(d for d in range(1, groups + 1) if G % d == 0)
+    R, n = T.dynamic("rows"), T.dynamic("chosen")
+
+    def clamp_gate(x):
+        return x if limit is None else T.min(x, float(limit))
+
+    def clamp_up(x):
+        return x if limit is None else T.max(T.min(x, float(limit)), -float(limit))
+
+    @T.prim_func
+    def swiglu_quant(
+        H: T.Tensor((R, 2 * I), BF16),
+        rows: T.Tensor((n,), "int32"),
+        Q: T.Tensor((R, I), FP8),
+        S: T.Tensor((R, G), ACC),
+    ):
+        with T.Kernel(n, threads=threads) as i:
+            act = T.alloc_fragment((groups, 128), ACC)
+            amax = T.alloc_fragment((groups,), ACC)
+            scale = T.alloc_fragment((groups,), ACC)
+            q = T.alloc_fragment((groups, 128), FP8)
+            r = rows[i]
+            if T.And(r >= 0, r < R):
+                for step in T.serial(G // groups):
+                    for g, c in T.Parallel(groups, 128):
+                        gate = clamp_gate(T.Cast(ACC, H[r, (step * groups + g) * 128 + c]))
+                        up = clamp_up(T.Cast(ACC, H[r, I + (step * groups + g) * 128 + c]))
+                        act[g, c] = T.ieee_fdiv(gate, 1.0 + T.exp(-gate)) * up
+                    T.reduce_absmax(act, amax, dim=1)
+                    for g in T.Parallel(groups):
+                        scale[g] = T.ieee_fdiv(T.max(amax[g], AMAX_FLOOR), FP8_MAX)
+                    for g, c in T.Parallel(groups, 128):
+                        q[g, c] = T.Cast(FP8, T.max(T.min(T.ieee_fdiv(act[g, c], scale[g]), FP8_MAX), -FP8_MAX))
+                    for g, c in T.Parallel(groups, 128):
+                        Q[r, (step * groups + g) * 128 + c] = q[g, c]
+                    for g in T.Parallel(groups):
+                        S[r, step * groups + g] = scale[g]
+
+    return swiglu_quant
