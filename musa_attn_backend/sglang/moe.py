@@ -277,7 +277,9 @@ class DeepGemmCore(_DispatchCore):
     def _fp4_scale(self, scale: torch.Tensor, name: str) -> torch.Tensor:
         if not isinstance(scale, torch.Tensor):
             raise _unsupported(f"FP4 experts without a scale tensor {name}")
-        key = (scale.data_ptr(), scale._version, tuple(scale.shape), scale.dtype, scale.device)
+        # An inference-mode tensor keeps no version counter: its key is its storage and shape alone.
+        version = None if scale.is_inference() else scale._version
+        key = (scale.data_ptr(), version, tuple(scale.shape), scale.dtype, scale.device)
         cached = self._ue8m0.get(name)
         if cached is None or cached[0] != key:
             cached = (key, ue8m0_bytes(scale, name))

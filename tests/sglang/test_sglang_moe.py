@@ -1,14 +1,20 @@
 """SGLang's FP8 block-scaled MoE experts on our op (``musa_attn_backend.sglang.moe``), on a CPU: the fused function
 SGLang's ``MoeRunner`` binds for ``("none", "triton")`` is ours after ``install()``; a tiny DeepSeek-V4-like layer
 run through a real ``MoeRunner`` (built as ``Fp8MoEMethod.create_moe_runner`` builds it) computes the op's
-reference; every call it does not handle reaches SGLang's function with the same arguments."""
+reference; every call it does not handle reaches SGLang's function with the same arguments. The ``deep_gemm``
+runner core: registered (only with the switch on), a real ``MoeRunner("deep_gemm")`` with FP8 block-scaled and FP4
+experts in SGLang's storage computes the op's reference, and what it does not run raises naming the case."""
+
+import re
 
 import pytest
 import torch
 
 pytest.importorskip("sglang")
 
+from sglang.srt.layers.moe.moe_runner import runner as sglang_runner  # noqa: E402
 from sglang.srt.layers.moe.moe_runner.base import FusedOpPool, MoeRunnerConfig  # noqa: E402
+from sglang.srt.layers.moe.moe_runner.deep_gemm import DeepGemmMoeQuantInfo, DeepGemmRunnerCore  # noqa: E402
 from sglang.srt.layers.moe.moe_runner.runner import MoeRunner  # noqa: E402
 from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo  # noqa: E402
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput  # noqa: E402
@@ -19,6 +25,15 @@ from musa_attn_backend.kernels import moe as ops  # noqa: E402
 from musa_attn_backend.sglang import moe  # noqa: E402
 
 E, H, I, K, T = 4, 256, 128, 2, 8  # local experts, hidden, intermediate, top-k, tokens
+
+
+@pytest.fixture(autouse=True)
+def runner_cores(monkeypatch):
+    """SGLang's registry of custom runner cores, a copy for this test: install() registers ours into it while the
+    switch is on, and the registration must not outlive the test."""
+    cores = dict(sglang_runner._CUSTOM_RUNNER_CORE_FACTORIES)
+    monkeypatch.setattr(sglang_runner, "_CUSTOM_RUNNER_CORE_FACTORIES", cores)
+    return cores
 
 
 def make_layer(**quant):
@@ -86,3 +101,111 @@ def test_other_calls_reach_sglang(use_settings, monkeypatch, switch, quant):
     runner = MoeRunner(MoeRunnerBackend.TRITON, config)
     assert runner.run(dispatch, info) == "sglang"
     assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], (dispatch, info, config)))
+
+
+def make_deep_gemm_layer(fp4: bool):
+    """(runner config, DeepGemmMoeQuantInfo, dispatch output) of :func:`make_layer`'s layer for ``deep_gemm``, as
+    ``Fp8MoEMethod.apply`` builds the quant info: FP8 128 x 128 block weights, or FP4 experts in SGLang's storage
+    (int8-packed E2M1, float32 power-of-two scales, as a UE8M0 checkpoint loads into them)."""
+    config, info, dispatch = make_layer()
+    if not fp4:
+        return config, DeepGemmMoeQuantInfo(w13_weight=info.w13_weight, w2_weight=info.w2_weight, use_fp8=True,
+                                            w13_scale=info.w13_scale, w2_scale=info.w2_scale,
+                                            block_shape=[128, 128]), dispatch
+    g = torch.Generator().manual_seed(1)
+    w13, s13 = ops.quantize_fp4_reference(torch.randn(E, 2 * I, H, generator=g) / 16)
+    w2, s2 = ops.quantize_fp4_reference(torch.randn(E, H, I, generator=g) / 16)
+    sglang_scale = lambda s: s.view(torch.float8_e8m0fnu).float()  # noqa: E731
+    return config, DeepGemmMoeQuantInfo(w13_weight=w13.view(torch.int8), w2_weight=w2.view(torch.int8),
+                                        use_fp8=True, w13_scale=sglang_scale(s13), w2_scale=sglang_scale(s2),
+                                        block_shape=[128, 128], is_fp4_experts=True), dispatch
+
+
+def test_install_registers_the_deep_gemm_core_once(use_settings, runner_cores):
+    use_settings(moe="on")
+    moe.install()
+    moe.install()
+    assert runner_cores["deep_gemm"] is moe.create_deep_gemm_core
+
+
+def test_deep_gemm_core_is_not_registered_with_the_switch_off(use_settings, runner_cores):
+    use_settings(moe="off")
+    moe.install()
+    assert "deep_gemm" not in runner_cores
+    config, _, _ = make_layer()
+    assert type(MoeRunner(MoeRunnerBackend.DEEP_GEMM, config).runner_core) is DeepGemmRunnerCore
+    # registered while on, then switched off: layers built from then on get SGLang's core
+    use_settings(moe="on")
+    moe.install()
+    use_settings(moe="off")
+    assert type(MoeRunner(MoeRunnerBackend.DEEP_GEMM, config).runner_core) is DeepGemmRunnerCore
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+@pytest.mark.parametrize("scale_in_experts", [True, False])
+def test_deep_gemm_runner_runs_our_op(use_settings, monkeypatch, fp4, scale_in_experts):
+    use_settings(moe="on")
+    moe.install()
+    monkeypatch.setattr(moe, "ROUTED_SCALE_IN_EXPERTS", scale_in_experts)
+    calls, conversions = [], []
+    real, convert = ops.fused_experts, moe.ue8m0_bytes
+    monkeypatch.setattr(ops, "fused_experts", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(moe, "ue8m0_bytes", lambda *a: conversions.append(a[1]) or convert(*a))
+    config, info, dispatch = make_deep_gemm_layer(fp4)
+    runner = MoeRunner(MoeRunnerBackend.DEEP_GEMM, config)  # as Fp8MoEMethod.create_moe_runner does
+    assert isinstance(runner.runner_core, moe.DeepGemmCore) and runner.fused_func is None
+    hidden = dispatch.hidden_states.clone()
+    out = runner.run(dispatch, info).hidden_states
+    out2 = runner.run(dispatch, info).hidden_states
+    assert len(calls) == 2 and conversions == (["w13_scale", "w2_scale"] if fp4 else [])  # converted once
+    assert out is not dispatch.hidden_states and torch.equal(dispatch.hidden_states, hidden)  # input untouched
+    w13, w2, s13, s2 = info.w13_weight, info.w2_weight, info.w13_scale, info.w2_scale
+    if fp4:  # the op's storage: the same bytes, UE8M0 scales
+        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+        s13, s2 = ((torch.log2(s).to(torch.int32) + 127).to(torch.uint8) for s in (s13, s2))
+        assert torch.equal(calls[0]["w13_scale"], s13) and torch.equal(calls[0]["w2_scale"], s2)
+    want = ops.fused_experts_reference(hidden, w13, w2, *dispatch.topk_output[:2], w13_scale=s13, w2_scale=s2,
+                                       swiglu_limit=10.0)
+    want = want.float() * (1.5 if scale_in_experts else 1.0)
+    # as in test_runner_runs_our_op: the op's layout and the folded 1.5 may move a bf16 rounding step (2**-8)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("where, change, message", [
+    ("config", {"activation": "gelu"}, "activation 'gelu'"),
+    ("config", {"gemm1_alpha": 1.702}, "gemm1_alpha"),
+    ("config", {"no_combine": True}, "no_combine"),
+    ("quant", {"use_mxfp8": True}, "MXFP8"),
+    ("quant", {"block_shape": [64, 64]}, "block_shape [64, 64]"),
+    ("quant", {"w13_weight": torch.zeros(E, 2 * I, H, dtype=torch.bfloat16)}, "dtype torch.bfloat16"),
+    ("quant", {"w13_scale": torch.zeros(E, 2 * I // 128, H // 128, dtype=torch.int32)}, "dtype torch.int32"),
+    ("fp4", {"w13_scale": torch.full((E, 2 * I, H // 32), 3.0)}, "powers of two"),
+])
+def test_deep_gemm_core_raises_on_what_it_does_not_run(use_settings, monkeypatch, where, change, message):
+    use_settings(moe="on")
+    moe.install()
+    monkeypatch.setattr(ops, "fused_experts", lambda *a, **k: pytest.fail("our op ran"))
+    config, info, dispatch = make_deep_gemm_layer(fp4=where == "fp4")
+    for field, value in change.items():
+        setattr(config if where == "config" else info, field, value)
+    error = ValueError if where == "fp4" else NotImplementedError
+    with pytest.raises(error, match=re.escape(message)):
+        MoeRunner(MoeRunnerBackend.DEEP_GEMM, config).run(dispatch, info)
+
+
+def test_deep_gemm_config_it_does_not_run_goes_to_sglangs_core_where_deep_gemm_runs(use_settings, monkeypatch):
+    use_settings(moe="on")
+    moe.install()
+    monkeypatch.setattr(moe, "_sglang_deep_gemm_usable", lambda: True)
+    config, _, _ = make_layer()
+    config.activation, config.gemm1_alpha, config.gemm1_clamp_limit = "situ", 1.0, 1.0  # Kimi K3's activation
+    assert type(MoeRunner(MoeRunnerBackend.DEEP_GEMM, config).runner_core) is DeepGemmRunnerCore
+
+
+def test_ue8m0_bytes_reads_sglangs_float32_scales_exactly():
+    codes = torch.tensor([[[0, 1, 100, 127, 200, 254]]], dtype=torch.uint8)
+    assert torch.equal(moe.ue8m0_bytes(codes.view(torch.float8_e8m0fnu).float(), "s"), codes)
+    assert moe.ue8m0_bytes(codes, "s") is codes
+    with pytest.raises(ValueError, match="powers of two"):
+        moe.ue8m0_bytes(torch.tensor([[[1.0, -2.0]]]), "s")

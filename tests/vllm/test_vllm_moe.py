@@ -42,8 +42,15 @@ moe.fused_experts = counted
 report = {}
 with set_current_vllm_config(VllmConfig()):
     fx.init_distributed()
-    qc = Mxfp4Config() if fp4 else Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
-                                             weight_block_size=[128, 128])
+    if sys.argv[3] == "v4":  # V4's own config; the expert dtype a Flash (fp4) or Flash-Base (fp8) config gives
+        from vllm.models.deepseek_v4.quant_config import DeepseekV4FP8Config
+        qc = DeepseekV4FP8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                                 weight_block_size=[128, 128])
+        qc._resolved_expert_dtype = "fp4" if fp4 else "fp8"
+    else:
+        qc = Mxfp4Config() if fp4 else Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                                                 weight_block_size=[128, 128])
+    report["quant_config"] = type(qc).__name__
     runner = FusedMoEFactory(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128,
                              params_dtype=torch.bfloat16, quant_config=qc, swiglu_limit=10.0,
                              prefix="model.layers.0.mlp.experts")
@@ -80,21 +87,26 @@ json.dump(report, open(sys.argv[1], "w"))
 '''
 
 
-def _run(tmp_path, moe_switch, fmt="fp8"):
+def _run(tmp_path, moe_switch, fmt="fp8", config="generic"):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                MUSA_ATTN_MOE=moe_switch, VLLM_LOGGING_LEVEL="WARNING")
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(out), fmt], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(out), fmt, config], capture_output=True, text=True, env=env,
                          timeout=900, cwd=ROOT)
     assert run.returncode == 0 and out.exists(), run.stderr[-5000:]
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("config", ["generic", "v4"])
 @pytest.mark.parametrize("fmt,backend", [("fp8", "Fp8MoeBackend.TRITON"), ("fp4", "Mxfp4MoeBackend.EMULATION")])
-def test_vllm_moe_layer_runs_on_our_op(tmp_path, fmt, backend):
+def test_vllm_moe_layer_runs_on_our_op(tmp_path, fmt, backend, config):
     """FP8: ``Fp8MoEMethod`` through ``select_fp8_moe_backend``; FP4: ``Mxfp4MoEMethod`` (what V4's FP4 experts
-    build) through ``select_deepseek_v4_mxfp4_moe_backend``, the packed weights kept as loaded."""
-    rep = _run(tmp_path, "on", fmt)
+    build) through ``select_deepseek_v4_mxfp4_moe_backend``, the packed weights kept as loaded. ``generic``:
+    vLLM's ``Fp8Config`` / ``Mxfp4Config``; ``v4``: ``DeepseekV4FP8Config`` (``deepseek_v4_fp8``, what a V4
+    checkpoint loads), which builds those methods by its expert dtype."""
+    rep = _run(tmp_path, "on", fmt, config)
+    assert rep["quant_config"] == ("DeepseekV4FP8Config" if config == "v4" else
+                                   "Mxfp4Config" if fmt == "fp4" else "Fp8Config"), rep
     assert rep["experts_cls"] == "MusaBlockFp8Experts" and rep["backend"] == backend, rep
     assert rep["calls"] == [10.0, 10.0], rep  # both runs went through our op, with V4's clamp
     for mapped in (False, True):  # the same op on the same inputs: identical on the CPU
