@@ -1,12 +1,13 @@
-"""SGLang 0.5.23's FP8 block-scaled MoE experts on this package's op (:func:`..kernels.moe.fused_experts`).
+"""SGLang 0.5.23's FP8 block-scaled MoE experts (and, on the ``deep_gemm`` runner, FP4 ones) on this package's op
+(:func:`..kernels.moe.fused_experts`). :func:`install` sets up both hooks below.
 
-**What it hooks.** :func:`install` replaces the fused function SGLang registers for the standard dispatcher and
-the ``triton`` runner, ``FusedOpPool._fused_funcs[("none", "triton")]`` (``fused_experts_none_to_triton``,
-``layers/moe/moe_runner/triton.py``), with :func:`fused_experts_none_to_triton`, which keeps SGLang's function in
-:data:`original`. ``Fp8MoEMethod.create_moe_runner`` resolves ``--moe-runner-backend auto`` to ``triton`` off
-ROCm and without DeepGEMM, and ``MoeRunner.run`` calls the pool's fused function before its runner core, so
-DeepSeek-V4's FP8 experts (and ``SGLANG_DSV4_FP4_DEQUANT=1``'s FP4 ones, dequantised to FP8 blocks at load)
-arrive here.
+**What it hooks.** :func:`install_fused_function` replaces the fused function SGLang registers for the standard
+dispatcher and the ``triton`` runner, ``FusedOpPool._fused_funcs[("none", "triton")]``
+(``fused_experts_none_to_triton``, ``layers/moe/moe_runner/triton.py``), with :func:`fused_experts_none_to_triton`,
+which keeps SGLang's function in :data:`original`. ``Fp8MoEMethod.create_moe_runner`` resolves
+``--moe-runner-backend auto`` to ``triton`` off ROCm and without DeepGEMM, and ``MoeRunner.run`` calls the pool's
+fused function before its runner core, so DeepSeek-V4's FP8 experts (and ``SGLANG_DSV4_FP4_DEQUANT=1``'s FP4 ones,
+dequantised to FP8 blocks at load) arrive here.
 
 **Why there.** ``MoeRunner.__init__`` reads the pool once, when the layer's quantisation method builds its
 runner, so the replacement has to be in the pool before any MoE layer is built: the plugin's ``register()``
@@ -33,7 +34,9 @@ layer as one :func:`..kernels.moe.fused_experts` call and returns ``StandardComb
 It handles gated ``silu`` (V4's ``swiglu_limit`` included) on the standard dispatcher, bf16 hidden states, FP8
 weights with float32 128 x 128 block scales and FP4 experts (scales converted once to UE8M0 bytes). A case outside
 that raises ``NotImplementedError`` naming it, when the runner is built (runner config, all-to-all backend) or at
-the first call (weights, dispatch output): there is nothing to hand such a call to where DeepGEMM is absent.
+the first call (weights, dispatch output): there is nothing to hand such a call to where DeepGEMM is absent. Where
+SGLang's DeepGEMM does run, a runner config ours cannot run gets SGLang's core at build time
+(:func:`create_deep_gemm_core` says why only then).
 """
 
 from __future__ import annotations

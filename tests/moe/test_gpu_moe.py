@@ -269,3 +269,53 @@ def test_swiglu_quant_matches_reference(gpu_device, I, limit):
     assert int(differ.sum()) <= max(1, a.numel() // 10 ** 4), int(differ.sum())
     # one e4m3 step: neighbouring codes of the same sign
     assert ((a[differ].int() - b[differ].int()).abs() == 1).all()
+
+
+@pytest.mark.parametrize("model,T,E,skew,limit", [("flash", 512, 256, True, 10.0), ("small", 333, 8, False, None),
+                                                  ("pro", 300, 32, False, 10.0), ("small", 16384, 64, False, 10.0)])
+def test_gemm_swiglu_matches_reference(gpu_device, model, T, E, skew, limit):
+    """GEMM1 with the SwiGLU and quantisation epilogue against the plain GEMM's reference through the SwiGLU
+    reference. Both sides round ``h`` to bf16 from float32 sums in different orders (a unit apart at most, more
+    where Hopper's FP8 accumulation meets cancellation), so: scales within 2^-6, and each dequantised value within
+    a quarter of the reference's plus 2^-8 of its group's amax (an e4m3 step is 2^-3 relative; a wrong row,
+    expert, half or scale is off by far more); padding rows untouched (NaN poison)."""
+    I, H = {"flash": (2048, 4096), "pro": (3072, 7168), "small": (256, 384)}[model]
+    k = 6
+    w13, s13 = weights(E, 2 * I, H, gpu_device, seed=9)
+    row_src, layout = moe.align_routing(routing(T, k, E, skew, gpu_device, seed=9), E)
+    x = torch.randn(T, H, device=gpu_device, dtype=torch.bfloat16)
+    a, sa = moe.quantize_groups(x[(row_src.clamp(min=0) // k).long()])
+    M = layout.numel()
+    q = torch.full((M, I), 0x7F, dtype=torch.uint8, device=gpu_device).view(torch.float8_e4m3fn)
+    s = torch.full((M, I // 128), float("nan"), device=gpu_device)
+    moe.grouped_gemm_swiglu_fp8(a, sa, w13, s13, layout, limit, out=(q, s), impl="tilelang")
+    rq, rs = moe.grouped_gemm_swiglu_contiguous_reference(a, sa, w13, s13, layout, limit)
+    rows = layout >= 0
+    assert torch.isnan(s[~rows]).all() and (q[~rows].view(torch.uint8) == 0x7F).all()
+    assert torch.isfinite(s[rows]).all()
+    torch.testing.assert_close(s[rows], rs[rows], rtol=2 ** -6, atol=0)
+    deq = (q[rows].float().unflatten(-1, (I // 128, 128)) * s[rows].unsqueeze(-1)).flatten(-2)
+    ref = (rq[rows].float().unflatten(-1, (I // 128, 128)) * rs[rows].unsqueeze(-1)).flatten(-2)
+    bound = 0.25 * ref.abs() + 2 ** -8 * (rs[rows] * 448).repeat_interleave(128, -1)
+    bad = (deq - ref).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off; worst {float((deq - ref).abs().max())}"
+    assert float((deq - ref).norm() / ref.norm()) < 2 ** -6
+
+
+def test_gemm_swiglu_malformed_layout_gives_nan_rows(gpu_device):
+    E, I, K = 3, 256, 256
+    w13, s13 = weights(E, 2 * I, K, gpu_device, seed=4)
+    layout = torch.full((512,), -1, dtype=torch.int32)
+    layout[:10], layout[10:20], layout[129:140], layout[256:300], layout[384:390] = 0, 1, 2, 7, 2
+    layout = layout.to(gpu_device)
+    a, sa = moe.quantize_groups(torch.randn(512, K, device=gpu_device))
+    q = torch.zeros(512, I, dtype=torch.float8_e4m3fn, device=gpu_device)
+    s = torch.zeros(512, I // 128, device=gpu_device)
+    moe.grouped_gemm_swiglu_fp8(a, sa, w13, s13, layout, 10.0, out=(q, s), impl="tilelang")
+    rq, rs = moe.grouped_gemm_swiglu_contiguous_reference(a, sa, w13, s13, layout, 10.0)
+    nan_r = torch.isnan(rs).all(1) & (layout >= 0)
+    assert int(nan_r.sum()) == 10 + 11 + 44
+    assert torch.isnan(s[nan_r]).all() and torch.isnan(q[nan_r].float()).all()
+    assert (s[layout < 0] == 0).all() and (q[layout < 0].float() == 0).all()
+    ok = (layout >= 0) & ~nan_r
+    torch.testing.assert_close(s[ok], rs[ok], rtol=2 ** -6, atol=0)

@@ -11,6 +11,7 @@ from musa_attn_backend.kernels._tir import gemm_operands
 from musa_attn_backend.kernels.moe import tilelang_impl as ti
 from musa_attn_backend.kernels.moe.contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
+from musa_attn_backend.kernels.moe.contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous as _swiglu_gemm
 from musa_attn_backend.kernels.moe.masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
@@ -58,8 +59,11 @@ def test_launch_glue_matches_the_programs(use_settings):
                                             fp4=True)
         ti.swiglu_quant_tilelang(torch.zeros(M, 2 * K, dtype=torch.bfloat16), torch.arange(5),
                                  10, (torch.empty(M, K, dtype=torch.float8_e4m3fn), torch.empty(M, 3)))
+        ti.grouped_gemm_swiglu_contiguous_tilelang(a, sa, b, sb, torch.zeros(M, dtype=torch.int32), 10.0,
+                                                   (torch.empty(M, N // 2, dtype=torch.float8_e4m3fn),
+                                                    torch.empty(M, N // 256)))
     assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked", "moe_fp4_contiguous",
-                                     "moe_swiglu_quant"]
+                                     "moe_swiglu_quant", "moe_fp8_contiguous_swiglu"]
     for _, func, args in calls:
         _signature_check(func, args)
 
@@ -67,7 +71,8 @@ def test_launch_glue_matches_the_programs(use_settings):
 @pytest.mark.parametrize("build", [lambda: build_grouped_gemm_contiguous(4096, 4096),
                                    lambda: build_grouped_gemm_masked(4096, 2048),
                                    lambda: build_grouped_gemm_masked_fp4(4096, 2048),
-                                   lambda: build_grouped_gemm_contiguous_fp4(4096, 2048)])
+                                   lambda: build_grouped_gemm_contiguous_fp4(4096, 2048),
+                                   lambda: _swiglu_gemm(2048, 4096, 10.0)])
 def test_programs_take_both_gemm_operands_from_shared_memory(build):
     ops = gemm_operands(build())
     assert len(ops) == 1 and ops[0].a_scope.startswith("shared") and ops[0].b_scope.startswith("shared")
@@ -91,6 +96,17 @@ def test_swiglu_quant_lowers_for_sm90a(limit):
     assert "__fdiv_rn(" in src and "(0 <= r) && (r < rows_1)" in src
     assert "((int64_t)r) * (int64_t)6144" in src
     assert ("0x1.4p+3f" in src) == (limit is not None)  # 10.0
+
+
+def test_gemm_swiglu_lowers_for_sm90a_with_both_weight_halves_in_one_tile():
+    """GEMM1 with the SwiGLU epilogue: per K step the A tile and two weight copies (the group's gate rows and the up
+    rows ``I`` further) into one shared tile, one m64n128 FP8 WGMMA per consumer warp group (one half each), IEEE
+    divisions in the quantisation, and the e4m3 NaN code (0x7F) for rows of another expert."""
+    src = _tilelang.lower(_swiglu_gemm(2048, 4096, 10.0), HOPPER).source
+    assert src.count("tl::tma_load(") == 3
+    assert "(((int)blockIdx.x) * 128) + 2048)" in src  # the up rows, I = 2048 past the gate rows
+    assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 128, 32" in src
+    assert "__fdiv_rn(" in src and "(uchar)127" in src
 
 
 @pytest.mark.parametrize("which", ["masked_fp4", "contiguous_fp4"])
@@ -128,11 +144,16 @@ NVCC = nvcc_path()
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
-@pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant"])
+@pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
+                                   "contiguous_swiglu"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    kern = (ti.swiglu_quant_kernel(2048, 10.0, target=HOPPER) if which == "swiglu_quant"
-            else getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER))
+    if which == "swiglu_quant":
+        kern = ti.swiglu_quant_kernel(2048, 10.0, target=HOPPER)
+    elif which == "contiguous_swiglu":
+        kern = ti.contiguous_swiglu_kernel(2048, 4096, 10.0, target=HOPPER)
+    else:
+        kern = getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER)
     assert "__global__" in kern.get_kernel_source()
 
 

@@ -322,3 +322,46 @@ def test_swiglu_quant_refuses_bad_input_naming_the_argument():
         moe.swiglu_quant(h, rows, -1.0)
     with pytest.raises(ValueError, match=r"out\[1\] must have shape \(4, 2\)"):
         moe.swiglu_quant(h, rows, out=(torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 3)))
+
+
+def test_grouped_gemm_swiglu_is_the_gemm_then_swiglu_quant_with_the_layout_rules():
+    """``grouped_gemm_swiglu_fp8`` (reference path): byte for byte GEMM1 then ``swiglu_quant`` on every row with an
+    id; on a malformed layout NaN codes and scales exactly where the plain GEMM gives NaN rows; ``-1`` rows
+    untouched."""
+    g = torch.Generator().manual_seed(11)
+    E, I, K = 3, 256, 256
+    w13, s13 = moe.quantize_weight_blocks_reference(torch.randn(E, 2 * I, K, generator=g))
+    layout = torch.full((512,), -1, dtype=torch.int32)
+    layout[:10], layout[10:20], layout[129:140], layout[256:300], layout[384:390] = 0, 1, 2, 7, 2
+    a, sa = moe.quantize_groups(torch.randn(512, K, generator=g))
+    q = torch.full((512, I), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.full((512, I // 128), -3.0)
+    moe.grouped_gemm_swiglu_fp8(a, sa, w13, s13, layout, 10.0, out=(q, s))
+    h = moe.grouped_gemm_fp8(a, sa, w13, s13, layout)
+    nan_rows = torch.isnan(h).all(1) & (layout >= 0)
+    # rows 10-19 (another expert than their tile's), 129-139 (a tile whose first row is -1), the tile of expert 7
+    assert int(nan_rows.sum()) == 10 + 11 + 44
+    assert torch.isnan(q[nan_rows].float()).all() and torch.isnan(s[nan_rows]).all()
+    ok = (layout >= 0) & ~nan_rows
+    rq, rs = moe.swiglu_quant(h, torch.nonzero(ok).flatten(), 10.0)
+    assert torch.equal(q[ok].view(torch.uint8), rq[ok].view(torch.uint8)) and torch.equal(s[ok], rs[ok])
+    assert (q[layout < 0].view(torch.uint8) == 0x11).all() and (s[layout < 0] == -3).all()
+
+
+def test_grouped_gemm_swiglu_refuses_bad_input_naming_the_argument():
+    w13, s13 = torch.zeros(2, 512, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 4, 2)
+    a, sa, lay = torch.zeros(8, 256, dtype=torch.float8_e4m3fn), torch.ones(8, 2), torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"w13's rows \(2 x intermediate\) must be a multiple of 256"):
+        moe.grouped_gemm_swiglu_fp8(a, sa, torch.zeros(2, 384, 256, dtype=torch.float8_e4m3fn),
+                                    torch.ones(2, 3, 2), lay)
+    with pytest.raises(ValueError, match="grouped_layout must be torch.int32"):
+        moe.grouped_gemm_swiglu_fp8(a, sa, w13, s13, lay.long())
+    with pytest.raises(ValueError, match=r"a_scale must have shape \(8, 2\)"):
+        moe.grouped_gemm_swiglu_fp8(a, torch.ones(8, 3), w13, s13, lay)
+    with pytest.raises(ValueError, match=r"out\[0\] must have shape \(8, 256\)"):
+        moe.grouped_gemm_swiglu_fp8(a, sa, w13, s13, lay, out=(torch.empty(8, 512, dtype=torch.float8_e4m3fn),
+                                                               torch.empty(8, 2)))
+    with pytest.raises(ValueError, match="w13 must be float8_e4m3fn"):
+        moe.grouped_gemm_swiglu_fp8(a, sa, torch.zeros(2, 512, 128, dtype=torch.uint8), torch.zeros(2, 512, 8,
+                                                                                                      dtype=torch.uint8),
+                                    lay)

@@ -164,12 +164,36 @@ def test_deep_gemm_runner_runs_our_op(use_settings, monkeypatch, fp4, scale_in_e
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
         s13, s2 = ((torch.log2(s).to(torch.int32) + 127).to(torch.uint8) for s in (s13, s2))
         assert torch.equal(calls[0]["w13_scale"], s13) and torch.equal(calls[0]["w2_scale"], s2)
-    want = ops.fused_experts_reference(hidden, w13, w2, *dispatch.topk_output[:2], w13_scale=s13, w2_scale=s2,
-                                       swiglu_limit=10.0)
-    want = want.float() * (1.5 if scale_in_experts else 1.0)
-    # as in test_runner_runs_our_op: the op's layout and the folded 1.5 may move a bf16 rounding step (2**-8)
-    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
-    assert torch.equal(out, out2)
+    # routed_scaling_factor 1.5, where the experts apply it, is folded into the router weights
+    weights, ids = dispatch.topk_output.topk_weights, dispatch.topk_output.topk_ids
+    weights = weights.float() * 1.5 if scale_in_experts else weights
+    want = ops.fused_experts_reference(hidden, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, swiglu_limit=10.0)
+    # exact: on a CPU the op runs the float32 reference GEMMs, summing each token's choices in the same order
+    assert torch.equal(out, want) and torch.equal(out2, want)
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+def test_fp8_moe_method_apply_reaches_our_core(use_settings, monkeypatch, fp4):
+    """``Fp8MoEMethod.apply``'s deep_gemm branch builds the quant info from the layer's parameters (here set by
+    hand, as loading leaves them: no DeepGEMM, so no UE8M0 requantisation) and runs it on our core."""
+    from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+
+    use_settings(moe="on")
+    moe.install()
+    monkeypatch.setattr(moe, "ROUTED_SCALE_IN_EXPERTS", False)  # the model applies the 1.5 (a CPU's way)
+    config, info, dispatch = make_deep_gemm_layer(fp4)
+    method = Fp8MoEMethod.__new__(Fp8MoEMethod)  # only what apply reads; __init__ needs a full Fp8Config
+    method.quant_config = type("Config", (), {"weight_block_size": [128, 128]})()
+    method.block_quant, method.is_fp4_expert, method.use_mxfp8 = True, fp4, False
+    method.moe_runner_config, method.runner = config, MoeRunner(MoeRunnerBackend.DEEP_GEMM, config)
+    layer = torch.nn.Module()
+    for name, t in (("w13_weight", info.w13_weight), ("w2_weight", info.w2_weight),
+                    ("w13_weight_scale_inv", info.w13_scale), ("w2_weight_scale_inv", info.w2_scale)):
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    w13, s13, w2, s2 = method.runner.runner_core.expert_weights(info)
+    want = ops.fused_experts_reference(dispatch.hidden_states, w13, w2, *dispatch.topk_output[:2], w13_scale=s13,
+                                       w2_scale=s2, swiglu_limit=10.0)
+    assert torch.equal(method.apply(layer, dispatch).hidden_states, want)
 
 
 @pytest.mark.parametrize("where, change, message", [

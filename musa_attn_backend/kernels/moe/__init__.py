@@ -3,7 +3,8 @@ experts of one layer: routing, activation quantisation, the two grouped GEMMs, c
 :mod:`.layer`), built on the grouped GEMMs with DeepGEMM's semantics, :func:`grouped_gemm_fp8` (the contiguous
 layout, prefill) and :func:`grouped_gemm_fp8_masked` (the masked layout, decode under CUDA graphs), and
 :func:`quantize_groups` (the 1 x 128 activation quantisation they read), and :func:`swiglu_quant` (V4's SwiGLU
-of GEMM1's rows quantised for GEMM2 in one pass). Formats and the exact rule of each
+of GEMM1's rows quantised for GEMM2 in one pass; :func:`grouped_gemm_swiglu_fp8`: both in GEMM1's epilogue).
+Formats and the exact rule of each
 layout: :mod:`.reference` (also the path on a CPU).
 
 Every op checks its arguments before anything runs and names the argument it refuses; none reads its index
@@ -19,13 +20,15 @@ import torch
 
 from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
-from .layer import MASKED_MAX_TOKENS, fused_experts_reference, swiglu_quant_reference
+from .layer import (MASKED_MAX_TOKENS, fused_experts_reference, grouped_gemm_swiglu_contiguous_reference,
+                    swiglu_quant_reference)
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
                         dequantize_groups, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference,
                         quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
 
 __all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked",
-           "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
+           "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "grouped_gemm_swiglu_fp8",
+           "grouped_gemm_swiglu_contiguous_reference", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
            "grouped_gemm_masked_reference", "quantize_groups_reference", "quantize_weight_blocks_reference",
            "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4", "dequantize_groups", "FP4_GROUP"]
 
@@ -186,6 +189,49 @@ def swiglu_quant(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Optional[flo
     from .tilelang_impl import swiglu_quant_tilelang
 
     return swiglu_quant_tilelang(h, rows, swiglu_limit, tuple(out))
+
+
+def grouped_gemm_swiglu_fp8(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                            grouped_layout: torch.Tensor, swiglu_limit: Optional[float] = None,
+                            out: Optional[tuple] = None, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 of the routed experts, contiguous layout, with V4's SwiGLU and GEMM2's 1 x 128 FP8 quantisation in
+    its epilogue: per row ``m`` whose id is not ``-1``, ``(q[m], s[m]) = swiglu_quant(h[m])`` for ``h`` the
+    :func:`grouped_gemm_fp8` result of ``w13``, which never goes to memory.
+
+    - ``a [M, K]`` float8_e4m3fn, ``a_scale [M, K/128]`` float32; ``grouped_layout [M]`` int32: the rules of
+      :func:`grouped_gemm_fp8` (rows whose id is another expert than their tile's get NaN codes and a NaN scale;
+      ``-1`` rows are not written);
+    - ``w13 [E, 2I, K]`` float8_e4m3fn (gate rows, then up rows) with ``w13_scale [E, 2I/128, K/128]`` float32;
+    - ``out``: ``(q [M, I] float8_e4m3fn, s [M, I/128] float32)``, allocated when None.
+
+    All tensors contiguous, on one device. Returns ``(q, s)``."""
+    op = "grouped_gemm_swiglu_fp8"
+    E, N, K, _ = _weights(op, w13, w13_scale, "w13")
+    check(N % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
+                                        f"got {N}")
+    I = N // 2
+    check(isinstance(a, torch.Tensor) and a.dim() == 2, lambda: f"{op}: a must be a [M, {K}] tensor")
+    M = a.shape[0]
+    _tensor(op, "a", a, FP8, (M, K))
+    _tensor(op, "a_scale", a_scale, torch.float32, (M, K // BLOCK))
+    _tensor(op, "grouped_layout", grouped_layout, torch.int32, (M,))
+    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
+          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
+    if out is None:
+        out = (torch.empty(M, I, dtype=FP8, device=a.device),
+               torch.empty(M, I // BLOCK, dtype=torch.float32, device=a.device))
+    check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
+    _tensor(op, "out[0]", out[0], FP8, (M, I))
+    _tensor(op, "out[1]", out[1], torch.float32, (M, I // BLOCK))
+    check_same_device(op, a=a, a_scale=a_scale, w13=w13, w13_scale=w13_scale, grouped_layout=grouped_layout,
+                      q=out[0], s=out[1])
+    if _run(op, impl, a.device) == "reference":
+        return grouped_gemm_swiglu_contiguous_reference(a, a_scale, w13, w13_scale, grouped_layout, swiglu_limit,
+                                                        tuple(out))
+    from .tilelang_impl import grouped_gemm_swiglu_contiguous_tilelang
+
+    return grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_layout, swiglu_limit,
+                                                   tuple(out))
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

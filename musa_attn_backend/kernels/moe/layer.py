@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .reference import (align_routing, dequantize_groups, dequantize_weights, local_expert_ids,
-                        quantize_groups_reference)
+from .reference import (align_routing, dequantize_groups, dequantize_weights, grouped_gemm_contiguous_reference,
+                        local_expert_ids, quantize_groups_reference)
 
 # decode batches up to this many tokens run the masked layout (fixed shapes: CUDA-graph safe); larger ones the
 # contiguous layout
@@ -52,6 +52,15 @@ def swiglu_quant_reference(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Op
     if r.numel():
         q[r], s[r] = quantize_groups_reference(swiglu(h[r], swiglu_limit))
     return q, s
+
+
+def grouped_gemm_swiglu_contiguous_reference(a, a_scale, w13, w13_scale, grouped_layout, swiglu_limit=None,
+                                             out=None):
+    """GEMM1 of the contiguous layout with the SwiGLU and GEMM2's quantisation after it: the plain GEMM's bf16
+    rows (:func:`.reference.grouped_gemm_contiguous_reference`, NaN rows included) through
+    :func:`swiglu_quant_reference` for every row whose id is not ``-1``. Returns ``(q [M, I], s [M, I/128])``."""
+    h = grouped_gemm_contiguous_reference(a, a_scale, w13, w13_scale, grouped_layout)
+    return swiglu_quant_reference(h, torch.nonzero(grouped_layout >= 0).flatten(), swiglu_limit, out)
 
 
 def _scatter_rows(q: torch.Tensor, s: torch.Tensor, index: torch.Tensor, rows: int):

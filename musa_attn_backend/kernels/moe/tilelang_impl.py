@@ -7,6 +7,7 @@ import torch
 from ..._tilelang import compile_cached, tl
 from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
+from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 from .swiglu_quant_kernel import build_swiglu_quant
@@ -17,6 +18,7 @@ MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
 SWIGLU_QUANT = dict(groups=4, threads=128)
+CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
 
 
 def _fp4_pass_configs() -> dict:
@@ -78,4 +80,19 @@ def swiglu_quant_tilelang(h, rows, limit, out):
     q, s = out
     if rows.numel() and h.shape[0]:
         swiglu_quant_kernel(h.shape[1] // 2, limit)(h, rows.to(torch.int32), q, s)
+    return q, s
+
+
+def contiguous_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
+    cfg = {**CONTIGUOUS_SWIGLU, **tiling}
+    limit = None if limit is None else float(limit)
+    return compile_cached(("moe_fp8_contiguous_swiglu", I, K, limit, *sorted(cfg.items())),
+                          lambda: build_grouped_gemm_swiglu_contiguous(I, K, limit, **cfg), target=target)
+
+
+def grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_layout, limit, out):
+    q, s = out
+    if a.shape[0]:
+        contiguous_swiglu_kernel(w13.shape[1] // 2, a.shape[1], limit)(a, a_scale, w13, w13_scale, grouped_layout,
+                                                                       q, s)
     return q, s
