@@ -25,7 +25,10 @@ Timed, each replayed from a CUDA graph (median of the replays):
   (``try_get_optimal_moe_config``, recorded); its token alignment is computed here in torch, untimed, because
   SGLang's is a compiled op;
 - ``ours_fp4`` / ``ours_fp4_masked`` (``T <= 512``): both layouts with MXFP4 weights of the same shape (random
-  E2M1 bytes, UE8M0 scales), converted in the kernel.
+  E2M1 bytes, UE8M0 scales), converted in the kernel;
+- ``ours_gemm_swiglu`` (gate_up rows): :func:`grouped_gemm_swiglu_fp8`, GEMM1 with the SwiGLU and GEMM2's
+  quantisation in its epilogue, against ``ours`` plus ``ours_swiglu_quant`` (:func:`swiglu_quant` over the chosen
+  rows of ``ours``' output), the two steps it replaces.
 
 ``moe_layer`` rows time the whole routed-expert op, :func:`fused_experts` (routing, quantisation, both GEMMs,
 V4's clamped SwiGLU, the weighted sum; FP8 and FP4 weights), against the same layer composed from SGLang's Triton
@@ -187,6 +190,16 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
         row["ours_fp4_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
         row["ours_fp4_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
         del am, sam, om, b4, sb4
+    if gemm == "gate_up":  # the epilogue-fused GEMM1, and the SwiGLU + quantisation pass it replaces
+        try:
+            qs = (torch.empty(layout.numel(), N // 2, device=device, dtype=torch.float8_e4m3fn),
+                  torch.empty(layout.numel(), N // 256, device=device))
+            row["ours_gemm_swiglu_ms"] = time(lambda: moe.grouped_gemm_swiglu_fp8(a, sa, b, sb, layout, 10.0, qs))
+            chosen = torch.nonzero(layout >= 0).flatten().to(torch.int32)
+            row["ours_swiglu_quant_ms"] = time(lambda: moe.swiglu_quant(out, chosen, 10.0, qs))
+            del qs
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["fused_error"] = f"{type(e).__name__}: {e}"[:300]
     row["peers"] = {}
     if device == "cuda":
         try:

@@ -25,6 +25,7 @@ def test_smoke_writes_json(tmp_path):
         assert "ours_ms" in r and "ours_fp4_ms" in r
         if r["op"] == "moe_layer":
             continue
+        assert ("ours_gemm_swiglu_ms" in r and "ours_swiglu_quant_ms" in r) == (r["op"] == "moe_gate_up"), r
         assert "ours_ms" in r and "ours_masked_ms" in r and r["shape"]["rows"] == r["shape"]["T"] * 6
         assert r["shape"]["layout_rows"] % 128 == 0 and r["flops"] > 0
 
