@@ -319,3 +319,30 @@ def test_gemm_swiglu_malformed_layout_gives_nan_rows(gpu_device):
     assert (s[layout < 0] == 0).all() and (q[layout < 0].float() == 0).all()
     ok = (layout >= 0) & ~nan_r
     torch.testing.assert_close(s[ok], rs[ok], rtol=2 ** -6, atol=0)
+
+
+@pytest.mark.parametrize("model,E,max_m,limit", [("flash", 256, 64, 10.0), ("small", 8, 200, None),
+                                                 ("pro", 16, 130, 10.0)])
+def test_gemm_swiglu_masked_matches_reference(gpu_device, model, E, max_m, limit):
+    """The masked epilogue-fused GEMM1 against the reference, the bounds of the contiguous test; rows at or past
+    ``masked_m[e]`` untouched (NaN poison), including an empty expert, a full one and a count past ``max_m``."""
+    I, H = {"flash": (2048, 4096), "pro": (3072, 7168), "small": (256, 384)}[model]
+    w13, s13 = weights(E, 2 * I, H, gpu_device, seed=8)
+    g = torch.Generator().manual_seed(max_m)
+    m = torch.randint(0, max_m + 1, (E,), generator=g)
+    m[0], m[1], m[2] = 0, max_m, max_m + 7
+    m = m.to(torch.int32).to(gpu_device)
+    a, sa = moe.quantize_groups(torch.randn(E, max_m, H, device=gpu_device, dtype=torch.bfloat16))
+    q = torch.full((E, max_m, I), 0x7F, dtype=torch.uint8, device=gpu_device).view(torch.float8_e4m3fn)
+    s = torch.full((E, max_m, I // 128), float("nan"), device=gpu_device)
+    moe.grouped_gemm_swiglu_fp8_masked(a, sa, w13, s13, m, limit, out=(q, s), impl="tilelang")
+    rq, rs = moe.grouped_gemm_swiglu_masked_reference(a, sa, w13, s13, m, limit)
+    rows = torch.arange(max_m, device=gpu_device) < m.clamp(0, max_m).unsqueeze(1)
+    assert torch.isnan(s[~rows]).all() and (q[~rows].view(torch.uint8) == 0x7F).all()
+    torch.testing.assert_close(s[rows], rs[rows], rtol=2 ** -6, atol=0)
+    deq = (q[rows].float().unflatten(-1, (I // 128, 128)) * s[rows].unsqueeze(-1)).flatten(-2)
+    ref = (rq[rows].float().unflatten(-1, (I // 128, 128)) * rs[rows].unsqueeze(-1)).flatten(-2)
+    bound = 0.25 * ref.abs() + 2 ** -8 * (rs[rows] * 448).repeat_interleave(128, -1)
+    bad = (deq - ref).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off; worst {float((deq - ref).abs().max())}"
+    assert float((deq - ref).norm() / ref.norm()) < 2 ** -6

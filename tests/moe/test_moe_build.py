@@ -14,6 +14,7 @@ from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_c
 from musa_attn_backend.kernels.moe.contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous as _swiglu_gemm
 from musa_attn_backend.kernels.moe.masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked
+from musa_attn_backend.kernels.moe.masked_swiglu_kernel import build_grouped_gemm_swiglu_masked as _swiglu_masked
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
 
 TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8,
@@ -62,8 +63,12 @@ def test_launch_glue_matches_the_programs(use_settings):
         ti.grouped_gemm_swiglu_contiguous_tilelang(a, sa, b, sb, torch.zeros(M, dtype=torch.int32), 10.0,
                                                    (torch.empty(M, N // 2, dtype=torch.float8_e4m3fn),
                                                     torch.empty(M, N // 256)))
+        ti.grouped_gemm_swiglu_masked_tilelang(torch.zeros(E, 7, K, dtype=b.dtype), torch.ones(E, 7, 3), b, sb,
+                                               torch.zeros(E, dtype=torch.int32), None,
+                                               (torch.empty(E, 7, N // 2, dtype=torch.float8_e4m3fn),
+                                                torch.empty(E, 7, N // 256)))
     assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked", "moe_fp4_contiguous",
-                                     "moe_swiglu_quant", "moe_fp8_contiguous_swiglu"]
+                                     "moe_swiglu_quant", "moe_fp8_contiguous_swiglu", "moe_fp8_masked_swiglu"]
     for _, func, args in calls:
         _signature_check(func, args)
 
@@ -72,7 +77,8 @@ def test_launch_glue_matches_the_programs(use_settings):
                                    lambda: build_grouped_gemm_masked(4096, 2048),
                                    lambda: build_grouped_gemm_masked_fp4(4096, 2048),
                                    lambda: build_grouped_gemm_contiguous_fp4(4096, 2048),
-                                   lambda: _swiglu_gemm(2048, 4096, 10.0)])
+                                   lambda: _swiglu_gemm(2048, 4096, 10.0),
+                                   lambda: _swiglu_masked(2048, 4096, 10.0)])
 def test_programs_take_both_gemm_operands_from_shared_memory(build):
     ops = gemm_operands(build())
     assert len(ops) == 1 and ops[0].a_scope.startswith("shared") and ops[0].b_scope.startswith("shared")
@@ -98,15 +104,18 @@ def test_swiglu_quant_lowers_for_sm90a(limit):
     assert ("0x1.4p+3f" in src) == (limit is not None)  # 10.0
 
 
-def test_gemm_swiglu_lowers_for_sm90a_with_both_weight_halves_in_one_tile():
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_gemm_swiglu_lowers_for_sm90a_with_both_weight_halves_in_one_tile(layout):
     """GEMM1 with the SwiGLU epilogue: per K step the A tile and two weight copies (the group's gate rows and the up
     rows ``I`` further) into one shared tile, one m64n128 FP8 WGMMA per consumer warp group (one half each), IEEE
-    divisions in the quantisation, and the e4m3 NaN code (0x7F) for rows of another expert."""
-    src = _tilelang.lower(_swiglu_gemm(2048, 4096, 10.0), HOPPER).source
+    divisions in the quantisation; contiguous: the e4m3 NaN code (0x7F) for rows of another expert."""
+    src = _tilelang.lower((_swiglu_gemm if layout == "contiguous" else _swiglu_masked)(2048, 4096, 10.0),
+                          HOPPER).source
     assert src.count("tl::tma_load(") == 3
     assert "(((int)blockIdx.x) * 128) + 2048)" in src  # the up rows, I = 2048 past the gate rows
     assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 128, 32" in src
-    assert "__fdiv_rn(" in src and "(uchar)127" in src
+    assert "__fdiv_rn(" in src
+    assert ("(uchar)127" in src) == (layout == "contiguous")
 
 
 @pytest.mark.parametrize("which", ["masked_fp4", "contiguous_fp4"])
@@ -145,13 +154,13 @@ NVCC = nvcc_path()
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
-                                   "contiguous_swiglu"])
+                                   "contiguous_swiglu", "masked_swiglu"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     if which == "swiglu_quant":
         kern = ti.swiglu_quant_kernel(2048, 10.0, target=HOPPER)
-    elif which == "contiguous_swiglu":
-        kern = ti.contiguous_swiglu_kernel(2048, 4096, 10.0, target=HOPPER)
+    elif which.endswith("_swiglu"):
+        kern = getattr(ti, f"{which}_kernel")(2048, 4096, 10.0, target=HOPPER)
     else:
         kern = getattr(ti, f"{which}_kernel")(4096, 4096, target=HOPPER)
     assert "__global__" in kern.get_kernel_source()

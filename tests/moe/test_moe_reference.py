@@ -365,3 +365,27 @@ def test_grouped_gemm_swiglu_refuses_bad_input_naming_the_argument():
         moe.grouped_gemm_swiglu_fp8(a, sa, torch.zeros(2, 512, 128, dtype=torch.uint8), torch.zeros(2, 512, 8,
                                                                                                       dtype=torch.uint8),
                                     lay)
+
+
+def test_grouped_gemm_swiglu_masked_is_the_gemm_then_swiglu_quant():
+    """``grouped_gemm_swiglu_fp8_masked`` (reference path): byte for byte the masked GEMM then ``swiglu_quant`` for
+    the rows below each clamped count; other rows untouched; refusals name the argument."""
+    g = torch.Generator().manual_seed(12)
+    E, I, K, MM = 4, 256, 384, 9
+    w13, s13 = moe.quantize_weight_blocks_reference(torch.randn(E, 2 * I, K, generator=g))
+    a, sa = moe.quantize_groups(torch.randn(E, MM, K, generator=g))
+    m = torch.tensor([3, 0, 12, -2], dtype=torch.int32)
+    q = torch.full((E, MM, I), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.full((E, MM, I // 128), -3.0)
+    moe.grouped_gemm_swiglu_fp8_masked(a, sa, w13, s13, m, 10.0, out=(q, s))
+    h = moe.grouped_gemm_fp8_masked(a, sa, w13, s13, m)
+    rows = torch.arange(MM) < m.clamp(0, MM).unsqueeze(1)
+    assert int(rows.sum()) == 3 + MM
+    rq, rs = moe.swiglu_quant(h.view(E * MM, -1), torch.nonzero(rows.flatten()).flatten(), 10.0)
+    assert torch.equal(q[rows].view(torch.uint8), rq.view(E, MM, -1)[rows].view(torch.uint8))
+    assert torch.equal(s[rows], rs.view(E, MM, -1)[rows])
+    assert (q[~rows].view(torch.uint8) == 0x11).all() and (s[~rows] == -3).all()
+    with pytest.raises(ValueError, match="masked_m must be torch.int32"):
+        moe.grouped_gemm_swiglu_fp8_masked(a, sa, w13, s13, m.long())
+    with pytest.raises(ValueError, match=r"out\[1\] must have shape \(4, 9, 2\)"):
+        moe.grouped_gemm_swiglu_fp8_masked(a, sa, w13, s13, m, out=(q, torch.empty(4, 9, 3)))

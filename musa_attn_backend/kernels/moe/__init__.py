@@ -3,7 +3,8 @@ experts of one layer: routing, activation quantisation, the two grouped GEMMs, c
 :mod:`.layer`), built on the grouped GEMMs with DeepGEMM's semantics, :func:`grouped_gemm_fp8` (the contiguous
 layout, prefill) and :func:`grouped_gemm_fp8_masked` (the masked layout, decode under CUDA graphs), and
 :func:`quantize_groups` (the 1 x 128 activation quantisation they read), and :func:`swiglu_quant` (V4's SwiGLU
-of GEMM1's rows quantised for GEMM2 in one pass; :func:`grouped_gemm_swiglu_fp8`: both in GEMM1's epilogue).
+of GEMM1's rows quantised for GEMM2 in one pass; :func:`grouped_gemm_swiglu_fp8` and
+:func:`grouped_gemm_swiglu_fp8_masked`: both in GEMM1's epilogue).
 Formats and the exact rule of each
 layout: :mod:`.reference` (also the path on a CPU).
 
@@ -21,14 +22,15 @@ import torch
 from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
 from .layer import (MASKED_MAX_TOKENS, fused_experts_reference, grouped_gemm_swiglu_contiguous_reference,
-                    swiglu_quant_reference)
+                    grouped_gemm_swiglu_masked_reference, swiglu_quant_reference)
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
                         dequantize_groups, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference,
                         quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
 
 __all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked",
            "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "grouped_gemm_swiglu_fp8",
-           "grouped_gemm_swiglu_contiguous_reference", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
+           "grouped_gemm_swiglu_contiguous_reference", "grouped_gemm_swiglu_fp8_masked",
+           "grouped_gemm_swiglu_masked_reference", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
            "grouped_gemm_masked_reference", "quantize_groups_reference", "quantize_weight_blocks_reference",
            "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4", "dequantize_groups", "FP4_GROUP"]
 
@@ -232,6 +234,47 @@ def grouped_gemm_swiglu_fp8(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.T
 
     return grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_layout, swiglu_limit,
                                                    tuple(out))
+
+
+def grouped_gemm_swiglu_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor,
+                                   w13_scale: torch.Tensor, masked_m: torch.Tensor,
+                                   swiglu_limit: Optional[float] = None, out: Optional[tuple] = None, *,
+                                   impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 of the routed experts, masked layout, with V4's SwiGLU and GEMM2's 1 x 128 FP8 quantisation in its
+    epilogue: for ``m < masked_m[e]``, ``(q[e, m], s[e, m]) = swiglu_quant(h[e, m])`` for ``h`` the
+    :func:`grouped_gemm_fp8_masked` result of ``w13``, which never goes to memory.
+
+    - ``a [E, max_m, K]`` float8_e4m3fn, ``a_scale [E, max_m, K/128]`` float32; ``masked_m [E]`` int32, clamped to
+      ``[0, max_m]`` (rows past it are not written);
+    - ``w13 [E, 2I, K]`` float8_e4m3fn (gate rows, then up rows) with ``w13_scale [E, 2I/128, K/128]`` float32;
+    - ``out``: ``(q [E, max_m, I] float8_e4m3fn, s [E, max_m, I/128] float32)``, allocated when None.
+
+    All tensors contiguous, on one device; fixed shapes, no host read of ``masked_m``. Returns ``(q, s)``."""
+    op = "grouped_gemm_swiglu_fp8_masked"
+    E, N, K, _ = _weights(op, w13, w13_scale, "w13")
+    check(N % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
+                                        f"got {N}")
+    I = N // 2
+    check(isinstance(a, torch.Tensor) and a.dim() == 3, lambda: f"{op}: a must be a [{E}, max_m, {K}] tensor")
+    MM = a.shape[1]
+    _tensor(op, "a", a, FP8, (E, MM, K))
+    _tensor(op, "a_scale", a_scale, torch.float32, (E, MM, K // BLOCK))
+    _tensor(op, "masked_m", masked_m, torch.int32, (E,))
+    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
+          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
+    if out is None:
+        out = (torch.empty(E, MM, I, dtype=FP8, device=a.device),
+               torch.empty(E, MM, I // BLOCK, dtype=torch.float32, device=a.device))
+    check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
+    _tensor(op, "out[0]", out[0], FP8, (E, MM, I))
+    _tensor(op, "out[1]", out[1], torch.float32, (E, MM, I // BLOCK))
+    check_same_device(op, a=a, a_scale=a_scale, w13=w13, w13_scale=w13_scale, masked_m=masked_m, q=out[0],
+                      s=out[1])
+    if _run(op, impl, a.device) == "reference":
+        return grouped_gemm_swiglu_masked_reference(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, tuple(out))
+    from .tilelang_impl import grouped_gemm_swiglu_masked_tilelang
+
+    return grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, tuple(out))
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .reference import (align_routing, dequantize_groups, dequantize_weights, grouped_gemm_contiguous_reference,
-                        local_expert_ids, quantize_groups_reference)
+                        grouped_gemm_masked_reference, local_expert_ids, quantize_groups_reference)
 
 # decode batches up to this many tokens run the masked layout (fixed shapes: CUDA-graph safe); larger ones the
 # contiguous layout
@@ -61,6 +61,23 @@ def grouped_gemm_swiglu_contiguous_reference(a, a_scale, w13, w13_scale, grouped
     :func:`swiglu_quant_reference` for every row whose id is not ``-1``. Returns ``(q [M, I], s [M, I/128])``."""
     h = grouped_gemm_contiguous_reference(a, a_scale, w13, w13_scale, grouped_layout)
     return swiglu_quant_reference(h, torch.nonzero(grouped_layout >= 0).flatten(), swiglu_limit, out)
+
+
+def grouped_gemm_swiglu_masked_reference(a, a_scale, w13, w13_scale, masked_m, swiglu_limit=None, out=None):
+    """GEMM1 of the masked layout with the SwiGLU and GEMM2's quantisation after it: the plain GEMM's bf16 rows
+    (:func:`.reference.grouped_gemm_masked_reference`) through :func:`swiglu_quant_reference` for ``m < masked_m[e]``
+    (clamped to ``[0, max_m]``). Returns ``(q [E, max_m, I], s [E, max_m, I/128])``."""
+    E, MM = a.shape[0], a.shape[1]
+    I = w13.shape[1] // 2
+    h = grouped_gemm_masked_reference(a, a_scale, w13, w13_scale, masked_m)
+    if out is None:
+        out = (torch.empty(E, MM, I, dtype=torch.float8_e4m3fn, device=a.device),
+               torch.empty(E, MM, I // 128, dtype=torch.float32, device=a.device))
+    m = torch.arange(MM, device=a.device)
+    named = torch.nonzero((m < masked_m.clamp(0, MM).unsqueeze(1)).flatten()).flatten()
+    swiglu_quant_reference(h.view(E * MM, -1), named, swiglu_limit,
+                           (out[0].view(E * MM, I), out[1].view(E * MM, I // 128)))
+    return out
 
 
 def _scatter_rows(q: torch.Tensor, s: torch.Tensor, index: torch.Tensor, rows: int):

@@ -10,6 +10,7 @@ from .contiguous_kernel import build_grouped_gemm_contiguous
 from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
+from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
 from .swiglu_quant_kernel import build_swiglu_quant
 
 # the tilings: the contiguous layout's tile is 128 rows (its alignment); masked decode batches are small, so 64
@@ -19,6 +20,7 @@ MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
+MASKED_SWIGLU = dict(num_stages=3, threads=256)
 
 
 def _fp4_pass_configs() -> dict:
@@ -95,4 +97,18 @@ def grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_
     if a.shape[0]:
         contiguous_swiglu_kernel(w13.shape[1] // 2, a.shape[1], limit)(a, a_scale, w13, w13_scale, grouped_layout,
                                                                        q, s)
+    return q, s
+
+
+def masked_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
+    cfg = {**MASKED_SWIGLU, **tiling}
+    limit = None if limit is None else float(limit)
+    return compile_cached(("moe_fp8_masked_swiglu", I, K, limit, *sorted(cfg.items())),
+                          lambda: build_grouped_gemm_swiglu_masked(I, K, limit, **cfg), target=target)
+
+
+def grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, limit, out):
+    q, s = out
+    if a.shape[1]:
+        masked_swiglu_kernel(w13.shape[1] // 2, a.shape[2], limit)(a, a_scale, w13, w13_scale, masked_m, q, s)
     return q, s

@@ -1,0 +1,98 @@
+"""TileLang program: GEMM1 of the routed experts with V4's SwiGLU and GEMM2's FP8 quantisation in its epilogue,
+masked layout (the rule: :func:`.layer.grouped_gemm_swiglu_masked_reference`): for ``m < masked_m[e]`` (clamped to
+``[0, max_m]``), ``Q[e, m]`` and ``S[e, m]`` are the 1 x 128 quantisation of ``silu(min(gate, L)) * clamp(up, -L,
+L)`` for ``h = bf16((A[e, m] * a_scale[e, m]) @ (W13_e * w13_scale_e)^T) = [gate | up]``.
+
+The tile, the two weight copies per K step, the split of the halves between the two consumer warp groups and the
+epilogue are the contiguous program's (:mod:`.contiguous_swiglu_kernel`); the blocks are the masked GEMM's
+(:mod:`.masked_kernel`): fixed shapes, ``masked_m`` read on the device only, a block past ``masked_m[e]`` exits
+before reading anything, rows past it are not written. The rows' scales are held in registers by the threads
+holding those rows (two consumer warp groups would race on a shared-memory copy).
+"""
+
+import functools
+from typing import Optional
+
+from ..._tilelang import tl_lang as T
+
+FP8 = "float8_e4m3"
+ACC = "float32"
+BF16 = "bfloat16"
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def build_grouped_gemm_swiglu_masked(I: int, K: int, limit: Optional[float], num_stages: int = 3,
+                                     threads: int = 256):
+    """``I``: the intermediate size, ``K``: the hidden size (multiples of 128); ``limit``: V4's clamp (None:
+    plain SwiGLU). The expert count and ``max_m`` are dynamic."""
+    block_m, block_k, group = 64, 128, 128
+    assert I % group == 0 and K % block_k == 0
+    E, MM = T.dynamic("experts"), T.dynamic("max_m")
+    KS, G = K // block_k, I // group
+
+    def clamp_gate(x):
+        return x if limit is None else T.min(x, float(limit))
+
+    def clamp_up(x):
+        return x if limit is None else T.max(T.min(x, float(limit)), -float(limit))
+
+    @T.prim_func
+    def grouped_gemm_swiglu_masked(
+        A: T.Tensor((E, MM, K), FP8),
+        SA: T.Tensor((E, MM, KS), ACC),
+        B: T.Tensor((E, 2 * I, K), FP8),
+        SB: T.Tensor((E, 2 * G, KS), ACC),
+        masked_m: T.Tensor((E,), "int32"),
+        Q: T.Tensor((E, MM, I), FP8),
+        S: T.Tensor((E, MM, G), ACC),
+    ):
+        with T.Kernel(G, T.ceildiv(MM, block_m), E, threads=threads) as (bx, by, e):
+            A_s = T.alloc_shared((block_m, block_k), FP8)
+            B_s = T.alloc_shared((2 * group, block_k), FP8)
+            scale_g = T.alloc_fragment((block_m,), ACC)
+            scale_u = T.alloc_fragment((block_m,), ACC)
+            part = T.alloc_fragment((block_m, 2 * group), ACC)
+            acc = T.alloc_fragment((block_m, 2 * group), ACC)
+            H_s = T.alloc_shared((block_m, 2 * group), BF16)
+            act = T.alloc_fragment((block_m, group), ACC)
+            amax = T.alloc_fragment((block_m,), ACC)
+            sc = T.alloc_fragment((block_m,), ACC)
+            q = T.alloc_fragment((block_m, group), FP8)
+
+            rows = T.min(T.max(masked_m[e], 0), MM)
+            row0 = by * block_m
+            if row0 < rows:
+                T.clear(acc)
+                for k in T.Pipelined(KS, num_stages=num_stages):
+                    T.copy(A[e, row0, k * block_k], A_s)
+                    T.copy(B[e, bx * group, k * block_k], B_s[0:group, :])
+                    T.copy(B[e, I + bx * group, k * block_k], B_s[group:2 * group, :])
+                    for i in T.Parallel(block_m):
+                        scale_g[i] = (T.if_then_else(row0 + i < rows, SA[e, T.min(row0 + i, MM - 1), k], 0.0)
+                                      * SB[e, bx, k])
+                    for i in T.Parallel(block_m):
+                        scale_u[i] = (T.if_then_else(row0 + i < rows, SA[e, T.min(row0 + i, MM - 1), k], 0.0)
+                                      * SB[e, G + bx, k])
+                    T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                    for i, j in T.Parallel(block_m, 2 * group):
+                        acc[i, j] += part[i, j] * T.if_then_else(j < group, scale_g[i], scale_u[i])
+                T.copy(acc, H_s)
+                for i, j in T.Parallel(block_m, group):
+                    gate = clamp_gate(T.Cast(ACC, H_s[i, j]))
+                    up = clamp_up(T.Cast(ACC, H_s[i, group + j]))
+                    act[i, j] = T.ieee_fdiv(gate, 1.0 + T.exp(-gate)) * up
+                T.reduce_absmax(act, amax, dim=1)
+                for i in T.Parallel(block_m):
+                    sc[i] = T.ieee_fdiv(T.max(amax[i], AMAX_FLOOR), FP8_MAX)
+                for i, j in T.Parallel(block_m, group):
+                    q[i, j] = T.Cast(FP8, T.max(T.min(T.ieee_fdiv(act[i, j], sc[i]), FP8_MAX), -FP8_MAX))
+                for i, j in T.Parallel(block_m, group):
+                    if row0 + i < rows:
+                        Q[e, row0 + i, bx * group + j] = q[i, j]
+                for i in T.Parallel(block_m):
+                    if row0 + i < rows:
+                        S[e, row0 + i, bx] = sc[i]
+
+    return grouped_gemm_swiglu_masked
