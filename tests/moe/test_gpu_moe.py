@@ -115,10 +115,15 @@ def test_masked_matches_reference(gpu_device, shape, E, max_m, counts):
 @pytest.mark.parametrize("T,layout,mapped", [(1, "masked", False), (64, "masked", True), (65, "contiguous", False),
                                              (2000, "contiguous", True)])
 @pytest.mark.parametrize("fp4", [False, True])
-def test_fused_experts_matches_reference(gpu_device, T, layout, mapped, fp4):
+@pytest.mark.parametrize("path", ["torch", "pass", "fused"])
+def test_fused_experts_matches_reference(gpu_device, T, layout, mapped, fp4, path, monkeypatch):
     """The layer op (routing, both GEMMs, clamped SwiGLU, the weighted sum) against its float32 reference, V4-Flash
-    widths with 32 local experts: relative L2 error below 1e-2 (an activation near an FP8 rounding boundary can
-    round the other way on either side), every output finite, the whole ``out`` written."""
+    widths with 32 local experts, each between-GEMM path (``layer.SWIGLU_PATH``): relative L2 error below 1e-2 (an
+    activation near an FP8 rounding boundary can round the other way on either side), every output finite, the
+    whole ``out`` written."""
+    from musa_attn_backend.kernels.moe import layer as moe_layer
+
+    monkeypatch.setattr(moe_layer, "SWIGLU_PATH", path)
     E, H, I, k = 32, 4096, 2048, 6
     if fp4:  # MXFP4 experts (the conversion in the kernel)
         g4 = torch.Generator(device=gpu_device).manual_seed(2)
@@ -183,10 +188,14 @@ def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E):
 
 
 @pytest.mark.parametrize("T,layout", [(8, "masked"), (200, "contiguous")])
-def test_fused_experts_is_captured_in_a_cuda_graph(gpu_device, T, layout):
+@pytest.mark.parametrize("path", ["torch", "pass", "fused"])
+def test_fused_experts_is_captured_in_a_cuda_graph(gpu_device, T, layout, path, monkeypatch):
     """No host synchronisation on either layout (``torch.cuda.set_sync_debug_mode("error")`` while it runs), and
     a CUDA graph of the whole op, replayed on new routing written into the captured buffers, gives the eager
     result."""
+    from musa_attn_backend.kernels.moe import layer as moe_layer
+
+    monkeypatch.setattr(moe_layer, "SWIGLU_PATH", path)
     E, H, I, k = 16, 512, 256, 6
     w13, s13 = weights(E, 2 * I, H, gpu_device, seed=6)
     w2, s2 = weights(E, H, I, gpu_device, seed=7)

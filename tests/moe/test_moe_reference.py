@@ -389,3 +389,32 @@ def test_grouped_gemm_swiglu_masked_is_the_gemm_then_swiglu_quant():
         moe.grouped_gemm_swiglu_fp8_masked(a, sa, w13, s13, m.long())
     with pytest.raises(ValueError, match=r"out\[1\] must have shape \(4, 9, 2\)"):
         moe.grouped_gemm_swiglu_fp8_masked(a, sa, w13, s13, m, out=(q, torch.empty(4, 9, 3)))
+
+
+
+@pytest.mark.parametrize("path", ["torch", "pass", "fused"])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_fused_experts_between_gemm_paths_agree_exactly(path, fp4, monkeypatch):
+    """Each ``layer.SWIGLU_PATH`` (torch ops, one ``swiglu_quant`` pass, the epilogue-fused GEMM1; FP4 weights take
+    the pass for "fused") gives exactly ``fused_experts_reference`` on the CPU path, both layouts, with a dropped
+    choice and an expert map; a path name outside the list is refused."""
+    from musa_attn_backend.kernels.moe import layer
+
+    monkeypatch.setattr(layer, "SWIGLU_PATH", path)
+    g = torch.Generator().manual_seed(21)
+    E, H, I, T, k = 6, 256, 256, 23, 3
+    quant = moe.quantize_fp4_reference if fp4 else moe.quantize_weight_blocks_reference
+    w13, s13 = quant(torch.randn(E, 2 * I, H, generator=g) * 0.2)
+    w2, s2 = quant(torch.randn(E, H, I, generator=g) * 0.2)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, 8, generator=g).topk(k, 1).indices.to(torch.int32)
+    ids[4, 1] = -1
+    emap = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5], dtype=torch.int32)
+    w = torch.rand(T, k, generator=g)
+    kw = dict(w13_scale=s13, w2_scale=s2, swiglu_limit=10.0, expert_map=emap)
+    ref = moe.fused_experts_reference(x, w13, w2, w, ids, **kw)
+    for lay in ("masked", "contiguous"):
+        assert torch.equal(moe.fused_experts(x, w13, w2, w, ids, **kw, layout=lay), ref), lay
+    monkeypatch.setattr(layer, "SWIGLU_PATH", "triton")
+    with pytest.raises(ValueError, match="SWIGLU_PATH must be one of"):
+        moe.fused_experts(x, w13, w2, w, ids, **kw)

@@ -341,10 +341,32 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         hidden = (hidden.float() * topk_weights.float()).to(torch.bfloat16)
         topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
     masked = layout == "masked" or (layout == "auto" and T <= MASKED_MAX_TOKENS)
+    path = layer.SWIGLU_PATH
+    check(path in layer.SWIGLU_PATHS, lambda: f"{op}: layer.SWIGLU_PATH must be one of {layer.SWIGLU_PATHS}, got "
+                                               f"{path!r}")
+    if path == "fused" and fp4:
+        path = "pass"  # no epilogue-fused GEMM1 reads FP4 weights
+    ops = _LayerOps(which)
     if masked:
         gemm = lambda *args: grouped_gemm_fp8_masked(*args, impl=which)  # noqa: E731
         return layer.fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                                          swiglu_limit, expert_map, gemm, out)
+                                          swiglu_limit, expert_map, gemm, out, path, ops)
     gemm = lambda *args: grouped_gemm_fp8(*args, impl=which)  # noqa: E731
     return layer.fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                                          swiglu_limit, expert_map, gemm, out)
+                                          swiglu_limit, expert_map, gemm, out, path, ops)
+
+
+class _LayerOps:
+    """The between-GEMM ops :mod:`.layer` calls, bound to one implementation."""
+
+    def __init__(self, impl: str):
+        self.impl = impl
+
+    def swiglu_quant(self, *args):
+        return swiglu_quant(*args, impl=self.impl)
+
+    def gemm_swiglu(self, *args):
+        return grouped_gemm_swiglu_fp8(*args, impl=self.impl)
+
+    def gemm_swiglu_masked(self, *args):
+        return grouped_gemm_swiglu_fp8_masked(*args, impl=self.impl)

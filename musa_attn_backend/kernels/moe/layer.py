@@ -29,6 +29,12 @@ from .reference import (align_routing, dequantize_groups, dequantize_weights, gr
 # contiguous layout
 MASKED_MAX_TOKENS = 64
 
+# how the SwiGLU and GEMM2's quantisation run between the GEMMs: "torch" (torch ops on the chosen rows), "pass"
+# (one swiglu_quant launch), "fused" (in GEMM1's epilogue, FP8 weights; FP4 weights take "pass"). "torch" until
+# the TileLang paths have passed their GPU tests (tests/moe/test_gpu_moe.py runs all three).
+SWIGLU_PATH = "torch"
+SWIGLU_PATHS = ("torch", "pass", "fused")
+
 
 def swiglu(h: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     """``silu(min(gate, L)) * clamp(up, -L, L)`` in float32 of ``h = [gate | up]`` (no clamp when ``limit`` is None)."""
@@ -89,6 +95,13 @@ def _scatter_rows(q: torch.Tensor, s: torch.Tensor, index: torch.Tensor, rows: i
     return a, sa
 
 
+def _rows_fp8(rows: int, I: int, device):
+    """Uninitialised GEMM2 input buffers ``(q [rows, I] e4m3, s [rows, I/128] float32)``: only the chosen rows are
+    written, the GEMMs write no other row of their output."""
+    return (torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(rows, I // 128, dtype=torch.float32, device=device))
+
+
 def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scale, w2_scale,
                             swiglu_limit=None, expert_map=None, apply_router_weight_on_input=False):
     """The module docstring's formula, per expert, in float32 (``[T, H]`` bf16)."""
@@ -122,7 +135,7 @@ def _combine(y: torch.Tensor, row_of_choice: torch.Tensor, weights: torch.Tensor
 
 
 def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit,
-                             expert_map, gemm, out):
+                             expert_map, gemm, out, path="torch", ops=None):
     """The contiguous layout: rows grouped by expert (:func:`.reference.align_routing`), two grouped GEMMs. Each
     token is quantised once and its FP8 row gathered into its choices' rows. The layout is sized for the worst
     routing, so most of its rows can be padding: the torch work between the GEMMs touches the ``T x k`` chosen
@@ -137,18 +150,27 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
     q, s = quantize_groups_reference(hidden)
     token = src.clamp(min=0) // k  # padding rows take token 0's row: computed, never written
     a, sa = q[token], s[token]
-    h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=dev))
     # each choice's row (M: a dropped choice, whose spare row is never read back)
     row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=dev)
     row_of_choice[torch.where(src >= 0, src, T * k)] = torch.arange(M, device=dev)
     rows = row_of_choice[:T * k]
-    a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h[rows.clamp(max=M - 1)], swiglu_limit)), rows, M)
-    y = gemm(a2[:M], sa2[:M], w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=dev))
+    I = w13.shape[1] // 2
+    if path == "fused":
+        a2, sa2 = ops.gemm_swiglu(a, sa, w13, w13_scale, layout, swiglu_limit, _rows_fp8(M, I, dev))
+    else:
+        h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=dev))
+        if path == "pass":
+            a2, sa2 = ops.swiglu_quant(h, rows, swiglu_limit, _rows_fp8(M, I, dev))
+        else:
+            a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h[rows.clamp(max=M - 1)], swiglu_limit)), rows,
+                                    M)
+            a2, sa2 = a2[:M], sa2[:M]
+    y = gemm(a2, sa2, w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=dev))
     return _combine(y, rows.view(T, k), topk_weights, out)
 
 
 def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit, expert_map,
-                         gemm, out):
+                         gemm, out, path="torch", ops=None):
     """The masked layout: each expert's rows at ``[e, 0 .. count)`` of ``[E, T, K]`` buffers (a token picks an
     expert at most once, so ``T`` rows always suffice), two masked grouped GEMMs. Fixed shapes, no host sync. The
     torch work between the GEMMs touches the ``T x k`` chosen rows only (gathered from and scattered into the
@@ -169,10 +191,20 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     q, s = quantize_groups_reference(hidden)
     token = torch.arange(T * k, device=dev) // k
     a, sa = _scatter_rows(q[token], s[token], slot, E * T)
-    h = gemm(a[:E * T].view(E, T, -1), sa[:E * T].view(E, T, -1), w13, w13_scale, counts,
-             torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
-    rows = slot.clamp(max=E * T - 1)  # a dropped choice reads some row: its result is never used
-    a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h.view(E * T, -1)[rows], swiglu_limit)), slot, E * T)
-    y = gemm(a2[:E * T].view(E, T, -1), sa2[:E * T].view(E, T, -1), w2, w2_scale, counts,
-             torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
+    a, sa = a[:E * T].view(E, T, -1), sa[:E * T].view(E, T, -1)
+    I = w13.shape[1] // 2
+    if path == "fused":
+        a2, sa2 = ops.gemm_swiglu_masked(a, sa, w13, w13_scale, counts, swiglu_limit,
+                                         tuple(t.view(E, T, -1) for t in _rows_fp8(E * T, I, dev)))
+    else:
+        h = gemm(a, sa, w13, w13_scale, counts, torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
+        if path == "pass":  # a dropped choice's slot E * T is past the rows: skipped
+            a2, sa2 = ops.swiglu_quant(h.view(E * T, -1), slot, swiglu_limit, _rows_fp8(E * T, I, dev))
+        else:
+            rows = slot.clamp(max=E * T - 1)  # a dropped choice reads some row: its result is never used
+            a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h.view(E * T, -1)[rows], swiglu_limit)), slot,
+                                    E * T)
+            a2, sa2 = a2[:E * T], sa2[:E * T]
+        a2, sa2 = a2.view(E, T, -1), sa2.view(E, T, -1)
+    y = gemm(a2, sa2, w2, w2_scale, counts, torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
     return _combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)
