@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
-# device call (with .device/tl carried): the MoE GPU tests, then the contiguous program's tilings on the prefill
-# shapes (bench_moe --tiling), each run's JSON and PNG under $OUT. Usage:
-#   source .device/env.sh && scripts/device_moe.sh ["tiling;tiling;..."]   (default: the three below)
+# device call (with .device/tl carried): the MoE GPU tests and benchmarks, logs and results under $OUT (the device
+# tool returns at most 8 files: one log per part, a JSON and a PNG per bench run). Usage:
+#   source .device/env.sh && scripts/device_moe.sh [tests] [bench] [tilings]   (default: all three)
+#   tests:   pytest -m gpu tests/moe (T1 seconds, default 420), one log
+#   bench:   bench_moe.py on V4-Flash, every op and T (T2 seconds, default 300)
+#   tilings: the contiguous GEMM under TILINGS ("k=v,...;k=v,..."; default FullRow and FullRow with 3 stages) on the
+#            prefill shapes (T3 seconds each, default 120)
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-timeout "${T1:-300}" python3 -m pytest -q -m gpu tests/moe --tb=line -p no:cacheprovider > "$out/moe_tests.txt" 2>&1
-echo "moe tests rc=$?"; grep -E "passed|failed|^E |Error" "$out/moe_tests.txt" | tail -15
-IFS=';' read -r -a tilings <<< "${1:-policy=Square;policy=FullRow;policy=FullRow,num_stages=3}"
-for t in "${tilings[@]}"; do
-  timeout "${T2:-150}" python3 benchmarks/bench_moe.py --models flash --tokens 4096,16384 --tiling "$t" \
-    --out "$out" > "$out/bench_${t//[=,]/_}.txt" 2>&1
-  echo "tiling $t: rc=$?"; grep -E "^moe_" "$out/bench_${t//[=,]/_}.txt" | cut -c1-110
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench tilings)
+for part in "${parts[@]}"; do
+  case $part in
+    tests)
+      timeout "${T1:-420}" python3 -m pytest -q -m gpu tests/moe --tb=short -p no:cacheprovider --durations=10 \
+        > "$out/moe_tests.txt" 2>&1
+      echo "moe tests rc=$?"; grep -E "^FAILED|passed|failed" "$out/moe_tests.txt" | tail -25 ;;
+    bench)
+      timeout "${T2:-300}" python3 benchmarks/bench_moe.py --models flash --out "$out" > "$out/bench.txt" 2>&1
+      echo "bench rc=$?"; grep -E "^moe_" "$out/bench.txt" | cut -c1-160 ;;
+    tilings)
+      IFS=';' read -r -a tilings <<< "${TILINGS:-policy=FullRow;policy=FullRow,num_stages=3}"
+      for t in "${tilings[@]}"; do
+        echo "== tiling $t" >> "$out/tilings.txt"
+        timeout "${T3:-120}" python3 benchmarks/bench_moe.py --models flash --tokens 4096,16384 --ops gate_up,down \
+          --tiling "$t" --out "$out" >> "$out/tilings.txt" 2>&1
+        echo "tiling $t: rc=$?"
+      done
+      grep -E "^== |^moe_" "$out/tilings.txt" | cut -c1-120 ;;
+    *) echo "unknown part $part (tests, bench, tilings)"; exit 2 ;;
+  esac
 done
