@@ -137,23 +137,26 @@ def _combine(y: torch.Tensor, row_of_choice: torch.Tensor, weights: torch.Tensor
 def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit,
                              expert_map, gemm, out, path="torch", ops=None):
     """The contiguous layout: rows grouped by expert (:func:`.reference.align_routing`), two grouped GEMMs. Each
-    token is quantised once and its FP8 row gathered into its choices' rows. The layout is sized for the worst
-    routing, so most of its rows can be padding: the torch work between the GEMMs touches the ``T x k`` chosen
-    rows only (gathered and scattered by each choice's row); padding rows stay uninitialised, and the GEMMs
-    write none of them."""
+    token is quantised once and its FP8 row scattered into its choices' rows. The layout is sized for the worst
+    routing, so most of its rows can be padding: the torch work before and between the GEMMs touches the ``T x k``
+    chosen rows only (gathered and scattered by each choice's row); padding rows stay uninitialised, and the
+    GEMMs write none of them."""
     T, k = topk_ids.shape
     E = w13.shape[0]
     dev = hidden.device
     row_src, layout = align_routing(topk_ids, E, expert_map)
     M = layout.numel()
     src = row_src.long()
-    q, s = quantize_groups_reference(hidden)
-    token = src.clamp(min=0) // k  # padding rows take token 0's row: computed, never written
-    a, sa = q[token], s[token]
     # each choice's row (M: a dropped choice, whose spare row is never read back)
     row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=dev)
     row_of_choice[torch.where(src >= 0, src, T * k)] = torch.arange(M, device=dev)
     rows = row_of_choice[:T * k]
+    # padding rows stay uninitialised: a GEMM output row depends on its own A row only, and none of theirs is
+    # written
+    q, s = quantize_groups_reference(hidden)
+    token = torch.arange(T * k, device=dev) // k
+    a, sa = _scatter_rows(q[token], s[token], rows, M)
+    a, sa = a[:M], sa[:M]
     I = w13.shape[1] // 2
     if path == "fused":
         a2, sa2 = ops.gemm_swiglu(a, sa, w13, w13_scale, layout, swiglu_limit, _rows_fp8(M, I, dev))
