@@ -32,7 +32,7 @@ function exists for that runner, so ``MoeRunner.__init__`` takes a core register
 :func:`create_deep_gemm_core` there when our switch is on at installation. :class:`DeepGemmCore` runs the whole
 layer as one :func:`..kernels.moe.fused_experts` call and returns ``StandardCombineInput``, as SGLang's core does.
 It handles gated ``silu`` (V4's ``swiglu_limit`` included) on the standard dispatcher, bf16 hidden states, FP8
-weights with float32 128 x 128 block scales and FP4 experts (scales converted once to UE8M0 bytes). A case outside
+weights with float32 128 x 128 block scales and FP4 experts (SGLang's float32 scales as they are). A case outside
 that raises ``NotImplementedError`` naming it, when the runner is built (runner config, all-to-all backend) or at
 the first call (weights, dispatch output): there is nothing to hand such a call to where DeepGEMM is absent. Where
 SGLang's DeepGEMM does run, a runner config ours cannot run gets SGLang's core at build time
@@ -224,70 +224,42 @@ def _unsupported(what: str) -> NotImplementedError:
     return NotImplementedError(_UNSUPPORTED + what + _OFF_HINT)
 
 
-def ue8m0_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:
-    """SGLang's FP4 expert scales as the op's UE8M0 bytes (``uint8``, biased exponents, same shape). SGLang keeps
-    them as float32 powers of two (``Fp8MoEMethod.create_fp8_moe_weight_``; ``float8_e8m0fnu`` under AITER or on
-    XPU, read here as its bytes). A float32 value that is not a power of two in UE8M0's range (2**-127 to
-    2**127) raises ``ValueError``. DeepGEMM's packed layout (int32, made at load on SM100 / SM120) raises
-    ``NotImplementedError``. The float32 case reads every scale once and synchronises with the device once."""
-    if scale.dtype == torch.uint8:
-        return scale
+def fp4_scales(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """SGLang's FP4 expert scales as the op takes them, with no copy: float32 (SGLang's storage of the UE8M0
+    powers of two, ``Fp8MoEMethod.create_fp8_moe_weight_``) as they are, ``float8_e8m0fnu`` (AITER, XPU) as its
+    bytes, uint8 as it is. DeepGEMM's packed layout (int32, made at load on SM100 / SM120) and other dtypes raise
+    ``NotImplementedError``; so does a non-contiguous tensor."""
+    if not isinstance(scale, torch.Tensor):
+        raise _unsupported(f"FP4 experts without a scale tensor {name}")
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
-        return scale.view(torch.uint8)
-    if scale.dtype != torch.float32:
+        scale = scale.view(torch.uint8)
+    if scale.dtype not in (torch.float32, torch.uint8):
         raise _unsupported(f"FP4 expert scales {name} of dtype {scale.dtype} (float32 powers of two, "
                            f"float8_e8m0fnu or uint8 UE8M0, [experts, rows, columns / 32]; int32 is DeepGEMM's "
                            f"packed layout)")
-    scale = scale.contiguous()
-    out = torch.empty(scale.shape, dtype=torch.uint8, device=scale.device)
-    bad = torch.zeros(scale.shape[0], dtype=torch.bool, device=scale.device)
-    for e in range(scale.shape[0]):  # one expert at a time: int32 temporaries of one expert's size only
-        bits = scale[e].view(torch.int32)
-        exp, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-        # a positive normal power of two (mantissa 0, exponent not all ones), or the one subnormal, 2**-127
-        ok = (bits > 0) & (((mant == 0) & (exp > 0) & (exp < 255)) | ((exp == 0) & (mant == 0x400000)))
-        bad[e] = ~ok.all()
-        out[e] = exp.to(torch.uint8)  # the biased exponent is the UE8M0 byte; 2**-127 is byte 0
-    if bool(bad.any()):
-        raise ValueError(f"musa_attn_backend's deep_gemm MoE runner: FP4 expert scales {name} must be powers of "
-                         f"two from 2**-127 to 2**127 (UE8M0), found other values in experts "
-                         f"{torch.nonzero(bad).flatten().tolist()[:8]}")
-    return out
+    if not scale.is_contiguous():
+        raise _unsupported(f"non-contiguous FP4 expert scales {name}")
+    return scale
 
 
 class DeepGemmCore(_DispatchCore):
     """The core :func:`create_deep_gemm_core` gives ``MoeRunner("deep_gemm")``: the layer's routed experts on
     :func:`..kernels.moe.fused_experts` (the module docstring's list of what it runs).
 
-    One per MoE layer (each quantisation method builds its own runner). It keeps the FP4 scales it converted to
-    UE8M0 bytes, one tensor per weight, rebuilt when SGLang's scale tensor changes (other storage, in-place
-    update, shape): a copy a quarter the size of SGLang's float32 scales, made at the layer's first call (an
-    eager warm-up run precedes CUDA-graph capture)."""
+    One per MoE layer (each quantisation method builds its own runner). It holds no tensor: the weights and
+    scales are SGLang's, read where SGLang keeps them."""
 
     def __init__(self, config):
         reason = unsupported_runner_config(config)
         if reason is not None:
             raise _unsupported(reason)
         super().__init__(config)
-        self._ue8m0: dict = {}  # name -> (key of SGLang's scale tensor, uint8 copy)
 
     @property
     def runner_backend(self):
         from sglang.srt.layers.moe.utils import MoeRunnerBackend
 
         return MoeRunnerBackend.DEEP_GEMM
-
-    def _fp4_scale(self, scale: torch.Tensor, name: str) -> torch.Tensor:
-        if not isinstance(scale, torch.Tensor):
-            raise _unsupported(f"FP4 experts without a scale tensor {name}")
-        # An inference-mode tensor keeps no version counter: its key is its storage and shape alone.
-        version = None if scale.is_inference() else scale._version
-        key = (scale.data_ptr(), version, tuple(scale.shape), scale.dtype, scale.device)
-        cached = self._ue8m0.get(name)
-        if cached is None or cached[0] != key:
-            cached = (key, ue8m0_bytes(scale, name))
-            self._ue8m0[name] = cached
-        return cached[1]
 
     def expert_weights(self, quant_info) -> tuple:
         """``(w13, w13_scale, w2, w2_scale)`` as the op takes them, from SGLang's ``DeepGemmMoeQuantInfo``.
@@ -297,7 +269,7 @@ class DeepGemmCore(_DispatchCore):
           as they are.
         - FP4 (``is_fp4_experts``): ``[E, 2I, H/2]`` / ``[E, H, I/2]`` int8, two E2M1 codes a byte, element ``2j``
           in the low nibble, as the op packs them, so viewed as uint8 (no copy); scales ``[E, rows, columns/32]``
-          converted by :func:`ue8m0_bytes`. The activations are quantised 1 x 128 either way, as SGLang's runner
+          through :func:`fp4_scales` (no copy). The activations are quantised 1 x 128 either way, as SGLang's runner
           does (its activation group is ``block_shape[1]``, 128)."""
         q = quant_info
         if getattr(q, "use_mxfp8", False):
@@ -310,8 +282,8 @@ class DeepGemmCore(_DispatchCore):
             if not all(isinstance(w, torch.Tensor) and w.dtype in (torch.int8, torch.uint8) for w in (w13, w2)):
                 raise _unsupported(f"FP4 experts stored as {getattr(w13, 'dtype', None)} / "
                                    f"{getattr(w2, 'dtype', None)} (int8 or uint8, two E2M1 codes a byte)")
-            return (w13.view(torch.uint8), self._fp4_scale(q.w13_scale, "w13_scale"),
-                    w2.view(torch.uint8), self._fp4_scale(q.w2_scale, "w2_scale"))
+            return (w13.view(torch.uint8), fp4_scales(q.w13_scale, "w13_scale"),
+                    w2.view(torch.uint8), fp4_scales(q.w2_scale, "w2_scale"))
         dtypes = {getattr(w, "dtype", None) for w in (w13, w2)}
         if not q.use_fp8 or dtypes != {FP8}:
             raise _unsupported(f"expert weights of dtype {'/'.join(sorted(map(str, dtypes)))}"

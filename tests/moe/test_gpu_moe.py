@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from musa_attn_backend.kernels import moe
+from musa_attn_backend.kernels.moe.reference import ue8m0_to_float
 
 pytestmark = pytest.mark.gpu
 
@@ -155,12 +156,16 @@ def test_fused_experts_matches_reference(gpu_device, T, layout, mapped, fp4, pat
 
 
 @pytest.mark.parametrize("shape,E,max_m", [("small", 8, 5), ("flash_gate_up", 32, 64), ("pro_gate_up", 8, 130)])
-def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m):
-    """FP4 (MXFP4) experts converted in the kernel: the same bound as FP8 (the conversion is exact)."""
+@pytest.mark.parametrize("scales", ["ue8m0", "float32"])
+def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales):
+    """FP4 (MXFP4) experts converted in the kernel: the same bound as FP8 (the conversion is exact); the scales as
+    UE8M0 bytes or as float32 powers of two (SGLang's storage)."""
     N, K = SHAPES[shape]
     g = torch.Generator(device=gpu_device).manual_seed(4)
     packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g,
                                                            dtype=torch.bfloat16))
+    if scales == "float32":
+        scale = ue8m0_to_float(scale)
     m = torch.randint(0, max_m + 1, (E,), device=gpu_device, generator=g).to(torch.int32)
     a, sa = moe.quantize_groups(torch.randn(E, max_m, K, device=gpu_device))
     out = torch.full((E, max_m, N), float("nan"), device=gpu_device, dtype=torch.bfloat16)
@@ -172,11 +177,14 @@ def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m):
     assert torch.isnan(out[~rows]).all()
 
 
-@pytest.mark.parametrize("shape,T,E", [("small", 333, 8), ("flash_gate_up", 512, 32)])
-def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E):
+@pytest.mark.parametrize("shape,T,E,scales", [("small", 333, 8, "ue8m0"), ("flash_gate_up", 512, 32, "ue8m0"),
+                                              ("small", 333, 8, "float32")])
+def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E, scales):
     N, K = SHAPES[shape]
     g = torch.Generator(device=gpu_device).manual_seed(5)
     packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g))
+    if scales == "float32":
+        scale = ue8m0_to_float(scale)
     row_src, layout = moe.align_routing(routing(T, 6, E, True, gpu_device), E)
     a, sa = moe.quantize_groups(torch.randn(T, K, device=gpu_device)[(row_src.clamp(min=0) // 6).long()])
     out = torch.full((layout.numel(), N), float("nan"), device=gpu_device, dtype=torch.bfloat16)

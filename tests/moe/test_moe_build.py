@@ -58,6 +58,10 @@ def test_launch_glue_matches_the_programs(use_settings):
                                             torch.zeros(E, N, K // 32, dtype=torch.uint8),
                                             torch.zeros(M, dtype=torch.int32), torch.empty(M, N, dtype=torch.bfloat16),
                                             fp4=True)
+        ti.grouped_gemm_masked_tilelang(torch.zeros(E, 7, K, dtype=b.dtype), torch.ones(E, 7, 3),
+                                        torch.zeros(E, N, K // 2, dtype=torch.uint8), torch.ones(E, N, K // 32),
+                                        torch.zeros(E, dtype=torch.int32), torch.empty(E, 7, N, dtype=torch.bfloat16),
+                                        fp4=True)
         ti.swiglu_quant_tilelang(torch.zeros(M, 2 * K, dtype=torch.bfloat16), torch.arange(5),
                                  10, (torch.empty(M, K, dtype=torch.float8_e4m3fn), torch.empty(M, 3)))
         ti.grouped_gemm_swiglu_contiguous_tilelang(a, sa, b, sb, torch.zeros(M, dtype=torch.int32), 10.0,
@@ -68,7 +72,8 @@ def test_launch_glue_matches_the_programs(use_settings):
                                                (torch.empty(E, 7, N // 2, dtype=torch.float8_e4m3fn),
                                                 torch.empty(E, 7, N // 256)))
     assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked", "moe_fp4_contiguous",
-                                     "moe_swiglu_quant", "moe_fp8_contiguous_swiglu", "moe_fp8_masked_swiglu"]
+                                     "moe_fp4_masked", "moe_swiglu_quant", "moe_fp8_contiguous_swiglu",
+                                     "moe_fp8_masked_swiglu"]
     for _, func, args in calls:
         _signature_check(func, args)
 
@@ -85,11 +90,14 @@ def test_programs_take_both_gemm_operands_from_shared_memory(build):
 
 
 @pytest.mark.parametrize("build", [build_grouped_gemm_masked_fp4, build_grouped_gemm_contiguous_fp4])
-def test_fp4_programs_lower_for_sm90a_converting_in_the_kernel(build):
-    """Packed E2M1 bytes and UE8M0 scales in, a bf16 tensor-core GEMM of the two converted shared tiles."""
-    src = _tilelang.lower(build(4096, 2048), HOPPER).source
+@pytest.mark.parametrize("scale_dtype", ["uint8", "float32"])
+def test_fp4_programs_lower_for_sm90a_converting_in_the_kernel(build, scale_dtype):
+    """Packed E2M1 bytes and UE8M0 scales (or float32 ones, used as they are) in, a bf16 tensor-core GEMM of the
+    two converted shared tiles."""
+    src = _tilelang.lower(build(4096, 2048, scale_dtype=scale_dtype), HOPPER).source
     assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in src
-    assert "<< (uint)23" in src  # the scale byte placed in a float32's exponent field
+    # uint8: the scale byte placed in a float32's exponent field
+    assert ("<< (uint)23" in src) == (scale_dtype == "uint8")
 
 
 @pytest.mark.parametrize("limit", [10.0, None])

@@ -150,7 +150,7 @@ def test_bad_input_is_refused_naming_the_argument():
     f = moe.grouped_gemm_fp8
     cases = [
         (lambda: f(a, sa, b.view(torch.int8), sb, lay), "b must be float8_e4m3fn"),
-        (lambda: f(a, sa, b.view(torch.uint8), sb, lay), "b_scale must be torch.uint8"),  # read as packed FP4
+        (lambda: f(a, sa, b.view(torch.uint8), sb, lay), r"b_scale must have shape"),  # read as packed FP4
         (lambda: f(a, sa, torch.zeros(E, 100, K, dtype=b.dtype), sb, lay), "multiples of 128"),
         (lambda: f(a, sa, b, torch.ones(E, 1, 3), lay), "b_scale must have shape"),
         (lambda: f(a, sa, b, sb.double(), lay), "b_scale must be torch.float32"),
@@ -231,8 +231,9 @@ def test_fp4_weights_with_bad_scales_are_refused():
     with pytest.raises(ValueError, match=r"b_scale must have shape \(2, 128, 8\)"):
         moe.grouped_gemm_fp8(a, sa, packed, torch.zeros(2, 128, 4, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32))
     a3, sa3 = torch.zeros(2, 4, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 4, 2)
-    with pytest.raises(ValueError, match=r"b_scale must be torch.uint8"):
-        moe.grouped_gemm_fp8_masked(a3, sa3, packed, torch.zeros(2, 128, 8), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"b_scale of FP4 weights must be uint8 .UE8M0 bytes. or float32"):
+        moe.grouped_gemm_fp8_masked(a3, sa3, packed, torch.zeros(2, 128, 8, dtype=torch.float16),
+                                    torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"b must be float8_e4m3fn .* or uint8 .packed MXFP4., got torch.int8"):
         moe.grouped_gemm_fp8_masked(a3, sa3, packed.view(torch.int8), torch.zeros(2, 128, 8, dtype=torch.uint8),
                                     torch.zeros(2, dtype=torch.int32))
@@ -418,3 +419,26 @@ def test_fused_experts_between_gemm_paths_agree_exactly(path, fp4, monkeypatch):
     monkeypatch.setattr(layer, "SWIGLU_PATH", "triton")
     with pytest.raises(ValueError, match="SWIGLU_PATH must be one of"):
         moe.fused_experts(x, w13, w2, w, ids, **kw)
+
+
+
+def test_fp4_scales_as_float32_powers_of_two_are_the_ue8m0_bytes():
+    """FP4 scales as float32 (SGLang's storage of the same powers of two) give exactly what their UE8M0 bytes give,
+    in the dequantisation and in both layouts; other scale dtypes are refused naming the argument."""
+    g = torch.Generator().manual_seed(13)
+    E, N, K = 3, 256, 256
+    packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, generator=g))
+    f32 = R.ue8m0_to_float(scale)
+    assert torch.equal(R.dequantize_fp4(packed, scale), R.dequantize_fp4(packed, f32))
+    a, sa = moe.quantize_groups(torch.randn(E, 7, K, generator=g))
+    m = torch.tensor([7, 0, 3], dtype=torch.int32)
+    outs = [moe.grouped_gemm_fp8_masked(a, sa, packed, s, m, torch.zeros(E, 7, N, dtype=torch.bfloat16))
+            for s in (scale, f32)]
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().max() > 0
+    layout = torch.tensor([0] * 100 + [-1] * 28 + [2] * 128, dtype=torch.int32)
+    a, sa = moe.quantize_groups(torch.randn(256, K, generator=g))
+    outs = [moe.grouped_gemm_fp8(a, sa, packed, s, layout, torch.zeros(256, N, dtype=torch.bfloat16))
+            for s in (scale, f32)]
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="b_scale of FP4 weights must be uint8 .UE8M0 bytes. or float32"):
+        moe.grouped_gemm_fp8(a, sa, packed, f32.double(), layout)

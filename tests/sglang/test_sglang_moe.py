@@ -147,23 +147,21 @@ def test_deep_gemm_runner_runs_our_op(use_settings, monkeypatch, fp4, scale_in_e
     use_settings(moe="on")
     moe.install()
     monkeypatch.setattr(moe, "ROUTED_SCALE_IN_EXPERTS", scale_in_experts)
-    calls, conversions = [], []
-    real, convert = ops.fused_experts, moe.ue8m0_bytes
+    calls = []
+    real = ops.fused_experts
     monkeypatch.setattr(ops, "fused_experts", lambda *a, **k: calls.append(k) or real(*a, **k))
-    monkeypatch.setattr(moe, "ue8m0_bytes", lambda *a: conversions.append(a[1]) or convert(*a))
     config, info, dispatch = make_deep_gemm_layer(fp4)
     runner = MoeRunner(MoeRunnerBackend.DEEP_GEMM, config)  # as Fp8MoEMethod.create_moe_runner does
     assert isinstance(runner.runner_core, moe.DeepGemmCore) and runner.fused_func is None
     hidden = dispatch.hidden_states.clone()
     out = runner.run(dispatch, info).hidden_states
     out2 = runner.run(dispatch, info).hidden_states
-    assert len(calls) == 2 and conversions == (["w13_scale", "w2_scale"] if fp4 else [])  # converted once
+    assert len(calls) == 2
     assert out is not dispatch.hidden_states and torch.equal(dispatch.hidden_states, hidden)  # input untouched
     w13, w2, s13, s2 = info.w13_weight, info.w2_weight, info.w13_scale, info.w2_scale
-    if fp4:  # the op's storage: the same bytes, UE8M0 scales
+    if fp4:  # the op's storage: the same bytes (a view), SGLang's float32 scales themselves (no copy)
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
-        s13, s2 = ((torch.log2(s).to(torch.int32) + 127).to(torch.uint8) for s in (s13, s2))
-        assert torch.equal(calls[0]["w13_scale"], s13) and torch.equal(calls[0]["w2_scale"], s2)
+        assert calls[0]["w13_scale"] is s13 and calls[0]["w2_scale"] is s2
     # routed_scaling_factor 1.5, where the experts apply it, is folded into the router weights
     weights, ids = dispatch.topk_output.topk_weights, dispatch.topk_output.topk_ids
     weights = weights.float() * 1.5 if scale_in_experts else weights
@@ -204,7 +202,7 @@ def test_fp8_moe_method_apply_reaches_our_core(use_settings, monkeypatch, fp4):
     ("quant", {"block_shape": [64, 64]}, "block_shape [64, 64]"),
     ("quant", {"w13_weight": torch.zeros(E, 2 * I, H, dtype=torch.bfloat16)}, "dtype torch.bfloat16"),
     ("quant", {"w13_scale": torch.zeros(E, 2 * I // 128, H // 128, dtype=torch.int32)}, "dtype torch.int32"),
-    ("fp4", {"w13_scale": torch.full((E, 2 * I, H // 32), 3.0)}, "powers of two"),
+    ("fp4", {"w13_scale": torch.zeros(E, 2 * I, H // 32, dtype=torch.int32)}, "packed layout"),
 ])
 def test_deep_gemm_core_raises_on_what_it_does_not_run(use_settings, monkeypatch, where, change, message):
     use_settings(moe="on")
@@ -213,8 +211,7 @@ def test_deep_gemm_core_raises_on_what_it_does_not_run(use_settings, monkeypatch
     config, info, dispatch = make_deep_gemm_layer(fp4=where == "fp4")
     for field, value in change.items():
         setattr(config if where == "config" else info, field, value)
-    error = ValueError if where == "fp4" else NotImplementedError
-    with pytest.raises(error, match=re.escape(message)):
+    with pytest.raises(NotImplementedError, match=re.escape(message)):
         MoeRunner(MoeRunnerBackend.DEEP_GEMM, config).run(dispatch, info)
 
 
@@ -227,9 +224,15 @@ def test_deep_gemm_config_it_does_not_run_goes_to_sglangs_core_where_deep_gemm_r
     assert type(MoeRunner(MoeRunnerBackend.DEEP_GEMM, config).runner_core) is DeepGemmRunnerCore
 
 
-def test_ue8m0_bytes_reads_sglangs_float32_scales_exactly():
+def test_fp4_scales_are_sglangs_tensors_without_a_copy():
+    """float32 (SGLang's storage) as it is; ``float8_e8m0fnu`` as its bytes, the same storage; uint8 as it is;
+    int32 (DeepGEMM's packed layout) and non-contiguous tensors refused naming the scale."""
     codes = torch.tensor([[[0, 1, 100, 127, 200, 254]]], dtype=torch.uint8)
-    assert torch.equal(moe.ue8m0_bytes(codes.view(torch.float8_e8m0fnu).float(), "s"), codes)
-    assert moe.ue8m0_bytes(codes, "s") is codes
-    with pytest.raises(ValueError, match="powers of two"):
-        moe.ue8m0_bytes(torch.tensor([[[1.0, -2.0]]]), "s")
+    f32 = codes.view(torch.float8_e8m0fnu).float()
+    assert moe.fp4_scales(f32, "s") is f32 and moe.fp4_scales(codes, "s") is codes
+    e8 = codes.view(torch.float8_e8m0fnu)
+    assert torch.equal(moe.fp4_scales(e8, "s"), codes) and moe.fp4_scales(e8, "s").data_ptr() == e8.data_ptr()
+    with pytest.raises(NotImplementedError, match="scales s of dtype torch.int32"):
+        moe.fp4_scales(torch.zeros(1, 2, 3, dtype=torch.int32), "s")
+    with pytest.raises(NotImplementedError, match="non-contiguous FP4 expert scales s"):
+        moe.fp4_scales(torch.zeros(1, 4, 3).transpose(1, 2), "s")

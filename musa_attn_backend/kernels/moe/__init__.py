@@ -50,8 +50,8 @@ def _tensor(op, name, t, dtype, shape):
 
 def _weights(op, b, b_scale, name="b", fp4=False):
     """Checks expert weights with their scales: FP8 ``[E, N, K]`` with float32 ``[E, N/128, K/128]`` block scales,
-    or (``fp4``) also MXFP4 ``[E, N, K/2]`` uint8 with UE8M0 ``[E, N, K/32]`` uint8 scales. Returns ``(E, N, K,
-    is_fp4)``."""
+    or (``fp4``) also MXFP4 ``[E, N, K/2]`` uint8 with ``[E, N, K/32]`` scales, UE8M0 bytes (uint8) or float32
+    powers of two. Returns ``(E, N, K, is_fp4)``."""
     check(isinstance(b, torch.Tensor) and b.dim() == 3, lambda: f"{op}: {name} must be a [E, N, K] tensor")
     is_fp4 = fp4 and b.dtype == torch.uint8
     check(b.dtype == FP8 or is_fp4,
@@ -63,7 +63,10 @@ def _weights(op, b, b_scale, name="b", fp4=False):
                   f"K {K}")
     if is_fp4:
         _tensor(op, name, b, torch.uint8, (E, N, K // 2))
-        _tensor(op, f"{name}_scale", b_scale, torch.uint8, (E, N, K // FP4_GROUP))
+        check(isinstance(b_scale, torch.Tensor) and b_scale.dtype in (torch.uint8, torch.float32),
+              lambda: f"{op}: {name}_scale of FP4 weights must be uint8 (UE8M0 bytes) or float32 (powers of two), "
+                      f"got {getattr(b_scale, 'dtype', type(b_scale).__name__)}")
+        _tensor(op, f"{name}_scale", b_scale, b_scale.dtype, (E, N, K // FP4_GROUP))
     else:
         _tensor(op, name, b, FP8, (E, N, K))
         _tensor(op, f"{name}_scale", b_scale, torch.float32, (E, N // BLOCK, K // BLOCK))
@@ -87,7 +90,8 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     - ``a [M, K]`` float8_e4m3fn, ``a_scale [M, K/128]`` float32 (:func:`quantize_groups`);
     - ``b [E, N, K]`` float8_e4m3fn, ``b_scale [E, N/128, K/128]`` float32; ``N``, ``K`` multiples of 128; or FP4
       (MXFP4) experts: ``b [E, N, K/2]`` uint8 (two E2M1 values a byte, the even one low) with ``b_scale [E, N,
-      K/32]`` uint8 (UE8M0), converted in the kernel;
+      K/32]`` uint8 (UE8M0) or float32 (powers of two, as SGLang stores them; other values round to bf16 in the
+      conversion), converted in the kernel;
     - ``grouped_layout [M]`` int32: each row's expert, ``-1`` for padding; each 128-row tile holds one expert's
       rows and padding, and its expert is its first row's id;
     - ``out [M, N]`` bfloat16 (allocated when None): rows with id ``-1`` are not written; a row whose id is not

@@ -22,8 +22,10 @@ BF16 = "bfloat16"
 
 
 @functools.lru_cache(maxsize=None)
-def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_stages: int = 2, threads: int = 256):
-    """``N``, ``K``: the weights' logical shape (multiples of 128); ``M`` and the expert count are dynamic."""
+def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_stages: int = 2, threads: int = 256,
+                                      scale_dtype: str = "uint8"):
+    """``N``, ``K``: the weights' logical shape (multiples of 128); ``M`` and the expert count are dynamic.
+    ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values)."""
     block_m, block_k = 128, 128
     assert N % block_n == 0 and K % block_k == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
@@ -34,14 +36,14 @@ def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_st
         A: T.Tensor((M, K), FP8),
         SA: T.Tensor((M, KS), ACC),
         B: T.Tensor((E, N, K // 2), "uint8"),
-        SB: T.Tensor((E, N, K // 32), "uint8"),
+        SB: T.Tensor((E, N, K // 32), scale_dtype),
         layout: T.Tensor((M,), "int32"),
         D: T.Tensor((M, N), BF16),
     ):
         with T.Kernel(N // block_n, T.ceildiv(M, block_m), threads=threads) as (bx, by):
             A_s = T.alloc_shared((block_m, block_k), FP8)
             Bq_s = T.alloc_shared((block_n, block_k // 2), "uint8")
-            Bs_s = T.alloc_shared((block_n, block_k // 32), "uint8")
+            Bs_s = T.alloc_shared((block_n, block_k // 32), scale_dtype)
             A_w = T.alloc_shared((block_m, block_k), BF16)
             B_w = T.alloc_shared((block_n, block_k), BF16)
             D_s = T.alloc_shared((block_m, block_n), BF16)

@@ -24,6 +24,8 @@ def pow2(s):
 
 def fp4_weight(Bq, Bs, n, j):
     """Element ``(n, j)`` of a weight tile in float32 from its packed bytes ``Bq [rows, cols / 2]`` (element ``2c``
-    in byte ``c``'s low nibble) and its scale bytes ``Bs [rows, cols / 32]``."""
+    in byte ``c``'s low nibble) and its scales ``Bs [rows, cols / 32]``: UE8M0 bytes (uint8), or float32 values
+    used as they are."""
     nib = T.shift_right(T.Cast("int32", Bq[n, j // 2]), (j % 2) * 4) & 15
-    return e2m1(nib) * pow2(Bs[n, j // 32])
+    scale = Bs[n, j // 32]
+    return e2m1(nib) * (pow2(scale) if str(Bs.dtype) == "uint8" else scale)

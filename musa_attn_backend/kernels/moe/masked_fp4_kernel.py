@@ -22,8 +22,9 @@ BF16 = "bfloat16"
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_masked_fp4(N: int, K: int, block_m: int = 64, block_n: int = 128, num_stages: int = 2,
-                                  threads: int = 128):
-    """``N``, ``K``: the weights' logical shape (multiples of 128); the expert count and ``max_m`` are dynamic."""
+                                  threads: int = 128, scale_dtype: str = "uint8"):
+    """``N``, ``K``: the weights' logical shape (multiples of 128); the expert count and ``max_m`` are dynamic.
+    ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values)."""
     block_k = 128
     assert N % block_n == 0 and K % block_k == 0
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
@@ -34,14 +35,14 @@ def build_grouped_gemm_masked_fp4(N: int, K: int, block_m: int = 64, block_n: in
         A: T.Tensor((E, MM, K), FP8),
         SA: T.Tensor((E, MM, KS), ACC),
         B: T.Tensor((E, N, K // 2), "uint8"),
-        SB: T.Tensor((E, N, K // 32), "uint8"),
+        SB: T.Tensor((E, N, K // 32), scale_dtype),
         masked_m: T.Tensor((E,), "int32"),
         D: T.Tensor((E, MM, N), BF16),
     ):
         with T.Kernel(N // block_n, T.ceildiv(MM, block_m), E, threads=threads) as (bx, by, e):
             A_s = T.alloc_shared((block_m, block_k), FP8)
             Bq_s = T.alloc_shared((block_n, block_k // 2), "uint8")
-            Bs_s = T.alloc_shared((block_n, block_k // 32), "uint8")
+            Bs_s = T.alloc_shared((block_n, block_k // 32), scale_dtype)
             A_w = T.alloc_shared((block_m, block_k), BF16)
             B_w = T.alloc_shared((block_n, block_k), BF16)
             D_s = T.alloc_shared((block_m, block_n), BF16)

@@ -54,11 +54,13 @@ def dequantize_fp8_blocks(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tenso
 
 
 def dequantize_fp4(b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """``[..., N, K]`` float32 from packed E2M1 ``b [..., N, K/2]`` and UE8M0 ``b_scale [..., N, K/32]``."""
+    """``[..., N, K]`` float32 from packed E2M1 ``b [..., N, K/2]`` and ``b_scale [..., N, K/32]``: UE8M0 bytes
+    (uint8), or float32 values (SGLang's storage of the same powers of two)."""
     table = e2m1_table(b.device)
     lo, hi = table[(b & 0x0F).long()], table[(b >> 4).long()]
     vals = torch.stack([lo, hi], dim=-1).flatten(-2)
-    return vals * ue8m0_to_float(b_scale).repeat_interleave(FP4_GROUP, -1)
+    scale = b_scale if b_scale.dtype == torch.float32 else ue8m0_to_float(b_scale)
+    return vals * scale.repeat_interleave(FP4_GROUP, -1)
 
 
 def dequantize_groups(a: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:

@@ -57,17 +57,23 @@ def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
                    _fp4_pass_configs())
 
 
+def _fp4_scales(b_scale) -> dict:
+    return {"scale_dtype": "float32"} if b_scale.dtype == torch.float32 else {}
+
+
 def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=False):
     if a.shape[0]:
-        build = contiguous_fp4_kernel if fp4 else contiguous_kernel
-        build(b.shape[1], a.shape[1])(a, a_scale, b, b_scale, grouped_layout, out)
+        kernel = (contiguous_fp4_kernel(b.shape[1], a.shape[1], **_fp4_scales(b_scale)) if fp4
+                  else contiguous_kernel(b.shape[1], a.shape[1]))
+        kernel(a, a_scale, b, b_scale, grouped_layout, out)
     return out
 
 
 def grouped_gemm_masked_tilelang(a, a_scale, b, b_scale, masked_m, out, fp4=False):
     if a.shape[1]:
-        build = masked_fp4_kernel if fp4 else masked_kernel
-        build(b.shape[1], a.shape[2])(a, a_scale, b, b_scale, masked_m, out)
+        kernel = (masked_fp4_kernel(b.shape[1], a.shape[2], **_fp4_scales(b_scale)) if fp4
+                  else masked_kernel(b.shape[1], a.shape[2]))
+        kernel(a, a_scale, b, b_scale, masked_m, out)
     return out
 
 
