@@ -40,6 +40,21 @@ def close(out, ref, rows, mag):
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements off; worst {float((o - r).abs().max())}"
 
 
+def close_quantised(q, s, rq, rs):
+    """GEMM2 inputs from an epilogue-fused GEMM1 against the reference's, on the same rows. Both sides round ``h``
+    to bf16 from float32 sums in different orders (a unit apart at most, more where Hopper's FP8 accumulation
+    meets cancellation), so: scales within 2^-6, and each dequantised value within a quarter of the reference's
+    plus 2^-8 of its group's amax (an e4m3 step is 2^-3 relative; a wrong row, expert, half or scale is off by far
+    more), and relative L2 error below 2^-6."""
+    torch.testing.assert_close(s, rs, rtol=2 ** -6, atol=0)
+    deq = (q.float().unflatten(-1, (-1, 128)) * s.unsqueeze(-1)).flatten(-2)
+    ref = (rq.float().unflatten(-1, (-1, 128)) * rs.unsqueeze(-1)).flatten(-2)
+    bound = 0.25 * ref.abs() + 2 ** -8 * (rs * 448).repeat_interleave(128, -1)
+    bad = (deq - ref).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off; worst {float((deq - ref).abs().max())}"
+    assert float((deq - ref).norm() / ref.norm()) < 2 ** -6
+
+
 def routing(T, k, E, skew, dev, seed=0):
     g = torch.Generator().manual_seed(seed)
     if skew:  # most choices on a few experts, some experts empty
@@ -292,10 +307,7 @@ def test_swiglu_quant_matches_reference(gpu_device, I, limit):
                                                   ("pro", 300, 32, False, 10.0), ("small", 16384, 64, False, 10.0)])
 def test_gemm_swiglu_matches_reference(gpu_device, model, T, E, skew, limit):
     """GEMM1 with the SwiGLU and quantisation epilogue against the plain GEMM's reference through the SwiGLU
-    reference. Both sides round ``h`` to bf16 from float32 sums in different orders (a unit apart at most, more
-    where Hopper's FP8 accumulation meets cancellation), so: scales within 2^-6, and each dequantised value within
-    a quarter of the reference's plus 2^-8 of its group's amax (an e4m3 step is 2^-3 relative; a wrong row,
-    expert, half or scale is off by far more); padding rows untouched (NaN poison)."""
+    reference (the bounds: :func:`close_quantised`); padding rows untouched (NaN poison)."""
     I, H = {"flash": (2048, 4096), "pro": (3072, 7168), "small": (256, 384)}[model]
     k = 6
     w13, s13 = weights(E, 2 * I, H, gpu_device, seed=9)
@@ -310,13 +322,7 @@ def test_gemm_swiglu_matches_reference(gpu_device, model, T, E, skew, limit):
     rows = layout >= 0
     assert torch.isnan(s[~rows]).all() and (q[~rows].view(torch.uint8) == 0x7F).all()
     assert torch.isfinite(s[rows]).all()
-    torch.testing.assert_close(s[rows], rs[rows], rtol=2 ** -6, atol=0)
-    deq = (q[rows].float().unflatten(-1, (I // 128, 128)) * s[rows].unsqueeze(-1)).flatten(-2)
-    ref = (rq[rows].float().unflatten(-1, (I // 128, 128)) * rs[rows].unsqueeze(-1)).flatten(-2)
-    bound = 0.25 * ref.abs() + 2 ** -8 * (rs[rows] * 448).repeat_interleave(128, -1)
-    bad = (deq - ref).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off; worst {float((deq - ref).abs().max())}"
-    assert float((deq - ref).norm() / ref.norm()) < 2 ** -6
+    close_quantised(q[rows], s[rows], rq[rows], rs[rows])
 
 
 def test_gemm_swiglu_malformed_layout_gives_nan_rows(gpu_device):
@@ -341,7 +347,7 @@ def test_gemm_swiglu_malformed_layout_gives_nan_rows(gpu_device):
 @pytest.mark.parametrize("model,E,max_m,limit", [("flash", 256, 64, 10.0), ("small", 8, 200, None),
                                                  ("pro", 16, 130, 10.0)])
 def test_gemm_swiglu_masked_matches_reference(gpu_device, model, E, max_m, limit):
-    """The masked epilogue-fused GEMM1 against the reference, the bounds of the contiguous test; rows at or past
+    """The masked epilogue-fused GEMM1 against the reference (:func:`close_quantised`); rows at or past
     ``masked_m[e]`` untouched (NaN poison), including an empty expert, a full one and a count past ``max_m``."""
     I, H = {"flash": (2048, 4096), "pro": (3072, 7168), "small": (256, 384)}[model]
     w13, s13 = weights(E, 2 * I, H, gpu_device, seed=8)
@@ -356,10 +362,4 @@ def test_gemm_swiglu_masked_matches_reference(gpu_device, model, E, max_m, limit
     rq, rs = moe.grouped_gemm_swiglu_masked_reference(a, sa, w13, s13, m, limit)
     rows = torch.arange(max_m, device=gpu_device) < m.clamp(0, max_m).unsqueeze(1)
     assert torch.isnan(s[~rows]).all() and (q[~rows].view(torch.uint8) == 0x7F).all()
-    torch.testing.assert_close(s[rows], rs[rows], rtol=2 ** -6, atol=0)
-    deq = (q[rows].float().unflatten(-1, (I // 128, 128)) * s[rows].unsqueeze(-1)).flatten(-2)
-    ref = (rq[rows].float().unflatten(-1, (I // 128, 128)) * rs[rows].unsqueeze(-1)).flatten(-2)
-    bound = 0.25 * ref.abs() + 2 ** -8 * (rs[rows] * 448).repeat_interleave(128, -1)
-    bad = (deq - ref).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off; worst {float((deq - ref).abs().max())}"
-    assert float((deq - ref).norm() / ref.norm()) < 2 ** -6
+    close_quantised(q[rows], s[rows], rq[rows], rs[rows])

@@ -160,6 +160,31 @@ def quantize_groups(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
     return q.contiguous(), s.contiguous()
 
 
+def _swiglu_limit(op, limit):
+    check(limit is None or (isinstance(limit, (int, float)) and limit > 0),
+          lambda: f"{op}: swiglu_limit must be a positive number or None, got {limit!r}")
+
+
+def _swiglu_gemm_weights(op, w13, w13_scale, limit):
+    """Checks GEMM1's FP8 weights (gate rows, then up rows) and the clamp; returns ``(E, I, K)``."""
+    E, N, K, _ = _weights(op, w13, w13_scale, "w13")
+    check(N % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
+                                        f"got {N}")
+    _swiglu_limit(op, limit)
+    return E, N // 2, K
+
+
+def _fp8_rows_out(op, out, lead: tuple, I: int, device):
+    """GEMM2's input buffers ``(q [*lead, I] e4m3, s [*lead, I/128] float32)``: ``out`` checked, or allocated."""
+    if out is None:
+        out = (torch.empty(*lead, I, dtype=FP8, device=device),
+               torch.empty(*lead, I // BLOCK, dtype=torch.float32, device=device))
+    check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
+    _tensor(op, "out[0]", out[0], FP8, (*lead, I))
+    _tensor(op, "out[1]", out[1], torch.float32, (*lead, I // BLOCK))
+    return tuple(out)
+
+
 def swiglu_quant(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Optional[float] = None,
                  out: Optional[tuple] = None, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM2's FP8 input from GEMM1's output, in one pass: for each ``r`` of ``rows`` in ``[0, R)``, row ``r`` of
@@ -180,14 +205,8 @@ def swiglu_quant(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Optional[flo
     check(isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.dtype in (torch.int32, torch.int64),
           lambda: f"{op}: rows must be a 1-D int32 or int64 tensor")
     check(rows.is_contiguous(), lambda: f"{op}: rows must be contiguous")
-    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
-          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
-    if out is None:
-        out = (torch.empty(R, I, dtype=FP8, device=h.device),
-               torch.empty(R, I // BLOCK, dtype=torch.float32, device=h.device))
-    check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
-    _tensor(op, "out[0]", out[0], FP8, (R, I))
-    _tensor(op, "out[1]", out[1], torch.float32, (R, I // BLOCK))
+    _swiglu_limit(op, swiglu_limit)
+    out = _fp8_rows_out(op, out, (R,), I, h.device)
     check_same_device(op, h=h, rows=rows, q=out[0], s=out[1])
     check(R < 2 ** 31, lambda: f"{op}: at most 2^31 - 1 rows, got {R}")
     if _run(op, impl, h.device) == "reference":
@@ -212,23 +231,13 @@ def grouped_gemm_swiglu_fp8(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.T
 
     All tensors contiguous, on one device. Returns ``(q, s)``."""
     op = "grouped_gemm_swiglu_fp8"
-    E, N, K, _ = _weights(op, w13, w13_scale, "w13")
-    check(N % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
-                                        f"got {N}")
-    I = N // 2
+    E, I, K = _swiglu_gemm_weights(op, w13, w13_scale, swiglu_limit)
     check(isinstance(a, torch.Tensor) and a.dim() == 2, lambda: f"{op}: a must be a [M, {K}] tensor")
     M = a.shape[0]
     _tensor(op, "a", a, FP8, (M, K))
     _tensor(op, "a_scale", a_scale, torch.float32, (M, K // BLOCK))
     _tensor(op, "grouped_layout", grouped_layout, torch.int32, (M,))
-    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
-          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
-    if out is None:
-        out = (torch.empty(M, I, dtype=FP8, device=a.device),
-               torch.empty(M, I // BLOCK, dtype=torch.float32, device=a.device))
-    check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
-    _tensor(op, "out[0]", out[0], FP8, (M, I))
-    _tensor(op, "out[1]", out[1], torch.float32, (M, I // BLOCK))
+    out = _fp8_rows_out(op, out, (M,), I, a.device)
     check_same_device(op, a=a, a_scale=a_scale, w13=w13, w13_scale=w13_scale, grouped_layout=grouped_layout,
                       q=out[0], s=out[1])
     if _run(op, impl, a.device) == "reference":
@@ -255,23 +264,13 @@ def grouped_gemm_swiglu_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, w13: 
 
     All tensors contiguous, on one device; fixed shapes, no host read of ``masked_m``. Returns ``(q, s)``."""
     op = "grouped_gemm_swiglu_fp8_masked"
-    E, N, K, _ = _weights(op, w13, w13_scale, "w13")
-    check(N % (2 * BLOCK) == 0, lambda: f"{op}: w13's rows (2 x intermediate) must be a multiple of {2 * BLOCK}, "
-                                        f"got {N}")
-    I = N // 2
+    E, I, K = _swiglu_gemm_weights(op, w13, w13_scale, swiglu_limit)
     check(isinstance(a, torch.Tensor) and a.dim() == 3, lambda: f"{op}: a must be a [{E}, max_m, {K}] tensor")
     MM = a.shape[1]
     _tensor(op, "a", a, FP8, (E, MM, K))
     _tensor(op, "a_scale", a_scale, torch.float32, (E, MM, K // BLOCK))
     _tensor(op, "masked_m", masked_m, torch.int32, (E,))
-    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
-          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
-    if out is None:
-        out = (torch.empty(E, MM, I, dtype=FP8, device=a.device),
-               torch.empty(E, MM, I // BLOCK, dtype=torch.float32, device=a.device))
-    check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
-    _tensor(op, "out[0]", out[0], FP8, (E, MM, I))
-    _tensor(op, "out[1]", out[1], torch.float32, (E, MM, I // BLOCK))
+    out = _fp8_rows_out(op, out, (E, MM), I, a.device)
     check_same_device(op, a=a, a_scale=a_scale, w13=w13, w13_scale=w13_scale, masked_m=masked_m, q=out[0],
                       s=out[1])
     if _run(op, impl, a.device) == "reference":
@@ -326,8 +325,7 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     check(expert_map is None or (isinstance(expert_map, torch.Tensor) and expert_map.dim() == 1
                                  and not expert_map.is_floating_point()),
           lambda: f"{op}: expert_map must be a 1-D integer tensor (global id -> local expert, -1: not here)")
-    check(swiglu_limit is None or (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0),
-          lambda: f"{op}: swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
+    _swiglu_limit(op, swiglu_limit)
     check(not apply_router_weight_on_input or k == 1,
           lambda: f"{op}: apply_router_weight_on_input needs top-1 routing, got top-{k}")
     check(layout in LAYOUTS, lambda: f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")

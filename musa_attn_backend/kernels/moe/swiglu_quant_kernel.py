@@ -15,12 +15,11 @@ import functools
 from typing import Optional
 
 from ..._tilelang import tl_lang as T
+from .swiglu_tir import fp8_code, group_scale, swiglu
 
 FP8 = "float8_e4m3"
 ACC = "float32"
 BF16 = "bfloat16"
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,12 +30,6 @@ def build_swiglu_quant(I: int, limit: Optional[float], groups: int = 4, threads:
     G = I // 128
     groups = max(d for d in range(1, groups + 1) if G % d == 0)
     R, n = T.dynamic("rows"), T.dynamic("chosen")
-
-    def clamp_gate(x):
-        return x if limit is None else T.min(x, float(limit))
-
-    def clamp_up(x):
-        return x if limit is None else T.max(T.min(x, float(limit)), -float(limit))
 
     @T.prim_func
     def swiglu_quant(
@@ -54,14 +47,14 @@ def build_swiglu_quant(I: int, limit: Optional[float], groups: int = 4, threads:
             if T.And(r >= 0, r < R):
                 for step in T.serial(G // groups):
                     for g, c in T.Parallel(groups, 128):
-                        gate = clamp_gate(T.Cast(ACC, H[r, (step * groups + g) * 128 + c]))
-                        up = clamp_up(T.Cast(ACC, H[r, I + (step * groups + g) * 128 + c]))
-                        act[g, c] = T.ieee_fdiv(gate, 1.0 + T.exp(-gate)) * up
+                        gate = T.Cast(ACC, H[r, (step * groups + g) * 128 + c])  # a let: vectorised loads
+                        up = T.Cast(ACC, H[r, I + (step * groups + g) * 128 + c])
+                        act[g, c] = swiglu(gate, up, limit)
                     T.reduce_absmax(act, amax, dim=1)
                     for g in T.Parallel(groups):
-                        scale[g] = T.ieee_fdiv(T.max(amax[g], AMAX_FLOOR), FP8_MAX)
+                        scale[g] = group_scale(amax[g])
                     for g, c in T.Parallel(groups, 128):
-                        q[g, c] = T.Cast(FP8, T.max(T.min(T.ieee_fdiv(act[g, c], scale[g]), FP8_MAX), -FP8_MAX))
+                        q[g, c] = fp8_code(act[g, c], scale[g])
                     for g, c in T.Parallel(groups, 128):
                         Q[r, (step * groups + g) * 128 + c] = q[g, c]
                     for g in T.Parallel(groups):
