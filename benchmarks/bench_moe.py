@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results file, beside it")
     ap.add_argument("--tiling", default="", metavar="K=V,...",
                     help="the contiguous programs' tiling for this run (kernels.moe.tilelang_impl.CONTIGUOUS keys: "
-                         "block_n, num_stages, threads, policy), recorded in the JSON")
+                         "block_n, num_stages, threads, policy, swizzle), recorded in the JSON")
     args = ap.parse_args(argv)
     if args.plot:
         src = Path(args.plot)

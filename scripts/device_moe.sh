@@ -4,8 +4,8 @@
 #   source .device/env.sh && scripts/device_moe.sh [tests] [bench] [tilings]   (default: all three)
 #   tests:   pytest -m gpu tests/moe (T1 seconds, default 420), one log
 #   bench:   bench_moe.py on V4-Flash, every op and T (T2 seconds, default 300)
-#   tilings: the contiguous GEMM under TILINGS ("k=v,...;k=v,..."; default FullRow and FullRow with 3 stages) on the
-#            prefill shapes (T3 seconds each, default 120)
+#   tilings: the contiguous GEMM under TILINGS ("k=v,...;k=v,..."; default FullRow, FullRow with 3 stages, FullRow
+#            in panels of 8) on the prefill shapes (T3 seconds each, default 120)
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}
@@ -22,7 +22,7 @@ for part in "${parts[@]}"; do
       timeout "${T2:-300}" python3 benchmarks/bench_moe.py --models flash --out "$out" > "$out/bench.txt" 2>&1
       echo "bench rc=$?"; grep -E "^moe_" "$out/bench.txt" | cut -c1-160 ;;
     tilings)
-      IFS=';' read -r -a tilings <<< "${TILINGS:-policy=FullRow;policy=FullRow,num_stages=3}"
+      IFS=';' read -r -a tilings <<< "${TILINGS:-policy=FullRow;policy=FullRow,num_stages=3;policy=FullRow,swizzle=8}"
       for t in "${tilings[@]}"; do
         echo "== tiling $t" >> "$out/tilings.txt"
         timeout "${T3:-120}" python3 benchmarks/bench_moe.py --models flash --tokens 4096,16384 --ops gate_up,down \

@@ -255,7 +255,8 @@ def test_fused_experts_is_captured_in_a_cuda_graph(gpu_device, T, layout, path, 
     assert torch.equal(replayed, out)
 
 
-@pytest.mark.parametrize("tiling", [dict(policy="FullRow"), dict(policy="FullRow", num_stages=3)])
+@pytest.mark.parametrize("tiling", [dict(policy="FullRow"), dict(policy="FullRow", num_stages=3),
+                                    dict(policy="FullRow", swizzle=8)])
 @pytest.mark.parametrize("shape,T,E", [("small", 333, 8), ("flash_down", 2048, 256)])
 def test_contiguous_tilings_match_reference(gpu_device, tiling, shape, T, E):
     """The contiguous program under the other tilings ``bench_moe.py --tiling`` measures (one m64n128 WGMMA a

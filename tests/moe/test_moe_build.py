@@ -180,3 +180,11 @@ def test_contiguous_warp_policy_sets_the_wgmma_shape(policy, shape):
     tile, one m64n128 WGMMA per k-slice instead of two m64n64."""
     src = _tilelang.lower(build_grouped_gemm_contiguous(4096, 4096, policy=policy), HOPPER).source
     assert f"kFloat32, {shape}, false, false" in src
+
+
+def test_contiguous_swizzle_knob_sets_the_block_order():
+    """``--tiling swizzle=8``: the blocks launched in panels of 8 tile columns (TileLang's 2-D row rasterization);
+    0, the default, leaves the launch order alone."""
+    plain = _tilelang.lower(build_grouped_gemm_contiguous(4096, 4096), HOPPER).source
+    panels = _tilelang.lower(build_grouped_gemm_contiguous(4096, 4096, swizzle=8), HOPPER).source
+    assert "rasterization2DRow" not in plain and "tl::rasterization2DRow<8>()" in panels

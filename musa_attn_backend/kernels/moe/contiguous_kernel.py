@@ -29,10 +29,12 @@ ACC = "float32"
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages: int = 4, threads: int = 256,
-                                  policy: str = "Square"):
+                                  policy: str = "Square", swizzle: int = 0):
     """``N``, ``K``: the weights' shape (multiples of 128); ``M`` and the expert count are dynamic. ``policy``: how
     the tile GEMM splits the block among the warps (TileLang's ``GemmWarpPolicy``: ``Square``, ``FullRow``: each
-    warp group whole rows of the tile, ``FullCol``)."""
+    warp group whole rows of the tile, ``FullCol``). ``swizzle``: 0 launches the blocks row of tiles by row of
+    tiles; a panel width launches them in panels of that many tile columns (``T.use_swizzle``), so blocks running
+    together share weight tiles in L2."""
     block_m, block_k = 128, 128
     assert N % block_n == 0 and 128 % block_n == 0 and K % block_k == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
@@ -48,6 +50,8 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
         D: T.Tensor((M, N), "bfloat16"),
     ):
         with T.Kernel(N // block_n, T.ceildiv(M, block_m), threads=threads) as (bx, by):
+            if swizzle:
+                T.use_swizzle(swizzle)
             A_s = T.alloc_shared((block_m, block_k), FP8)
             B_s = T.alloc_shared((block_n, block_k), FP8)
             scale = T.alloc_fragment((block_m,), ACC)
