@@ -21,6 +21,7 @@ import torch
 
 from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
+from . import layer
 from .layer import (MASKED_MAX_TOKENS, fused_experts_reference, grouped_gemm_swiglu_contiguous_reference,
                     grouped_gemm_swiglu_masked_reference, swiglu_quant_reference)
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
@@ -30,8 +31,8 @@ from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, 
 __all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked",
            "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "grouped_gemm_swiglu_fp8",
            "grouped_gemm_swiglu_contiguous_reference", "grouped_gemm_swiglu_fp8_masked",
-           "grouped_gemm_swiglu_masked_reference", "align_routing", "ALIGN", "BLOCK", "grouped_gemm_contiguous_reference",
-           "grouped_gemm_masked_reference", "quantize_groups_reference", "quantize_weight_blocks_reference",
+           "grouped_gemm_swiglu_masked_reference", "align_routing", "ALIGN", "BLOCK",
+           "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference", "quantize_groups_reference", "quantize_weight_blocks_reference",
            "quantize_fp4_reference", "dequantize_fp8_blocks", "dequantize_fp4", "dequantize_groups", "FP4_GROUP"]
 
 FP8 = torch.float8_e4m3fn
@@ -177,8 +178,7 @@ def _swiglu_gemm_weights(op, w13, w13_scale, limit):
 def _fp8_rows_out(op, out, lead: tuple, I: int, device):
     """GEMM2's input buffers ``(q [*lead, I] e4m3, s [*lead, I/128] float32)``: ``out`` checked, or allocated."""
     if out is None:
-        out = (torch.empty(*lead, I, dtype=FP8, device=device),
-               torch.empty(*lead, I // BLOCK, dtype=torch.float32, device=device))
+        out = layer._rows_fp8(lead, I, device)
     check(isinstance(out, (tuple, list)) and len(out) == 2, lambda: f"{op}: out must be a (q, s) pair")
     _tensor(op, "out[0]", out[0], FP8, (*lead, I))
     _tensor(op, "out[1]", out[1], torch.float32, (*lead, I // BLOCK))
@@ -210,10 +210,10 @@ def swiglu_quant(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Optional[flo
     check_same_device(op, h=h, rows=rows, q=out[0], s=out[1])
     check(R < 2 ** 31, lambda: f"{op}: at most 2^31 - 1 rows, got {R}")
     if _run(op, impl, h.device) == "reference":
-        return swiglu_quant_reference(h, rows, swiglu_limit, tuple(out))
+        return swiglu_quant_reference(h, rows, swiglu_limit, out)
     from .tilelang_impl import swiglu_quant_tilelang
 
-    return swiglu_quant_tilelang(h, rows, swiglu_limit, tuple(out))
+    return swiglu_quant_tilelang(h, rows, swiglu_limit, out)
 
 
 def grouped_gemm_swiglu_fp8(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -242,11 +242,10 @@ def grouped_gemm_swiglu_fp8(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.T
                       q=out[0], s=out[1])
     if _run(op, impl, a.device) == "reference":
         return grouped_gemm_swiglu_contiguous_reference(a, a_scale, w13, w13_scale, grouped_layout, swiglu_limit,
-                                                        tuple(out))
+                                                        out)
     from .tilelang_impl import grouped_gemm_swiglu_contiguous_tilelang
 
-    return grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_layout, swiglu_limit,
-                                                   tuple(out))
+    return grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_layout, swiglu_limit, out)
 
 
 def grouped_gemm_swiglu_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, w13: torch.Tensor,
@@ -274,10 +273,10 @@ def grouped_gemm_swiglu_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, w13: 
     check_same_device(op, a=a, a_scale=a_scale, w13=w13, w13_scale=w13_scale, masked_m=masked_m, q=out[0],
                       s=out[1])
     if _run(op, impl, a.device) == "reference":
-        return grouped_gemm_swiglu_masked_reference(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, tuple(out))
+        return grouped_gemm_swiglu_masked_reference(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, out)
     from .tilelang_impl import grouped_gemm_swiglu_masked_tilelang
 
-    return grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, tuple(out))
+    return grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, out)
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -337,8 +336,6 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     which = _run(op, impl, hidden.device)
     if T == 0:
         return out
-    from . import layer
-
     if apply_router_weight_on_input:
         hidden = (hidden.float() * topk_weights.float()).to(torch.bfloat16)
         topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)

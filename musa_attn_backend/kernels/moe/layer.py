@@ -51,8 +51,7 @@ def swiglu_quant_reference(h: torch.Tensor, rows: torch.Tensor, swiglu_limit: Op
     no index names are left as they are. ``h [R, 2I]``; returns ``(q [R, I] float8_e4m3fn, s [R, I/128] float32)``,
     ``out`` when given."""
     R, I = h.shape[0], h.shape[1] // 2
-    q, s = out if out is not None else (torch.empty(R, I, dtype=torch.float8_e4m3fn, device=h.device),
-                                        torch.empty(R, I // 128, dtype=torch.float32, device=h.device))
+    q, s = out if out is not None else _rows_fp8((R,), I, h.device)
     r = rows.long()
     r = r[(r >= 0) & (r < R)]  # a boolean index: a host synchronisation, acceptable in the reference
     if r.numel():
@@ -76,9 +75,7 @@ def grouped_gemm_swiglu_masked_reference(a, a_scale, w13, w13_scale, masked_m, s
     E, MM = a.shape[0], a.shape[1]
     I = w13.shape[1] // 2
     h = grouped_gemm_masked_reference(a, a_scale, w13, w13_scale, masked_m)
-    if out is None:
-        out = (torch.empty(E, MM, I, dtype=torch.float8_e4m3fn, device=a.device),
-               torch.empty(E, MM, I // 128, dtype=torch.float32, device=a.device))
+    out = out if out is not None else _rows_fp8((E, MM), I, a.device)
     m = torch.arange(MM, device=a.device)
     named = torch.nonzero((m < masked_m.clamp(0, MM).unsqueeze(1)).flatten()).flatten()
     swiglu_quant_reference(h.view(E * MM, -1), named, swiglu_limit,
@@ -87,19 +84,29 @@ def grouped_gemm_swiglu_masked_reference(a, a_scale, w13, w13_scale, masked_m, s
 
 
 def _scatter_rows(q: torch.Tensor, s: torch.Tensor, index: torch.Tensor, rows: int):
-    """FP8 rows ``q`` and their scales ``s`` at ``index`` of new ``[rows + 1, ...]`` buffers (row ``rows``: the
-    spare that dropped choices write; no other row is initialised)."""
+    """FP8 rows ``q`` and their scales ``s`` at ``index`` of new ``[rows, ...]`` buffers (an index equal to
+    ``rows``, a dropped choice, writes a spare row past them; no other row is initialised)."""
     a = torch.empty(rows + 1, q.shape[1], dtype=q.dtype, device=q.device)
     sa = torch.empty(rows + 1, s.shape[1], dtype=s.dtype, device=s.device)
     a[index], sa[index] = q, s
-    return a, sa
+    return a[:rows], sa[:rows]
 
 
-def _rows_fp8(rows: int, I: int, device):
-    """Uninitialised GEMM2 input buffers ``(q [rows, I] e4m3, s [rows, I/128] float32)``: only the chosen rows are
-    written, the GEMMs write no other row of their output."""
-    return (torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(rows, I // 128, dtype=torch.float32, device=device))
+def _rows_fp8(lead: tuple, I: int, device):
+    """Uninitialised GEMM2 input buffers ``(q [*lead, I] e4m3, s [*lead, I/128] float32)``: only the chosen rows
+    are written, the GEMMs write no other row of their output."""
+    return (torch.empty(*lead, I, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(*lead, I // 128, dtype=torch.float32, device=device))
+
+
+def _swiglu_quant_rows(h, rows, limit, path, ops):
+    """GEMM2's input from GEMM1's output rows ``h [R, 2I]`` for the chosen ``rows`` (``R``: a dropped choice, no
+    row): one ``swiglu_quant`` launch (``path`` "pass"), or torch ops on the chosen rows ("torch": a dropped choice
+    computes some row, written to the spare)."""
+    R, I = h.shape[0], h.shape[1] // 2
+    if path == "pass":
+        return ops.swiglu_quant(h, rows, limit, _rows_fp8((R,), I, h.device))
+    return _scatter_rows(*quantize_groups_reference(swiglu(h[rows.clamp(max=R - 1)], limit)), rows, R)
 
 
 def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scale, w2_scale,
@@ -156,18 +163,11 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
     q, s = quantize_groups_reference(hidden)
     token = torch.arange(T * k, device=dev) // k
     a, sa = _scatter_rows(q[token], s[token], rows, M)
-    a, sa = a[:M], sa[:M]
-    I = w13.shape[1] // 2
     if path == "fused":
-        a2, sa2 = ops.gemm_swiglu(a, sa, w13, w13_scale, layout, swiglu_limit, _rows_fp8(M, I, dev))
+        a2, sa2 = ops.gemm_swiglu(a, sa, w13, w13_scale, layout, swiglu_limit, _rows_fp8((M,), w13.shape[1] // 2, dev))
     else:
         h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=dev))
-        if path == "pass":
-            a2, sa2 = ops.swiglu_quant(h, rows, swiglu_limit, _rows_fp8(M, I, dev))
-        else:
-            a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h[rows.clamp(max=M - 1)], swiglu_limit)), rows,
-                                    M)
-            a2, sa2 = a2[:M], sa2[:M]
+        a2, sa2 = _swiglu_quant_rows(h, rows, swiglu_limit, path, ops)
     y = gemm(a2, sa2, w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=dev))
     return _combine(y, rows.view(T, k), topk_weights, out)
 
@@ -193,21 +193,12 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     slot = torch.where(keep, e * T + rank, E * T)  # E * T: a spare row for dropped choices
     q, s = quantize_groups_reference(hidden)
     token = torch.arange(T * k, device=dev) // k
-    a, sa = _scatter_rows(q[token], s[token], slot, E * T)
-    a, sa = a[:E * T].view(E, T, -1), sa[:E * T].view(E, T, -1)
-    I = w13.shape[1] // 2
+    a, sa = (t.view(E, T, -1) for t in _scatter_rows(q[token], s[token], slot, E * T))
     if path == "fused":
         a2, sa2 = ops.gemm_swiglu_masked(a, sa, w13, w13_scale, counts, swiglu_limit,
-                                         tuple(t.view(E, T, -1) for t in _rows_fp8(E * T, I, dev)))
+                                         _rows_fp8((E, T), w13.shape[1] // 2, dev))
     else:
         h = gemm(a, sa, w13, w13_scale, counts, torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
-        if path == "pass":  # a dropped choice's slot E * T is past the rows: skipped
-            a2, sa2 = ops.swiglu_quant(h.view(E * T, -1), slot, swiglu_limit, _rows_fp8(E * T, I, dev))
-        else:
-            rows = slot.clamp(max=E * T - 1)  # a dropped choice reads some row: its result is never used
-            a2, sa2 = _scatter_rows(*quantize_groups_reference(swiglu(h.view(E * T, -1)[rows], swiglu_limit)), slot,
-                                    E * T)
-            a2, sa2 = a2[:E * T], sa2[:E * T]
-        a2, sa2 = a2.view(E, T, -1), sa2.view(E, T, -1)
+        a2, sa2 = (t.view(E, T, -1) for t in _swiglu_quant_rows(h.view(E * T, -1), slot, swiglu_limit, path, ops))
     y = gemm(a2, sa2, w2, w2_scale, counts, torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
     return _combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)

@@ -31,30 +31,48 @@ def _fp4_pass_configs() -> dict:
     return {tl.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
-def _kernel(name: str, build, tiling: dict, N: int, K: int, target, overrides: dict, pass_configs=None):
-    """``build(N, K, **tiling)`` compiled once per (name, shape, tiling, target); ``overrides`` replace entries
+def _kernel(name: str, build, tiling: dict, args: tuple, target, overrides: dict, pass_configs=None):
+    """``build(*args, **tiling)`` compiled once per (name, args, tiling, target); ``overrides`` replace entries
     of the default ``tiling``."""
     cfg = {**tiling, **overrides}
-    return compile_cached((name, N, K, *sorted(cfg.items())), lambda: build(N, K, **cfg), target=target,
+    return compile_cached((name, *args, *sorted(cfg.items())), lambda: build(*args, **cfg), target=target,
                           pass_configs=pass_configs)
 
 
+def _limit(limit):
+    return None if limit is None else float(limit)
+
+
 def contiguous_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, N, K, target, tiling)
+    return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, (N, K), target, tiling)
 
 
 def masked_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp8_masked", build_grouped_gemm_masked, MASKED, N, K, target, tiling)
+    return _kernel("moe_fp8_masked", build_grouped_gemm_masked, MASKED, (N, K), target, tiling)
 
 
 def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, N, K, target, tiling,
+    return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, (N, K), target, tiling,
                    _fp4_pass_configs())
 
 
 def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4, N, K, target, tiling,
+    return _kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4, (N, K), target, tiling,
                    _fp4_pass_configs())
+
+
+def swiglu_quant_kernel(I: int, limit, target=None, **tiling):
+    return _kernel("moe_swiglu_quant", build_swiglu_quant, SWIGLU_QUANT, (I, _limit(limit)), target, tiling)
+
+
+def contiguous_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
+    return _kernel("moe_fp8_contiguous_swiglu", build_grouped_gemm_swiglu_contiguous, CONTIGUOUS_SWIGLU,
+                   (I, K, _limit(limit)), target, tiling)
+
+
+def masked_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
+    return _kernel("moe_fp8_masked_swiglu", build_grouped_gemm_swiglu_masked, MASKED_SWIGLU, (I, K, _limit(limit)),
+                   target, tiling)
 
 
 def _fp4_scales(b_scale) -> dict:
@@ -77,25 +95,11 @@ def grouped_gemm_masked_tilelang(a, a_scale, b, b_scale, masked_m, out, fp4=Fals
     return out
 
 
-def swiglu_quant_kernel(I: int, limit, target=None, **tiling):
-    cfg = {**SWIGLU_QUANT, **tiling}
-    limit = None if limit is None else float(limit)
-    return compile_cached(("moe_swiglu_quant", I, limit, *sorted(cfg.items())),
-                          lambda: build_swiglu_quant(I, limit, **cfg), target=target)
-
-
 def swiglu_quant_tilelang(h, rows, limit, out):
     q, s = out
     if rows.numel() and h.shape[0]:
         swiglu_quant_kernel(h.shape[1] // 2, limit)(h, rows.to(torch.int32), q, s)
     return q, s
-
-
-def contiguous_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
-    cfg = {**CONTIGUOUS_SWIGLU, **tiling}
-    limit = None if limit is None else float(limit)
-    return compile_cached(("moe_fp8_contiguous_swiglu", I, K, limit, *sorted(cfg.items())),
-                          lambda: build_grouped_gemm_swiglu_contiguous(I, K, limit, **cfg), target=target)
 
 
 def grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_layout, limit, out):
@@ -104,13 +108,6 @@ def grouped_gemm_swiglu_contiguous_tilelang(a, a_scale, w13, w13_scale, grouped_
         contiguous_swiglu_kernel(w13.shape[1] // 2, a.shape[1], limit)(a, a_scale, w13, w13_scale, grouped_layout,
                                                                        q, s)
     return q, s
-
-
-def masked_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
-    cfg = {**MASKED_SWIGLU, **tiling}
-    limit = None if limit is None else float(limit)
-    return compile_cached(("moe_fp8_masked_swiglu", I, K, limit, *sorted(cfg.items())),
-                          lambda: build_grouped_gemm_swiglu_masked(I, K, limit, **cfg), target=target)
 
 
 def grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, limit, out):
