@@ -1,5 +1,8 @@
 import contextlib
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def load_bench():
+    """``load_bench(name)``: ``benchmarks/<name>.py`` as the module ``name``, put in ``sys.modules`` before it runs
+    (its dataclasses look their module up while the class is made)."""
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks"
+                                                      / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load
 
 
 @pytest.fixture

@@ -1,19 +1,11 @@
 """benchmarks/bench_moe.py --smoke on a CPU: the harness routes, lays out, runs both layouts (references) and
 writes the documented JSON."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_moe.py"
 
 
-def test_smoke_writes_json(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+def test_smoke_writes_json(tmp_path, load_bench):
+    bench = load_bench("bench_moe")
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("moe-smoke-*.json")
     doc = json.loads(path.read_text())
@@ -30,15 +22,12 @@ def test_smoke_writes_json(tmp_path):
         assert r["shape"]["layout_rows"] % 128 == 0 and r["flops"] > 0
 
 
-def test_triton_alignment_is_sglangs_layout():
+def test_triton_alignment_is_sglangs_layout(load_bench):
     """The peer's token alignment (SGLang's ``moe_align_block_size`` contract): every choice once, in its expert's
     blocks, padding marked ``T * k``, one expert id a block."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_bench("bench_moe")
     ids = torch.randint(0, 8, (37, 3), dtype=torch.int32)
     sorted_ids, expert_ids, post = bench.triton_alignment(ids, 8, 16)
     assert int(post) == sorted_ids.numel() == expert_ids.numel() * 16

@@ -7,11 +7,9 @@ GPU configuration (32/8 heads, head dim 128, bf16, page 64) is built as far as a
 SGLang's ``TritonAttnBackend`` on the kit runner.
 """
 
-import importlib.util
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,16 +21,10 @@ except Exception as e:  # pragma: no cover - environment without SGLang
     pytest.skip(f"SGLang or its attention test kit does not import ({type(e).__name__}: {e})",
                 allow_module_level=True)
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sglang_backend.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_sglang_backend", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("bench_sglang_backend")
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,17 @@
 """CPU checks of benchmarks/bench_sglang_dsv4.py (our V4 backend through SGLang's V4 kit fixtures): the smoke run
 writes the JSON the GPU run writes, and its tensor-op forward batch equals the kit's own, field by field."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("sglang")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sglang_dsv4.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_sglang_dsv4", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("bench_sglang_dsv4")
 
 
 def test_smoke_run_writes_the_json(bench, tmp_path):

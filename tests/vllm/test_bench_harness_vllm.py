@@ -1,7 +1,6 @@
 """benchmarks/bench_vllm_backend.py --smoke in-process on a CPU: vLLM config objects, our builder + impl on the
 benchmark's own batches and KV caches, against a plain-torch SDPA reference; JSON written as documented."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,16 +12,8 @@ pytest.importorskip("vllm", reason="vLLM is not importable here")
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_backend.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_vllm_backend", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_smoke_writes_json_and_matches_reference(tmp_path, capsys):
-    bench = _load()
+def test_smoke_writes_json_and_matches_reference(tmp_path, capsys, load_bench):
+    bench = load_bench("bench_vllm_backend")
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     files = list(tmp_path.glob("vllm-backend-*.json"))
     assert len(files) == 1, files
@@ -48,8 +39,8 @@ def test_smoke_writes_json_and_matches_reference(tmp_path, capsys):
     assert "max|diff|" in capsys.readouterr().out  # the table
 
 
-def test_batches_put_decodes_first_and_skip_large_decodes():
-    bench = _load()
+def test_batches_put_decodes_first_and_skip_large_decodes(load_bench):
+    bench = load_bench("bench_vllm_backend")
     cases = bench.gpu_cases(["decode", "prefill", "mixed"])
     decodes = [c for c in cases if c.op == "decode"]
     assert all(len(c.reqs) * (c.reqs[0][1] + 1) <= bench.MAX_DECODE_TOKENS for c in decodes)

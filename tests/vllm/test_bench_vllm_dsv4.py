@@ -1,19 +1,11 @@
 """benchmarks/bench_vllm_dsv4.py --smoke on a CPU: the harness builds vLLM's packed block layout, runs the layer's
 slot translation and sparse MQA (references) and writes the documented JSON."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_dsv4.py"
 
 
-def test_smoke_writes_json(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_vllm_dsv4", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+def test_smoke_writes_json(tmp_path, load_bench):
+    bench = load_bench("bench_vllm_dsv4")
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("vllm-dsv4-smoke-*.json")
     doc = json.loads(path.read_text())
