@@ -157,6 +157,20 @@ def peers(a_rows, counts, b, N, K, device):
     return out, (abf, bbf)
 
 
+def rate_and_ratio(row: dict, flops: int, nbytes: int, ceilings: dict) -> None:
+    """A timed row's roofline (the larger of its FLOPs at the run's FP8 matmul rate and its bytes at the copy
+    rate), its fraction, ours in TFLOP/s, and the best peer with ``ratio_vs_best_peer`` (the peer's time over
+    ours; ``dense_scaled_mm``, the ungrouped upper reference, is not a peer for that)."""
+    roof = max(flops / (ceilings["fp8_matmul_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
+    row["roofline_ms"], row["roofline_fraction"] = roof, roof / row["ours_ms"]
+    row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+    timed = {k: v["ms"] for k, v in row["peers"].items() if isinstance(v, dict) and "ms" in v
+             and k != "dense_scaled_mm"}
+    if timed:
+        best = min(timed, key=timed.get)
+        row["best_peer"], row["ratio_vs_best_peer"] = best, timed[best] / row["ours_ms"]
+
+
 def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: bool) -> dict:
     cfg = MODELS[model] if not smoke else dict(E=8, H=256, I=128)
     E, H, I = cfg["E"], cfg["H"], cfg["I"]
@@ -220,15 +234,7 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
             del out_t
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             row["peers"]["sglang_triton"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        roof = max(flops / (ceilings["fp8_matmul_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
-        row["roofline_ms"] = roof
-        row["roofline_fraction"] = roof / row["ours_ms"]
-        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
-        timed = {k: v["ms"] for k, v in row["peers"].items() if isinstance(v, dict) and "ms" in v
-                 and k != "dense_scaled_mm"}
-        if timed:
-            best = min(timed, key=timed.get)
-            row["best_peer"], row["ratio_vs_best_peer"] = best, timed[best] / row["ours_ms"]
+        rate_and_ratio(row, flops, nbytes, ceilings)
     del b, sb, a, sa, out
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -278,7 +284,7 @@ def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) 
                 a1.copy_(q)
                 sa1.copy_(s)
                 gemm1()
-                q, s = moe.quantize_groups(layer.swiglu(h1, 10.0).to(torch.bfloat16))
+                q, s = moe.quantize_groups(layer.swiglu(h1, 10.0))
                 a2.copy_(q)
                 sa2.copy_(s)
                 gemm2()
@@ -287,12 +293,7 @@ def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) 
             row["peers"]["sglang_triton"] = {"ms": time(peer), "config": config}
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             row["peers"]["sglang_triton"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        roof = max(flops / (ceilings["fp8_matmul_tflops"] * 1e9), row["bytes"] / (ceilings["copy_tbps"] * 1e9))
-        row["roofline_ms"], row["roofline_fraction"] = roof, roof / row["ours_ms"]
-        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
-        if "ms" in row["peers"]["sglang_triton"]:
-            row["best_peer"] = "sglang_triton"
-            row["ratio_vs_best_peer"] = row["peers"]["sglang_triton"]["ms"] / row["ours_ms"]
+        rate_and_ratio(row, flops, row["bytes"], ceilings)
         torch.cuda.empty_cache()
     return row
 
