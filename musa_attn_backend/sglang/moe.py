@@ -86,8 +86,7 @@ def handles(dispatch_output, quant_info, runner_config) -> bool:
         return False
     if any(t is not None for t in (q.b13, q.b2, q.w13_zp, q.w2_zp, q.a13_scale, q.a2_scale)):
         return False
-    if not (c.activation == "silu" and c.is_gated and c.gemm1_alpha is None and c.gemm1_clamp_limit is None
-            and not c.no_combine and (c.swiglu_limit is None or c.swiglu_limit > 0)):
+    if unsupported_runner_config(c) is not None:  # the deep_gemm core's list: what the op cannot compute
         return False
     hidden, topk = dispatch_output.hidden_states, dispatch_output.topk_output
     if dispatch_output.hidden_states_scale is not None or not TopKOutputChecker.format_is_standard(topk):

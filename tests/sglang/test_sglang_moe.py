@@ -86,10 +86,13 @@ def test_runner_runs_our_op(use_settings, monkeypatch, scale_in_experts):
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("switch, quant", [("off", {}), ("on", {"use_fp8_w8a8": False}),
-                                           ("on", {"block_shape": [64, 64]}),
-                                           ("on", {"a13_scale": torch.ones(1)})])
-def test_other_calls_reach_sglang(use_settings, monkeypatch, switch, quant):
+@pytest.mark.parametrize("switch, quant, cfg", [("off", {}, {}), ("on", {"use_fp8_w8a8": False}, {}),
+                                                ("on", {"block_shape": [64, 64]}, {}),
+                                                ("on", {"a13_scale": torch.ones(1)}, {}),
+                                                ("on", {}, {"gemm1_beta": 1.0})])
+def test_other_calls_reach_sglang(use_settings, monkeypatch, switch, quant, cfg):
+    """Calls the op does not compute go to SGLang's function, among them the runner configs the deep_gemm core
+    refuses (one list, ``unsupported_runner_config``)."""
     use_settings(moe=switch)
     moe.install()
     seen = []
@@ -98,6 +101,8 @@ def test_other_calls_reach_sglang(use_settings, monkeypatch, switch, quant):
     config, info, dispatch = make_layer()
     for field, value in quant.items():
         setattr(info, field, value)
+    for field, value in cfg.items():
+        setattr(config, field, value)
     runner = MoeRunner(MoeRunnerBackend.TRITON, config)
     assert runner.run(dispatch, info) == "sglang"
     assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], (dispatch, info, config)))
