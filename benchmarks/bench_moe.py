@@ -3,6 +3,7 @@
     python benchmarks/bench_moe.py [--out benchmarks/results] [--quick] [--models flash,pro]
     python benchmarks/bench_moe.py --smoke        (CPU, tiny shapes: the harness only)
     python benchmarks/bench_moe.py --plot benchmarks/results/moe-....json   (the PNG of a run, beside it)
+    python benchmarks/bench_moe.py --compile-only 12 [--tiling ...]   (compile the run's kernels, 12 processes)
 
 Each row is one GEMM of one MoE layer's routed experts: ``gate_up`` (``N = 2 I``, ``K = H``) or ``down`` (``N = H``,
 ``K = I``) of V4-Flash (256 experts, H 4096, I 2048) or V4-Pro (384, 7168, 3072), for ``T`` tokens with uniform
@@ -334,6 +335,42 @@ def versions() -> dict:
     return package_versions("tilelang")
 
 
+def kernels_for(models, tiling: dict) -> list:
+    """The TileLang programs a run of ``models`` compiles, as ``(tilelang_impl function, args, tiling)``: the
+    contiguous FP8 GEMM under ``tiling``, everything else under its default."""
+    jobs = []
+    for model in models:
+        E, H, I = (MODELS[model][k] for k in ("E", "H", "I"))
+        for N, K in ((2 * I, H), (H, I)):
+            jobs += [("contiguous_kernel", (N, K), tiling), ("masked_kernel", (N, K), {}),
+                     ("contiguous_fp4_kernel", (N, K), {}), ("masked_fp4_kernel", (N, K), {})]
+        jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
+                 ("swiglu_quant_kernel", (I, 10.0), {})]
+    return jobs
+
+
+def _compile_job(job) -> str:
+    import time as _time
+
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    name, args, tiling = job
+    t0 = _time.perf_counter()
+    getattr(tilelang_impl, name)(*args, **tiling)
+    return f"{name}{args} {tiling or ''}: {_time.perf_counter() - t0:.0f} s"
+
+
+def compile_all(jobs: list, workers: int) -> None:
+    """Compile ``jobs`` (:func:`kernels_for`) into the kernel cache in ``workers`` processes: a fresh machine
+    compiles a run's dozen programs in about the time of one."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for line in pool.map(_compile_job, jobs):
+            print("compiled", line, flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -342,6 +379,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,8,64,512,4096,16384")
     ap.add_argument("--ops", default="gate_up,down,layer", help="which rows: the two GEMMs and the whole layer")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
+    ap.add_argument("--compile-only", type=int, default=0, metavar="WORKERS",
+                    help="only compile the kernels this run would use, in this many processes, and exit")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results file, beside it")
     ap.add_argument("--tiling", default="", metavar="K=V,...",
                     help="the contiguous programs' tiling for this run (kernels.moe.tilelang_impl.CONTIGUOUS keys: "
@@ -358,6 +397,10 @@ def main(argv=None) -> int:
     from musa_attn_backend.kernels.moe import tilelang_impl
 
     tilelang_impl.CONTIGUOUS.update(tiling)
+    if args.compile_only:
+        models = ["flash"] if args.quick else args.models.split(",")
+        compile_all(kernels_for(models, tiling), args.compile_only)
+        return 0
     ceilings = {}
     if not args.smoke:
         ceilings = measure_ceilings()

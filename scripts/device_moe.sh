@@ -2,8 +2,10 @@
 # device call (with .device/tl carried): the MoE GPU tests and benchmarks, logs and results under $OUT (the device
 # tool returns at most 8 files: one log per part, a JSON and a PNG per bench run). Usage:
 #   source .device/env.sh && scripts/device_moe.sh [tests] [bench] [tilings]   (default: all three)
-#   tests:   pytest -m gpu tests/moe (T1 seconds, default 420), one log
-#   bench:   bench_moe.py on V4-Flash, every op and T (T2 seconds, default 300)
+#   tests:   pytest -m gpu tests/moe in XDIST processes (default 12: a fresh machine compiles every kernel, one
+#            process would take 10 minutes; T1 seconds, default 420), one log
+#   bench:   bench_moe.py on V4-Flash, every op and T, after compiling its kernels in 12 processes (T2 seconds,
+#            default 300)
 #   tilings: the contiguous GEMM under TILINGS ("k=v,...;k=v,..."; default FullRow, FullRow with 3 stages, FullRow
 #            in panels of 8) on the prefill shapes (T3 seconds each, default 120)
 source .device/env.sh
@@ -15,14 +17,19 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case $part in
     tests)
-      timeout "${T1:-420}" python3 -m pytest -q -m gpu tests/moe --tb=short -p no:cacheprovider --durations=10 \
+      timeout "${T1:-420}" python3 -m pytest -q -m gpu tests/moe -n "${XDIST:-12}" --tb=short -p no:cacheprovider --durations=10 \
         > "$out/moe_tests.txt" 2>&1
       echo "moe tests rc=$?"; grep -E "^FAILED|passed|failed" "$out/moe_tests.txt" | tail -25 ;;
     bench)
-      timeout "${T2:-300}" python3 benchmarks/bench_moe.py --models flash --out "$out" > "$out/bench.txt" 2>&1
+      python3 benchmarks/bench_moe.py --models flash --compile-only 12 > "$out/bench.txt" 2>&1
+      timeout "${T2:-300}" python3 benchmarks/bench_moe.py --models flash --out "$out" >> "$out/bench.txt" 2>&1
       echo "bench rc=$?"; grep -E "^moe_" "$out/bench.txt" | cut -c1-160 ;;
     tilings)
       IFS=';' read -r -a tilings <<< "${TILINGS:-policy=FullRow;policy=FullRow,num_stages=3;policy=FullRow,swizzle=8}"
+      for t in "${tilings[@]}"; do  # compile every tiling's kernels at once
+        python3 benchmarks/bench_moe.py --models flash --compile-only 4 --tiling "$t" > /dev/null 2>&1 &
+      done
+      wait
       for t in "${tilings[@]}"; do
         echo "== tiling $t" >> "$out/tilings.txt"
         timeout "${T3:-120}" python3 benchmarks/bench_moe.py --models flash --tokens 4096,16384 --ops gate_up,down \
