@@ -33,7 +33,8 @@ Timed, each replayed from a CUDA graph (median of the replays):
 
 ``moe_layer`` rows time the whole routed-expert op, :func:`fused_experts` (routing, quantisation, both GEMMs,
 V4's clamped SwiGLU, the weighted sum; FP8 and FP4 weights), against the same layer composed from SGLang's Triton
-GEMMs (its kernel twice, torch for the SwiGLU, the quantisation and the sum).
+GEMMs (its kernel twice, torch for the SwiGLU, the quantisation and the sum); ``ours_paths_ms`` times the FP8 layer
+under each of ``layer.SWIGLU_PATHS`` (torch ops, one ``swiglu_quant`` pass, the epilogue-fused GEMM1).
 
 The roofline of a row is the larger of its FLOPs at the run's dense FP8 matmul rate (``torch._scaled_mm`` at 8192^3)
 and its bytes (the weights of the experts the routing touches, A and D) at the run's copy rate.
@@ -265,6 +266,14 @@ def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) 
     run = lambda a, sa, b, sb: moe.fused_experts(x, a, b, w, ids, w13_scale=sa, w2_scale=sb,  # noqa: E731
                                                   swiglu_limit=10.0, out=out)
     row["ours_ms"] = time(lambda: run(w13, s13, w2, s2))
+    row["ours_paths_ms"] = {}  # FP8 under each between-GEMM path (layer.SWIGLU_PATH; ours_ms: the default)
+    default = layer.SWIGLU_PATH
+    try:
+        for path in layer.SWIGLU_PATHS:
+            layer.SWIGLU_PATH = path
+            row["ours_paths_ms"][path] = time(lambda: run(w13, s13, w2, s2))
+    finally:
+        layer.SWIGLU_PATH = default
     w13f, s13f = random_fp4_weights(E, 2 * I, H, device, seed=1)
     w2f, s2f = random_fp4_weights(E, H, I, device, seed=2)
     row["ours_fp4_ms"] = time(lambda: run(w13f, s13f, w2f, s2f))
@@ -337,13 +346,19 @@ def versions() -> dict:
 
 def kernels_for(models, tiling: dict) -> list:
     """The TileLang programs a run of ``models`` compiles, as ``(tilelang_impl function, args, tiling)``: the
-    contiguous FP8 GEMM under ``tiling``, everything else under its default."""
+    contiguous FP8 GEMM under ``tiling`` (and its large-M stages, where the run keeps that rule), everything else
+    under its default."""
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    contiguous = [tiling]
+    if tilelang_impl.LARGE_M_STAGES is not None:
+        contiguous.append({**tiling, "num_stages": tilelang_impl.LARGE_M_STAGES[1]})
     jobs = []
     for model in models:
         E, H, I = (MODELS[model][k] for k in ("E", "H", "I"))
         for N, K in ((2 * I, H), (H, I)):
-            jobs += [("contiguous_kernel", (N, K), tiling), ("masked_kernel", (N, K), {}),
-                     ("contiguous_fp4_kernel", (N, K), {}), ("masked_fp4_kernel", (N, K), {})]
+            jobs += [("contiguous_kernel", (N, K), t) for t in contiguous]
+            jobs += [(name, (N, K), {}) for name in ("masked_kernel", "contiguous_fp4_kernel", "masked_fp4_kernel")]
         jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
                  ("swiglu_quant_kernel", (I, 10.0), {})]
     return jobs
@@ -397,6 +412,8 @@ def main(argv=None) -> int:
     from musa_attn_backend.kernels.moe import tilelang_impl
 
     tilelang_impl.CONTIGUOUS.update(tiling)
+    if "num_stages" in tiling:  # the run's stages at every size
+        tilelang_impl.LARGE_M_STAGES = None
     if args.compile_only:
         models = ["flash"] if args.quick else args.models.split(",")
         compile_all(kernels_for(models, tiling), args.compile_only)
@@ -437,7 +454,8 @@ def main(argv=None) -> int:
                     + f"  | {peer}")), flush=True)
                 doc = {"kind": "moe-grouped-gemm", "device": torch.cuda.get_device_name() if device == "cuda"
                        else "cpu", "commit": git_commit(), "date": stamp.isoformat(), "versions": versions(),
-                       "ceilings": ceilings, "tiling": dict(tilelang_impl.CONTIGUOUS), "rows": rows}
+                       "ceilings": ceilings, "tiling": dict(tilelang_impl.CONTIGUOUS),
+                       "large_m_stages": tilelang_impl.LARGE_M_STAGES, "rows": rows}
                 path.write_text(json.dumps(doc, indent=1) + "\n")
     if device == "cuda" and plot(rows, path.with_suffix(".png")):
         print(f"plot in {path.with_suffix('.png')}")

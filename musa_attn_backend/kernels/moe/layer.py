@@ -30,9 +30,9 @@ from .reference import (align_routing, dequantize_groups, dequantize_weights, gr
 MASKED_MAX_TOKENS = 64
 
 # how the SwiGLU and GEMM2's quantisation run between the GEMMs: "torch" (torch ops on the chosen rows), "pass"
-# (one swiglu_quant launch), "fused" (in GEMM1's epilogue, FP8 weights; FP4 weights take "pass"). "torch" until
-# the TileLang paths have passed their GPU tests (tests/moe/test_gpu_moe.py runs all three).
-SWIGLU_PATH = "torch"
+# (one swiglu_quant launch), "fused" (in GEMM1's epilogue, FP8 weights; FP4 weights take "pass").
+# tests/moe/test_gpu_moe.py runs all three; bench_moe.py's layer rows time them
+SWIGLU_PATH = "fused"
 SWIGLU_PATHS = ("torch", "pass", "fused")
 
 

@@ -13,8 +13,11 @@ from .masked_kernel import build_grouped_gemm_masked
 from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
 from .swiglu_quant_kernel import build_swiglu_quant
 
-# the tilings: the contiguous layout's tile is 128 rows (its alignment); masked decode batches are small, so 64
-CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="Square")
+# the tilings: the contiguous layout's tile is 128 rows (its alignment); masked decode batches are small, so 64.
+# Contiguous: each consumer warp group takes 64 whole rows of the tile (FullRow: one m64n128 WGMMA a k-slice),
+# four stages, three from LARGE_M_STAGES' row count on (bench_moe.py's tiling runs: docs/moe.md)
+CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="FullRow")
+LARGE_M_STAGES = (98304, 3)
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
@@ -79,10 +82,15 @@ def _fp4_scales(b_scale) -> dict:
     return {"scale_dtype": "float32"} if b_scale.dtype == torch.float32 else {}
 
 
+def _contiguous_overrides(M: int) -> dict:
+    """The contiguous FP8 tiling's overrides for ``M`` rows of A (a host value: the layout's size, no sync)."""
+    return {} if LARGE_M_STAGES is None or M < LARGE_M_STAGES[0] else {"num_stages": LARGE_M_STAGES[1]}
+
+
 def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=False):
     if a.shape[0]:
         kernel = (contiguous_fp4_kernel(b.shape[1], a.shape[1], **_fp4_scales(b_scale)) if fp4
-                  else contiguous_kernel(b.shape[1], a.shape[1]))
+                  else contiguous_kernel(b.shape[1], a.shape[1], **_contiguous_overrides(a.shape[0])))
         kernel(a, a_scale, b, b_scale, grouped_layout, out)
     return out
 
