@@ -188,3 +188,88 @@ def test_contiguous_swizzle_knob_sets_the_block_order():
     plain = _tilelang.lower(build_grouped_gemm_contiguous(4096, 4096), HOPPER).source
     panels = _tilelang.lower(build_grouped_gemm_contiguous(4096, 4096, swizzle=8), HOPPER).source
     assert "rasterization2DRow" not in plain and "tl::rasterization2DRow<8>()" in panels
+
+
+def _fp4_conversion_program(R: int, C: int, scale_dtype: str):
+    """A CPU program (TileLang's C target) writing one tile of FP4 weights in float32 through both TIR forms the
+    FP4 GEMMs use: the byte form (:func:`fp4_weight`) and the word form (:func:`fp4_from_word`)."""
+    from musa_attn_backend._tilelang import tl_lang as T
+    from musa_attn_backend.kernels.moe.fp4_tir import fp4_from_word, fp4_weight
+
+    @T.prim_func
+    def conv(Bq: T.Tensor((R, C // 2), "uint8"), Bw: T.Tensor((R, C // 8), "int32"),
+             Bs: T.Tensor((R, C // 32), scale_dtype), by_byte: T.Tensor((R, C), "float32"),
+             by_word: T.Tensor((R, C), "float32")):
+        with T.Kernel(1, threads=1) as _:
+            for n in T.serial(R):
+                for j in T.serial(C):
+                    by_byte[n, j] = fp4_weight(Bq, Bs, n, j)
+                    by_word[n, j] = fp4_from_word(Bw[n, j // 8], j % 8, Bs[n, j // 32], scale_dtype)
+
+    return conv
+
+
+@pytest.mark.parametrize("scale_dtype", ["uint8", "float32"])
+def test_fp4_word_conversion_is_exact(scale_dtype):
+    """The word form of the in-kernel FP4 conversion (``packing="words"``: the bytes read as little-endian int32
+    words, the magnitude from a table constant) against the byte form and the reference ``dequantize_fp4``, bit
+    for bit, on random bytes (every byte value occurs) under every UE8M0 byte (row ``n`` scaled by ``2^(n - 127)``;
+    0 and 255, outside the format's normal use, compared between the two forms only) or under float32 powers of
+    two. Compiled for the CPU (TileLang's C target): the TIR expressions the GPU programs inline."""
+    import tilelang
+
+    R, C = 256, 256
+    g = torch.Generator().manual_seed(0)
+    bq = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
+    assert torch.unique(bq[1:255]).numel() == 256
+    if scale_dtype == "uint8":
+        bs = torch.arange(R, dtype=torch.uint8).unsqueeze(1).expand(R, C // 32).contiguous()
+    else:
+        bs = torch.ldexp(torch.ones(R, C // 32), torch.randint(-40, 20, (R, C // 32), generator=g))
+    by_byte, by_word = torch.full((R, C), 7.0), torch.full((R, C), 7.0)
+    kernel = tilelang.compile(_fp4_conversion_program(R, C, scale_dtype), target="c")
+    kernel(bq, bq.view(torch.int32), bs, by_byte, by_word)
+    torch.testing.assert_close(by_word, by_byte, rtol=0, atol=0, equal_nan=True)
+    ref = moe.dequantize_fp4(bq, bs)
+    rows = slice(1, 255) if scale_dtype == "uint8" else slice(None)
+    torch.testing.assert_close(by_word[rows], ref[rows], rtol=0, atol=0)
+    assert (by_word != 0).float().mean() > 0.8  # the check is not one of zeros
+
+
+@pytest.mark.parametrize("build", [build_grouped_gemm_masked_fp4, build_grouped_gemm_contiguous_fp4])
+def test_fp4_word_packing_converts_eight_values_a_store(build):
+    """``packing="words"``: the weights read as int32 words, each thread converting 8 neighbouring values into
+    one 16-byte store of the bf16 tile; the byte form's per-value expression is gone."""
+    words = _tilelang.lower(build(4096, 2048, packing="words"), HOPPER).source
+    plain = _tilelang.lower(build(4096, 2048), HOPPER).source
+    table = str(0xC8643210)
+    assert table in words and table not in plain
+    assert "*(uint4*)(((bfloat16_t*)B_w)" in words and "*(uint4*)(((bfloat16_t*)B_w)" not in plain
+
+
+def test_fp4_word_packing_glue_passes_the_same_memory_as_words(use_settings, monkeypatch):
+    """Under ``packing="words"`` the glue hands the FP4 programs the packed bytes as an int32 view (no copy) that
+    matches their signatures."""
+    use_settings(target="sm_90a")
+    monkeypatch.setitem(ti.MASKED_FP4, "packing", "words")
+    monkeypatch.setitem(ti.CONTIGUOUS_FP4, "packing", "words")
+    E, N, K, M = 4, 256, 384, 300
+    b = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8)
+    sb = torch.zeros(E, N, K // 32, dtype=torch.uint8)
+    calls = []
+
+    def capture(key, build, target, pass_configs):
+        func = build()
+        return lambda *args: calls.append((func, args))
+
+    with _tilelang.intercepting(capture):
+        ti.grouped_gemm_masked_tilelang(torch.zeros(E, 7, K, dtype=torch.float8_e4m3fn), torch.ones(E, 7, 3), b, sb,
+                                        torch.zeros(E, dtype=torch.int32), torch.empty(E, 7, N, dtype=torch.bfloat16),
+                                        fp4=True)
+        ti.grouped_gemm_contiguous_tilelang(torch.zeros(M, K, dtype=torch.float8_e4m3fn), torch.ones(M, 3), b, sb,
+                                            torch.zeros(M, dtype=torch.int32), torch.empty(M, N, dtype=torch.bfloat16),
+                                            fp4=True)
+    assert len(calls) == 2
+    for func, args in calls:
+        _signature_check(func, args)
+        assert args[2].dtype == torch.int32 and args[2].data_ptr() == b.data_ptr()

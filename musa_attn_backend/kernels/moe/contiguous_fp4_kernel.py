@@ -14,7 +14,7 @@ program gives.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import fp4_weight
+from .fp4_tir import convert_words, fp4_weight
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -23,9 +23,15 @@ BF16 = "bfloat16"
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_stages: int = 2, threads: int = 256,
-                                      scale_dtype: str = "uint8"):
+                                      scale_dtype: str = "uint8", packing: str = "bytes"):
     """``N``, ``K``: the weights' logical shape (multiples of 128); ``M`` and the expert count are dynamic.
-    ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values)."""
+    ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values). ``packing``: ``bytes``: ``B``
+    as the uint8 bytes; ``words``: the same bytes as int32 words ``[E, N, K / 8]`` (:func:`.fp4_tir.fp4_weight_words`:
+    the tile's conversion vectorises)."""
+    assert packing in ("bytes", "words")
+    per = 2 if packing == "bytes" else 8  # values in one element of B
+    packed = "uint8" if packing == "bytes" else "int32"
+    convert = convert_words(block_n, 128, threads, BF16)
     block_m, block_k = 128, 128
     assert N % block_n == 0 and K % block_k == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
@@ -35,14 +41,14 @@ def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_st
     def grouped_gemm_contiguous_fp4(
         A: T.Tensor((M, K), FP8),
         SA: T.Tensor((M, KS), ACC),
-        B: T.Tensor((E, N, K // 2), "uint8"),
+        B: T.Tensor((E, N, K // per), packed),
         SB: T.Tensor((E, N, K // 32), scale_dtype),
         layout: T.Tensor((M,), "int32"),
         D: T.Tensor((M, N), BF16),
     ):
         with T.Kernel(N // block_n, T.ceildiv(M, block_m), threads=threads) as (bx, by):
             A_s = T.alloc_shared((block_m, block_k), FP8)
-            Bq_s = T.alloc_shared((block_n, block_k // 2), "uint8")
+            Bq_s = T.alloc_shared((block_n, block_k // per), packed)
             Bs_s = T.alloc_shared((block_n, block_k // 32), scale_dtype)
             A_w = T.alloc_shared((block_m, block_k), BF16)
             B_w = T.alloc_shared((block_n, block_k), BF16)
@@ -57,12 +63,15 @@ def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_st
                 T.clear(acc)
                 for k in T.Pipelined(KS, num_stages=num_stages):
                     T.copy(A[row0, k * block_k], A_s)
-                    T.copy(B[layout[row0], bx * block_n, k * (block_k // 2)], Bq_s)
+                    T.copy(B[layout[row0], bx * block_n, k * (block_k // per)], Bq_s)
                     T.copy(SB[layout[row0], bx * block_n, k * (block_k // 32)], Bs_s)
                     for i, j in T.Parallel(block_m, block_k):
                         A_w[i, j] = T.Cast(BF16, A_s[i, j])
-                    for n, j in T.Parallel(block_n, block_k):
-                        B_w[n, j] = T.Cast(BF16, fp4_weight(Bq_s, Bs_s, n, j))
+                    if packing == "words":
+                        convert(Bq_s, Bs_s, B_w)
+                    else:
+                        for n, j in T.Parallel(block_n, block_k):
+                            B_w[n, j] = T.Cast(BF16, fp4_weight(Bq_s, Bs_s, n, j))
                     for i in T.Parallel(block_m):
                         scale[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
                     T.gemm(A_w, B_w, part, transpose_B=True, clear_accum=True)

@@ -29,3 +29,40 @@ def fp4_weight(Bq, Bs, n, j):
     nib = T.shift_right(T.Cast("int32", Bq[n, j // 2]), (j % 2) * 4) & 15
     scale = Bs[n, j // 32]
     return e2m1(nib) * (pow2(scale) if str(Bs.dtype) == "uint8" else scale)
+
+
+# twice the E2M1 magnitudes of codes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6), one per 4-bit field: code c's in bits 4c..4c+3
+E2M1_TWICE = 0xC8643210
+
+
+def fp4_from_word(word, i, scale, scale_dtype):
+    """Value ``i`` (0..7) of a little-endian int32 ``word`` of packed E2M1 (bits ``4i .. 4i + 3``) under its
+    ``scale`` (a UE8M0 byte, or a float32 value where ``scale_dtype`` is float32), in float32. The magnitude comes
+    from the table constant :data:`E2M1_TWICE`: the value is ``table(code) * (scale / 2)``, both factors exact, so
+    it equals :func:`fp4_weight`'s for every nibble and scale."""
+    nib = T.shift_right(word, i * 4) & 15
+    twice = T.shift_right(T.uint32(E2M1_TWICE), T.Cast("uint32", (nib & 7) * 4)) & T.uint32(15)
+    half = (pow2(scale) if str(scale_dtype) == "uint8" else scale) * 0.5
+    return T.Cast(ACC, twice) * T.if_then_else(nib >= 8, -half, half)
+
+
+def convert_words(rows: int, cols: int, threads: int, out_dtype: str):
+    """A macro ``convert(Bw, Bs, B_w)``: the weight tile ``B_w [rows, cols]`` (``out_dtype``) from its packed words
+    ``Bw [rows, cols / 8]`` (int32, the bytes' little-endian order: value ``8q + i`` in bits ``4i .. 4i + 3`` of
+    word ``q``) and scales ``Bs [rows, cols / 32]``. Each thread converts 8 neighbouring values at a time: one
+    word, one scale, one vectorised store (per element, the byte form's ``j // 2`` index kept each value a
+    scalar load, convert and 2-byte store)."""
+    chunks = rows * cols // 8
+    assert chunks % threads == 0 and cols % 32 == 0
+
+    @T.macro
+    def convert(Bw, Bs, B_w):
+        tx = T.get_thread_binding()
+        for it in T.serial(chunks // threads):
+            u = it * threads + tx
+            n = u // (cols // 8)
+            c = u % (cols // 8)
+            for v in T.vectorized(8):
+                B_w[n, c * 8 + v] = T.Cast(out_dtype, fp4_from_word(Bw[n, c], v, Bs[n, c // 4], Bs.dtype))
+
+    return convert

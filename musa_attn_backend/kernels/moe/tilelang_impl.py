@@ -19,8 +19,8 @@ from .swiglu_quant_kernel import build_swiglu_quant
 CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="FullRow")
 LARGE_M_STAGES = (98304, 3)
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
-MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128)
-CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256)
+MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="bytes")
+CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="bytes")
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
 MASKED_SWIGLU = dict(num_stages=3, threads=256)
@@ -82,6 +82,12 @@ def _fp4_scales(b_scale) -> dict:
     return {"scale_dtype": "float32"} if b_scale.dtype == torch.float32 else {}
 
 
+def _fp4_bytes(b, tiling: dict):
+    """The packed weights as the FP4 programs under ``tiling`` read them: the bytes, or ("words") the same memory
+    as int32 words (contiguous, ``K / 2`` a multiple of 64: no copy)."""
+    return b.view(torch.int32) if tiling.get("packing") == "words" else b
+
+
 def _contiguous_overrides(M: int) -> dict:
     """The contiguous FP8 tiling's overrides for ``M`` rows of A (a host value: the layout's size, no sync)."""
     return {} if LARGE_M_STAGES is None or M < LARGE_M_STAGES[0] else {"num_stages": LARGE_M_STAGES[1]}
@@ -89,17 +95,22 @@ def _contiguous_overrides(M: int) -> dict:
 
 def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=False):
     if a.shape[0]:
-        kernel = (contiguous_fp4_kernel(b.shape[1], a.shape[1], **_fp4_scales(b_scale)) if fp4
-                  else contiguous_kernel(b.shape[1], a.shape[1], **_contiguous_overrides(a.shape[0])))
-        kernel(a, a_scale, b, b_scale, grouped_layout, out)
+        if fp4:
+            contiguous_fp4_kernel(b.shape[1], a.shape[1], **_fp4_scales(b_scale))(
+                a, a_scale, _fp4_bytes(b, CONTIGUOUS_FP4), b_scale, grouped_layout, out)
+        else:
+            contiguous_kernel(b.shape[1], a.shape[1], **_contiguous_overrides(a.shape[0]))(
+                a, a_scale, b, b_scale, grouped_layout, out)
     return out
 
 
 def grouped_gemm_masked_tilelang(a, a_scale, b, b_scale, masked_m, out, fp4=False):
     if a.shape[1]:
-        kernel = (masked_fp4_kernel(b.shape[1], a.shape[2], **_fp4_scales(b_scale)) if fp4
-                  else masked_kernel(b.shape[1], a.shape[2]))
-        kernel(a, a_scale, b, b_scale, masked_m, out)
+        if fp4:
+            masked_fp4_kernel(b.shape[1], a.shape[2], **_fp4_scales(b_scale))(
+                a, a_scale, _fp4_bytes(b, MASKED_FP4), b_scale, masked_m, out)
+        else:
+            masked_kernel(b.shape[1], a.shape[2])(a, a_scale, b, b_scale, masked_m, out)
     return out
 
 
