@@ -26,7 +26,8 @@ Timed, each replayed from a CUDA graph (median of the replays):
   (``try_get_optimal_moe_config``, recorded); its token alignment is computed here in torch, untimed, because
   SGLang's is a compiled op;
 - ``ours_fp4`` / ``ours_fp4_masked`` (``T <= 512``): both layouts with MXFP4 weights of the same shape (random
-  E2M1 bytes, UE8M0 scales), converted in the kernel;
+  E2M1 bytes, UE8M0 scales), converted in the kernel; ``ours_fp4_words*``: the same under the word conversion
+  (``packing="words"``);
 - ``ours_gemm_swiglu`` (gate_up rows): :func:`grouped_gemm_swiglu_fp8`, GEMM1 with the SwiGLU and GEMM2's
   quantisation in its epilogue, against ``ours`` plus ``ours_swiglu_quant`` (:func:`swiglu_quant` over the chosen
   rows of ``ours``' output), the two steps it replaces.
@@ -205,6 +206,15 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
         b4, sb4 = random_fp4_weights(E, N, K, device)
         row["ours_fp4_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
         row["ours_fp4_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
+        from musa_attn_backend.kernels.moe import tilelang_impl
+
+        saved = tilelang_impl.CONTIGUOUS_FP4["packing"], tilelang_impl.MASKED_FP4["packing"]
+        tilelang_impl.CONTIGUOUS_FP4["packing"] = tilelang_impl.MASKED_FP4["packing"] = "words"
+        try:  # the other conversion form (kernels.moe.fp4_tir): its own columns
+            row["ours_fp4_words_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
+            row["ours_fp4_words_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
+        finally:
+            tilelang_impl.CONTIGUOUS_FP4["packing"], tilelang_impl.MASKED_FP4["packing"] = saved
         del am, sam, om, b4, sb4
     if gemm == "gate_up":  # the epilogue-fused GEMM1, and the SwiGLU + quantisation pass it replaces
         try:
@@ -359,6 +369,7 @@ def kernels_for(models, tiling: dict) -> list:
         for N, K in ((2 * I, H), (H, I)):
             jobs += [("contiguous_kernel", (N, K), t) for t in contiguous]
             jobs += [(name, (N, K), {}) for name in ("masked_kernel", "contiguous_fp4_kernel", "masked_fp4_kernel")]
+            jobs += [(name, (N, K), {"packing": "words"}) for name in ("contiguous_fp4_kernel", "masked_fp4_kernel")]
         jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
                  ("swiglu_quant_kernel", (I, 10.0), {})]
     return jobs

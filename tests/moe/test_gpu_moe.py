@@ -187,9 +187,13 @@ def test_fused_experts_matches_reference(gpu_device, T, layout, mapped, fp4, pat
 
 @pytest.mark.parametrize("shape,E,max_m", [("small", 8, 5), ("flash_gate_up", 32, 64), ("pro_gate_up", 8, 130)])
 @pytest.mark.parametrize("scales", ["ue8m0", "float32"])
-def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales):
+@pytest.mark.parametrize("packing", ["bytes", "words"])
+def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales, packing, monkeypatch):
     """FP4 (MXFP4) experts converted in the kernel: the same bound as FP8 (the conversion is exact); the scales as
-    UE8M0 bytes or as float32 powers of two (SGLang's storage)."""
+    UE8M0 bytes or as float32 powers of two (SGLang's storage); both conversion forms (``packing``)."""
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    monkeypatch.setitem(tilelang_impl.MASKED_FP4, "packing", packing)
     N, K = SHAPES[shape]
     g = torch.Generator(device=gpu_device).manual_seed(4)
     packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g,
@@ -209,7 +213,11 @@ def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales):
 
 @pytest.mark.parametrize("shape,T,E,scales", [("small", 333, 8, "ue8m0"), ("flash_gate_up", 512, 32, "ue8m0"),
                                               ("small", 333, 8, "float32")])
-def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E, scales):
+@pytest.mark.parametrize("packing", ["bytes", "words"])
+def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E, scales, packing, monkeypatch):
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    monkeypatch.setitem(tilelang_impl.CONTIGUOUS_FP4, "packing", packing)
     N, K = SHAPES[shape]
     g = torch.Generator(device=gpu_device).manual_seed(5)
     packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g))
