@@ -131,13 +131,20 @@ def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scal
     return acc.to(torch.bfloat16)
 
 
+def _output_rows(rows: int, H: int, device) -> torch.Tensor:
+    """GEMM2's output buffer ``[rows + 1, H]`` bf16: the GEMM writes into the first ``rows`` (the chosen ones), the
+    last is zeros, the row a dropped choice reads in :func:`_combine` (no copy of the whole output to append it)."""
+    y = torch.empty(rows + 1, H, dtype=torch.bfloat16, device=device)
+    y[rows].zero_()
+    return y
+
+
 def _combine(y: torch.Tensor, row_of_choice: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * y[row_of_choice[t, j]]`` (float32 sum in choice order, deterministic; a row
-    index equal to ``y``'s row count is a choice with no row and adds nothing). Only the rows the choices name
-    are read: the GEMMs leave padding rows unwritten."""
+    """``out[t] = sum_j weights[t, j] * y[row_of_choice[t, j]]`` (float32 sum in choice order, deterministic), ``y``
+    from :func:`_output_rows` (a dropped choice names its zero row and adds nothing). Only the rows the choices
+    name are read: the GEMMs leave padding rows unwritten."""
     T, k = weights.shape
-    ypad = torch.cat([y, y.new_zeros(1, y.shape[1])])
-    gathered = ypad[row_of_choice.reshape(-1)].view(T, k, -1).float()
+    gathered = y[row_of_choice.reshape(-1)].view(T, k, -1).float()
     out.copy_((gathered * weights.float().unsqueeze(-1)).sum(1))
     return out
 
@@ -169,7 +176,8 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
     else:
         h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=dev))
         a2, sa2 = _swiglu_quant_rows(h, rows, swiglu_limit, path, ops)
-    y = gemm(a2, sa2, w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=dev))
+    y = _output_rows(M, w2.shape[1], dev)
+    gemm(a2, sa2, w2, w2_scale, layout, y[:M])
     return _combine(y, rows.view(T, k), topk_weights, out)
 
 
@@ -201,5 +209,6 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     else:
         h = gemm(a, sa, w13, w13_scale, counts, torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
         a2, sa2 = (t.view(E, T, -1) for t in _swiglu_quant_rows(h.view(E * T, -1), slot, swiglu_limit, path, ops))
-    y = gemm(a2, sa2, w2, w2_scale, counts, torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
-    return _combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)
+    y = _output_rows(E * T, w2.shape[1], dev)
+    gemm(a2, sa2, w2, w2_scale, counts, y[:E * T].view(E, T, -1))
+    return _combine(y, slot.view(T, k), topk_weights, out)
