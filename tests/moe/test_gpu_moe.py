@@ -391,3 +391,34 @@ def test_gemm_swiglu_masked_matches_reference(gpu_device, model, E, max_m, limit
     h = moe.grouped_gemm_masked_reference(a, sa, w13, s13, m)[rows]
     mag = moe.grouped_gemm_masked_reference(absolute(a), sa, absolute(w13), s13, m)[rows]
     close_quantised(q[rows], s[rows], rq[rows], rs[rows], swiglu_slack(h, mag, limit))
+
+
+@pytest.mark.parametrize("T,H,R", [(1, 4096, 200), (333, 7168, 2500), (3000, 4096, 18000)])
+def test_combine_experts_matches_reference(gpu_device, T, H, R):
+    """The weighted sum program against the torch reference: within one bf16 rounding (both sum in float32 in
+    choice order; the program may fuse each multiply-add); choices of -1 and past ``R`` add nothing; the rows no
+    choice names hold NaN and must not leak; every token written."""
+    k = 6
+    g = torch.Generator(device=gpu_device).manual_seed(T)
+    y = torch.randn(R, H, device=gpu_device, generator=g).to(torch.bfloat16)
+    rows = torch.randint(0, R, (T, k), device=gpu_device, generator=g, dtype=torch.int32)
+    drop = torch.rand(T, k, device=gpu_device, generator=g) < 0.1
+    rows = torch.where(drop, torch.where(torch.rand(T, k, device=gpu_device, generator=g) < 0.5, -1, R + 3), rows)
+    named = torch.zeros(R + 1, dtype=torch.bool, device=gpu_device)
+    named[torch.where((rows >= 0) & (rows < R), rows, R).long().flatten()] = True
+    y[~named[:R]] = float("nan")
+    w = torch.rand(T, k, device=gpu_device, generator=g)
+    out = torch.full((T, H), float("nan"), device=gpu_device, dtype=torch.bfloat16)
+    moe.combine_experts(y, rows, w, out, impl="tilelang")
+    ref = moe.combine_reference(y, rows, w)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,layout,mapped", [(8, "masked", True), (2000, "contiguous", True)])
+def test_fused_experts_with_the_combine_program(gpu_device, T, layout, mapped, monkeypatch):
+    """The layer op with the TileLang weighted sum (``layer.COMBINE_KERNEL``), same bounds as the torch sum."""
+    from musa_attn_backend.kernels.moe import layer as moe_layer
+
+    monkeypatch.setattr(moe_layer, "COMBINE_KERNEL", True)
+    test_fused_experts_matches_reference(gpu_device, T, layout, mapped, False, "pass", monkeypatch)

@@ -162,10 +162,12 @@ NVCC = nvcc_path()
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
-                                   "contiguous_swiglu", "masked_swiglu"])
+                                   "contiguous_swiglu", "masked_swiglu", "combine"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    if which == "swiglu_quant":
+    if which == "combine":
+        kern = ti.combine_kernel(7168, 6, target=HOPPER)
+    elif which == "swiglu_quant":
         kern = ti.swiglu_quant_kernel(2048, 10.0, target=HOPPER)
     elif which.endswith("_swiglu"):
         kern = getattr(ti, f"{which}_kernel")(2048, 4096, 10.0, target=HOPPER)
@@ -273,3 +275,26 @@ def test_fp4_word_packing_glue_passes_the_same_memory_as_words(use_settings, mon
     for func, args in calls:
         _signature_check(func, args)
         assert args[2].dtype == torch.int32 and args[2].data_ptr() == b.data_ptr()
+
+
+@pytest.mark.parametrize("H,block", [(4096, 1024), (7168, 1024), (384, 128)])
+def test_combine_glue_and_lowering(use_settings, H, block):
+    """``combine_experts`` on the TileLang path: int32 rows and float32 weights handed to a program whose signature
+    they match, a block as wide as ``H`` allows (up to 1024 columns), each chosen row read with 16-byte loads
+    at 64-bit offsets."""
+    use_settings(target="sm_90a")
+    calls = []
+
+    def capture(key, build, target, pass_configs):
+        func = build()
+        return lambda *args: calls.append((key, func, args))
+
+    y = torch.zeros(300, H, dtype=torch.bfloat16)
+    with _tilelang.intercepting(capture):
+        ti.combine_tilelang(y, torch.zeros(5, 6, dtype=torch.int32), torch.ones(5, 6),
+                            torch.empty(5, H, dtype=torch.bfloat16))
+    ((key, func, args),) = calls
+    _signature_check(func, args)
+    assert ("block", block) in key
+    src = _tilelang.lower(func, HOPPER).source
+    assert "*(uint4*)(Y + " in src and "(int64_t)rows[" in src

@@ -442,3 +442,42 @@ def test_fp4_scales_as_float32_powers_of_two_are_the_ue8m0_bytes():
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="b_scale of FP4 weights must be uint8 .UE8M0 bytes. or float32"):
         moe.grouped_gemm_fp8(a, sa, packed, f32.double(), layout)
+
+
+def test_combine_experts_against_float64_with_dropped_choices_and_unread_nan_rows():
+    """``combine_experts`` (the reference on a CPU) against a float64 loop: each token's weighted sum of its named
+    rows; a row index of -1 or past ``R`` adds nothing; the rows no choice names hold NaN and must not leak."""
+    g = torch.Generator().manual_seed(11)
+    R, H, T, k = 50, 256, 9, 4
+    y = torch.randn(R, H, generator=g).to(torch.bfloat16)
+    rows = torch.randint(0, R, (T, k), generator=g)
+    rows[0, 1], rows[3, 0], rows[5, 3] = -1, R, R + 7
+    named = torch.zeros(R, dtype=torch.bool)
+    named[rows[(rows >= 0) & (rows < R)]] = True
+    y[~named] = float("nan")
+    w = torch.rand(T, k, generator=g)
+    out = moe.combine_experts(y, rows.to(torch.int32), w)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            r = int(rows[t, j])
+            if 0 <= r < R:
+                want[t] += float(w[t, j]) * y[r].double()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=1e-6)
+    assert torch.equal(moe.combine_experts(y, rows, w.double()), out)  # int64 rows, float64 weights: the same
+
+
+def test_combine_experts_refuses_bad_input_naming_the_argument():
+    y = torch.zeros(10, 256, dtype=torch.bfloat16)
+    rows, w = torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)
+    with pytest.raises(ValueError, match="y must be a .R, H. tensor with H a multiple of 128"):
+        moe.combine_experts(torch.zeros(10, 200, dtype=torch.bfloat16), rows, w)
+    with pytest.raises(ValueError, match="y must be torch.bfloat16"):
+        moe.combine_experts(y.float(), rows, w)
+    with pytest.raises(ValueError, match="rows must be a 2-D int32 or int64"):
+        moe.combine_experts(y, rows.float(), w)
+    with pytest.raises(ValueError, match=r"weights must be a floating \[3, 2\] tensor"):
+        moe.combine_experts(y, rows, torch.ones(3, 3))
+    with pytest.raises(ValueError, match=r"out must have shape \(3, 256\)"):
+        moe.combine_experts(y, rows, w, out=torch.empty(4, 256, dtype=torch.bfloat16))

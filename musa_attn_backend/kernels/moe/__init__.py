@@ -22,13 +22,15 @@ import torch
 from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
 from . import layer
-from .layer import (MASKED_MAX_TOKENS, fused_experts_reference, grouped_gemm_swiglu_contiguous_reference,
+from .layer import (MASKED_MAX_TOKENS, combine_reference, fused_experts_reference,
+                    grouped_gemm_swiglu_contiguous_reference,
                     grouped_gemm_swiglu_masked_reference, swiglu_quant_reference)
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
                         dequantize_groups, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference,
                         quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
 
-__all__ = ["fused_experts", "fused_experts_reference", "grouped_gemm_fp8", "grouped_gemm_fp8_masked",
+__all__ = ["fused_experts", "fused_experts_reference", "combine_experts", "combine_reference", "grouped_gemm_fp8",
+           "grouped_gemm_fp8_masked",
            "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "grouped_gemm_swiglu_fp8",
            "grouped_gemm_swiglu_contiguous_reference", "grouped_gemm_swiglu_fp8_masked",
            "grouped_gemm_swiglu_masked_reference", "align_routing", "ALIGN", "BLOCK",
@@ -279,6 +281,39 @@ def grouped_gemm_swiglu_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, w13: 
     return grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, out)
 
 
+def combine_experts(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out: Optional[torch.Tensor] = None,
+                    *, impl: str = "auto") -> torch.Tensor:
+    """The weighted sum of each token's expert outputs: ``out[t] = bf16(sum_j weights[t, j] * y[rows[t, j]])``,
+    float32 in choice order; a row outside ``[0, R)`` (a dropped choice) adds nothing, and rows no choice names
+    are never read (the GEMMs leave them unwritten).
+
+    - ``y [R, H]`` bfloat16, ``H`` a multiple of 128; ``rows [T, k]`` int32 or int64; ``weights [T, k]``
+      floating; ``out [T, H]`` bfloat16, allocated when None.
+
+    All tensors contiguous, on one device; no host read of ``rows``. Returns ``out``."""
+    op = "combine_experts"
+    check(isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[1] % BLOCK == 0,
+          lambda: f"{op}: y must be a [R, H] tensor with H a multiple of {BLOCK}, got {tuple(getattr(y, 'shape', ()))}")
+    R, H = y.shape
+    _tensor(op, "y", y, torch.bfloat16, (R, H))
+    check(isinstance(rows, torch.Tensor) and rows.dim() == 2 and rows.dtype in (torch.int32, torch.int64),
+          lambda: f"{op}: rows must be a 2-D int32 or int64 [T, k] tensor")
+    check(rows.is_contiguous(), lambda: f"{op}: rows must be contiguous")
+    T, k = rows.shape
+    check(isinstance(weights, torch.Tensor) and weights.is_floating_point() and tuple(weights.shape) == (T, k),
+          lambda: f"{op}: weights must be a floating [{T}, {k}] tensor, got {tuple(getattr(weights, 'shape', ()))}")
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
+    _tensor(op, "out", out, torch.bfloat16, (T, H))
+    check_same_device(op, y=y, rows=rows, weights=weights, out=out)
+    check(R < 2 ** 31, lambda: f"{op}: at most 2^31 - 1 rows, got {R}")
+    if _run(op, impl, y.device) == "reference":
+        return combine_reference(y, rows, weights, out)
+    from .tilelang_impl import combine_tilelang
+
+    return combine_tilelang(y, rows.to(torch.int32), weights.float().contiguous(), out)
+
+
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
                   swiglu_limit: Optional[float] = None, expert_map: Optional[torch.Tensor] = None,
@@ -369,3 +404,6 @@ class _LayerOps:
 
     def gemm_swiglu_masked(self, *args):
         return grouped_gemm_swiglu_fp8_masked(*args, impl=self.impl)
+
+    def combine(self, *args):
+        return combine_experts(*args, impl=self.impl if layer.COMBINE_KERNEL else "reference")

@@ -36,6 +36,11 @@ MASKED_MAX_TOKENS = 64
 SWIGLU_PATH = "pass"
 SWIGLU_PATHS = ("torch", "pass", "fused")
 
+# the weighted sum of each token's expert outputs: False, torch ops (combine_reference); True, the TileLang
+# program (combine_kernel.py: each chosen row read once as bf16, no [T, k, H] float32 intermediate). False until
+# the GPU tests have run it
+COMBINE_KERNEL = False
+
 
 def swiglu(h: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
     """``silu(min(gate, L)) * clamp(up, -L, L)`` in float32 of ``h = [gate | up]`` (no clamp when ``limit`` is None)."""
@@ -131,21 +136,21 @@ def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scal
     return acc.to(torch.bfloat16)
 
 
-def _output_rows(rows: int, H: int, device) -> torch.Tensor:
-    """GEMM2's output buffer ``[rows + 1, H]`` bf16: the GEMM writes into the first ``rows`` (the chosen ones), the
-    last is zeros, the row a dropped choice reads in :func:`_combine` (no copy of the whole output to append it)."""
-    y = torch.empty(rows + 1, H, dtype=torch.bfloat16, device=device)
-    y[rows].zero_()
-    return y
-
-
-def _combine(y: torch.Tensor, row_of_choice: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * y[row_of_choice[t, j]]`` (float32 sum in choice order, deterministic), ``y``
-    from :func:`_output_rows` (a dropped choice names its zero row and adds nothing). Only the rows the choices
-    name are read: the GEMMs leave padding rows unwritten."""
+def combine_reference(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[t] = bf16(sum_j weights[t, j] * y[rows[t, j]])``: float32, in choice order; a row outside ``[0, R)``
+    (a dropped choice) adds nothing. Only the rows the choices name are read: the GEMMs leave padding rows
+    unwritten, whatever they hold (NaN included) never reaches ``out``."""
     T, k = weights.shape
-    gathered = y[row_of_choice.reshape(-1)].view(T, k, -1).float()
-    out.copy_((gathered * weights.float().unsqueeze(-1)).sum(1))
+    R = y.shape[0]
+    if out is None:
+        out = torch.empty(T, y.shape[1], dtype=torch.bfloat16, device=y.device)
+    if R == 0:
+        return out.zero_()
+    rows = rows.long()
+    valid = ((rows >= 0) & (rows < R)).unsqueeze(-1)
+    gathered = y[rows.clamp(0, R - 1).reshape(-1)].view(T, k, -1).float()
+    out.copy_((torch.where(valid, gathered, 0.0) * weights.float().unsqueeze(-1)).sum(1))
     return out
 
 
@@ -176,9 +181,8 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
     else:
         h = gemm(a, sa, w13, w13_scale, layout, torch.empty(M, w13.shape[1], dtype=torch.bfloat16, device=dev))
         a2, sa2 = _swiglu_quant_rows(h, rows, swiglu_limit, path, ops)
-    y = _output_rows(M, w2.shape[1], dev)
-    gemm(a2, sa2, w2, w2_scale, layout, y[:M])
-    return _combine(y, rows.view(T, k), topk_weights, out)
+    y = gemm(a2, sa2, w2, w2_scale, layout, torch.empty(M, w2.shape[1], dtype=torch.bfloat16, device=dev))
+    return ops.combine(y, rows.view(T, k), topk_weights, out)
 
 
 def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit, expert_map,
@@ -209,6 +213,5 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     else:
         h = gemm(a, sa, w13, w13_scale, counts, torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
         a2, sa2 = (t.view(E, T, -1) for t in _swiglu_quant_rows(h.view(E * T, -1), slot, swiglu_limit, path, ops))
-    y = _output_rows(E * T, w2.shape[1], dev)
-    gemm(a2, sa2, w2, w2_scale, counts, y[:E * T].view(E, T, -1))
-    return _combine(y, slot.view(T, k), topk_weights, out)
+    y = gemm(a2, sa2, w2, w2_scale, counts, torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
+    return ops.combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..._tilelang import compile_cached, tl
+from .combine_kernel import build_combine_experts
 from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
@@ -76,6 +77,19 @@ def contiguous_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
 def masked_swiglu_kernel(I: int, K: int, limit, target=None, **tiling):
     return _kernel("moe_fp8_masked_swiglu", build_grouped_gemm_swiglu_masked, MASKED_SWIGLU, (I, K, _limit(limit)),
                    target, tiling)
+
+
+def combine_kernel(H: int, k: int, target=None, **tiling):
+    # the widest block H allows (H: a multiple of 128), 8 columns a thread: one 16-byte load a row
+    block = max(b for b in (1024, 512, 256, 128) if H % b == 0)
+    return _kernel("moe_combine", build_combine_experts, {"block": block, "threads": block // 8}, (H, k), target,
+                   tiling)
+
+
+def combine_tilelang(y, rows, weights, out):
+    if out.shape[0]:
+        combine_kernel(y.shape[1], rows.shape[1])(y, rows, weights, out)
+    return out
 
 
 def _fp4_scales(b_scale) -> dict:
