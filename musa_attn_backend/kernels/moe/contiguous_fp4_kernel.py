@@ -14,7 +14,7 @@ program gives.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import convert_words, fp4_weight
+from .fp4_tir import convert_words, fp4_weight, packed_weights
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -25,12 +25,9 @@ BF16 = "bfloat16"
 def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_stages: int = 2, threads: int = 256,
                                       scale_dtype: str = "uint8", packing: str = "bytes"):
     """``N``, ``K``: the weights' logical shape (multiples of 128); ``M`` and the expert count are dynamic.
-    ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values). ``packing``: ``bytes``: ``B``
-    as the uint8 bytes; ``words``: the same bytes as int32 words ``[E, N, K / 8]`` (:func:`.fp4_tir.fp4_weight_words`:
-    the tile's conversion vectorises)."""
-    assert packing in ("bytes", "words")
-    per = 2 if packing == "bytes" else 8  # values in one element of B
-    packed = "uint8" if packing == "bytes" else "int32"
+    ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values). ``packing``: ``bytes`` or
+    ``words``, how ``B``'s memory is read and converted (:func:`.fp4_tir.packed_weights`)."""
+    per, packed = packed_weights(packing)
     convert = convert_words(block_n, 128, threads, BF16)
     block_m, block_k = 128, 128
     assert N % block_n == 0 and K % block_k == 0

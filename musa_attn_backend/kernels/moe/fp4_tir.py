@@ -35,6 +35,14 @@ def fp4_weight(Bq, Bs, n, j):
 E2M1_TWICE = 0xC8643210
 
 
+def packed_weights(packing: str) -> tuple[int, str]:
+    """``(values per element of B, B's dtype)`` under an FP4 program's ``packing``: ``bytes``, the uint8 bytes (two
+    values each, converted one value a thread by :func:`fp4_weight`); ``words``, the same memory as int32 words
+    (eight values each, converted eight a thread by :func:`convert_words`)."""
+    assert packing in ("bytes", "words"), packing
+    return (2, "uint8") if packing == "bytes" else (8, "int32")
+
+
 def fp4_from_word(word, i, scale, scale_dtype):
     """Value ``i`` (0..7) of a little-endian int32 ``word`` of packed E2M1 (bits ``4i .. 4i + 3``) under its
     ``scale`` (a UE8M0 byte, or a float32 value where ``scale_dtype`` is float32), in float32. The magnitude comes
