@@ -36,7 +36,8 @@ Timed, each replayed from a CUDA graph (median of the replays):
 V4's clamped SwiGLU, the weighted sum; FP8 and FP4 weights), against the same layer composed from SGLang's Triton
 GEMMs (its kernel twice, torch for the SwiGLU, the quantisation and the sum); ``ours_paths_ms`` times the FP8 layer
 under each of ``layer.SWIGLU_PATHS`` (torch ops, one ``swiglu_quant`` pass, the epilogue-fused GEMM1), and
-``ours_combine_kernel_ms`` with the TileLang weighted sum (``layer.COMBINE_KERNEL``).
+``ours_glue_kernels_ms`` with the TileLang glue (``layer.GLUE_KERNELS``: the quantise-and-scatter, the weighted
+sum).
 
 The roofline of a row is the larger of its FLOPs at the run's dense FP8 matmul rate (``torch._scaled_mm`` at 8192^3)
 and its bytes (the weights of the experts the routing touches, A and D) at the run's copy rate.
@@ -285,11 +286,11 @@ def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) 
             row["ours_paths_ms"][path] = time(lambda: run(w13, s13, w2, s2))
     finally:
         layer.SWIGLU_PATH = default
-    layer.COMBINE_KERNEL, combine = True, layer.COMBINE_KERNEL
-    try:  # the TileLang weighted sum in place of torch's
-        row["ours_combine_kernel_ms"] = time(lambda: run(w13, s13, w2, s2))
+    layer.GLUE_KERNELS, glue = True, layer.GLUE_KERNELS
+    try:  # the TileLang glue in place of torch's
+        row["ours_glue_kernels_ms"] = time(lambda: run(w13, s13, w2, s2))
     finally:
-        layer.COMBINE_KERNEL = combine
+        layer.GLUE_KERNELS = glue
     w13f, s13f = random_fp4_weights(E, 2 * I, H, device, seed=1)
     w2f, s2f = random_fp4_weights(E, H, I, device, seed=2)
     row["ours_fp4_ms"] = time(lambda: run(w13f, s13f, w2f, s2f))
@@ -377,7 +378,8 @@ def kernels_for(models, tiling: dict) -> list:
             jobs += [(name, (N, K), {}) for name in ("masked_kernel", "contiguous_fp4_kernel", "masked_fp4_kernel")]
             jobs += [(name, (N, K), {"packing": "words"}) for name in ("contiguous_fp4_kernel", "masked_fp4_kernel")]
         jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
-                 ("swiglu_quant_kernel", (I, 10.0), {}), ("combine_kernel", (H, TOPK), {})]
+                 ("swiglu_quant_kernel", (I, 10.0), {}), ("combine_kernel", (H, TOPK), {}),
+                 ("quantize_scatter_kernel", (H, TOPK), {})]
     return jobs
 
 

@@ -416,9 +416,37 @@ def test_combine_experts_matches_reference(gpu_device, T, H, R):
 
 
 @pytest.mark.parametrize("T,layout,mapped", [(8, "masked", True), (2000, "contiguous", True)])
-def test_fused_experts_with_the_combine_program(gpu_device, T, layout, mapped, monkeypatch):
-    """The layer op with the TileLang weighted sum (``layer.COMBINE_KERNEL``), same bounds as the torch sum."""
+def test_fused_experts_with_the_glue_programs(gpu_device, T, layout, mapped, monkeypatch):
+    """The layer op with the TileLang glue (``layer.GLUE_KERNELS``: the quantise-and-scatter and the weighted sum),
+    same bounds as with the torch glue."""
     from musa_attn_backend.kernels.moe import layer as moe_layer
 
-    monkeypatch.setattr(moe_layer, "COMBINE_KERNEL", True)
+    monkeypatch.setattr(moe_layer, "GLUE_KERNELS", True)
     test_fused_experts_matches_reference(gpu_device, T, layout, mapped, False, "pass", monkeypatch)
+
+
+@pytest.mark.parametrize("T,H,k,rows", [(1, 4096, 6, 300), (333, 7168, 6, 5000), (4000, 4096, 8, 40000)])
+def test_quantize_scatter_matches_reference(gpu_device, T, H, k, rows):
+    """The quantise-and-scatter program against the reference on every named row, bit for bit (the same IEEE
+    divisions; the amax is exact): codes and scales; a destination of -1 or past ``rows`` skipped; rows no
+    destination names untouched (poisoned before, poisoned after)."""
+    g = torch.Generator(device=gpu_device).manual_seed(T)
+    x = (torch.randn(T, H, device=gpu_device, generator=g) * 3).to(torch.bfloat16)
+    perm = torch.randperm(rows, device=gpu_device, generator=g)[:T * k].view(T, k).to(torch.int32)
+    drop = torch.rand(T, k, device=gpu_device, generator=g) < 0.1
+    dest = torch.where(drop, torch.where(torch.rand(T, k, device=gpu_device, generator=g) < 0.5, -1, rows + 5), perm)
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    a = torch.full((rows, H), 0x7F, dtype=torch.uint8, device=gpu_device).view(torch.float8_e4m3fn)
+    sa = torch.full((rows, H // 128), float("nan"), device=gpu_device)
+    tilelang_impl.quantize_scatter_kernel(H, k)(x, dest.to(torch.int32), a, sa)
+    ra, rsa = moe.quantize_scatter_reference(x, dest, rows)
+    named = torch.zeros(rows + 1, dtype=torch.bool, device=gpu_device)
+    named[torch.where((dest >= 0) & (dest < rows), dest, rows).long().flatten()] = True
+    named = named[:rows]
+    assert int(named.sum()) > 0.8 * T * k
+    assert torch.equal(a[named].view(torch.uint8), ra[named].view(torch.uint8))
+    assert torch.equal(sa[named], rsa[named])
+    assert (a[~named].view(torch.uint8) == 0x7F).all() and torch.isnan(sa[~named]).all()
+    qa, qsa = moe.quantize_scatter(x, dest, rows, impl="tilelang")  # the op: fresh buffers, same named rows
+    assert torch.equal(qa[named].view(torch.uint8), ra[named].view(torch.uint8)) and torch.equal(qsa[named], rsa[named])

@@ -162,11 +162,13 @@ NVCC = nvcc_path()
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
-                                   "contiguous_swiglu", "masked_swiglu", "combine"])
+                                   "contiguous_swiglu", "masked_swiglu", "combine", "quantize_scatter"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     if which == "combine":
         kern = ti.combine_kernel(7168, 6, target=HOPPER)
+    elif which == "quantize_scatter":
+        kern = ti.quantize_scatter_kernel(7168, 6, target=HOPPER)
     elif which == "swiglu_quant":
         kern = ti.swiglu_quant_kernel(2048, 10.0, target=HOPPER)
     elif which.endswith("_swiglu"):
@@ -298,3 +300,25 @@ def test_combine_glue_and_lowering(use_settings, H, block):
     assert ("block", block) in key
     src = _tilelang.lower(func, HOPPER).source
     assert "*(uint4*)(Y + " in src and "(int64_t)rows[" in src
+
+
+def test_quantize_scatter_glue_and_lowering(use_settings):
+    """``quantize_scatter`` on the TileLang path: int32 destinations and fresh ``(a, sa)`` buffers matching the
+    program's signature; each named row written with vectorised stores at 64-bit offsets, the group amax a warp
+    reduction, the divisions IEEE."""
+    use_settings(target="sm_90a")
+    calls = []
+
+    def capture(key, build, target, pass_configs):
+        func = build()
+        return lambda *args: calls.append((func, args))
+
+    with _tilelang.intercepting(capture):
+        a, sa = ti.quantize_scatter_tilelang(torch.zeros(5, 4096, dtype=torch.bfloat16),
+                                             torch.zeros(5, 6, dtype=torch.int32), 300)
+    ((func, args),) = calls
+    _signature_check(func, args)
+    assert args[2] is a and args[3] is sa and a.shape == (300, 4096) and sa.shape == (300, 32)
+    src = _tilelang.lower(func, HOPPER).source
+    assert "*(fp8_e4_4_t*)(A + (((((int64_t)dest[" in src and "tl::AllReduce<tl::MaxOp" in src
+    assert "__fdiv_rn(" in src

@@ -481,3 +481,39 @@ def test_combine_experts_refuses_bad_input_naming_the_argument():
         moe.combine_experts(y, rows, torch.ones(3, 3))
     with pytest.raises(ValueError, match=r"out must have shape \(3, 256\)"):
         moe.combine_experts(y, rows, w, out=torch.empty(4, 256, dtype=torch.bfloat16))
+
+
+def test_quantize_scatter_writes_each_tokens_quantised_row_to_its_choices():
+    """``quantize_scatter`` (the reference on a CPU): every named row holds its token's ``quantize_groups`` row,
+    codes and scales bit for bit; destinations of -1 or past ``rows`` are skipped; a token with every choice
+    dropped writes nothing."""
+    g = torch.Generator().manual_seed(12)
+    T, H, k, rows = 7, 384, 3, 40
+    x = (torch.randn(T, H, generator=g) * 5).to(torch.bfloat16)
+    dest = torch.randperm(rows, generator=g)[:T * k].view(T, k)
+    dest[1, 2], dest[4, 0] = -1, rows + 2
+    dest[6] = -1
+    a, sa = moe.quantize_scatter(x, dest.to(torch.int32), rows)
+    assert a.shape == (rows, H) and sa.shape == (rows, H // 128) and a.dtype == torch.float8_e4m3fn
+    q, s = moe.quantize_groups(x)
+    for t in range(T):
+        for j in range(k):
+            r = int(dest[t, j])
+            if 0 <= r < rows:
+                assert torch.equal(a[r].view(torch.uint8), q[t].view(torch.uint8)) and torch.equal(sa[r], s[t])
+    a64, sa64 = moe.quantize_scatter(x, dest, rows)  # int64 destinations: the same rows
+    named = dest[(dest >= 0) & (dest < rows)]
+    assert torch.equal(a64[named].view(torch.uint8), a[named].view(torch.uint8))
+
+
+def test_quantize_scatter_refuses_bad_input_naming_the_argument():
+    x = torch.zeros(3, 256, dtype=torch.bfloat16)
+    dest = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="x must be a .T, H. tensor with H a multiple of 128"):
+        moe.quantize_scatter(torch.zeros(3, 200, dtype=torch.bfloat16), dest, 10)
+    with pytest.raises(ValueError, match="x must be torch.bfloat16"):
+        moe.quantize_scatter(x.float(), dest, 10)
+    with pytest.raises(ValueError, match=r"dest must be a 2-D int32 or int64 \[3, k\] tensor"):
+        moe.quantize_scatter(x, dest.float(), 10)
+    with pytest.raises(ValueError, match="rows must be an int"):
+        moe.quantize_scatter(x, dest, -1)

@@ -22,14 +22,15 @@ import torch
 from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
 from . import layer
-from .layer import (MASKED_MAX_TOKENS, combine_reference, fused_experts_reference,
+from .layer import (MASKED_MAX_TOKENS, combine_reference, fused_experts_reference, quantize_scatter_reference,
                     grouped_gemm_swiglu_contiguous_reference,
                     grouped_gemm_swiglu_masked_reference, swiglu_quant_reference)
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
                         dequantize_groups, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference,
                         quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
 
-__all__ = ["fused_experts", "fused_experts_reference", "combine_experts", "combine_reference", "grouped_gemm_fp8",
+__all__ = ["fused_experts", "fused_experts_reference", "combine_experts", "combine_reference", "quantize_scatter",
+           "quantize_scatter_reference", "grouped_gemm_fp8",
            "grouped_gemm_fp8_masked",
            "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "grouped_gemm_swiglu_fp8",
            "grouped_gemm_swiglu_contiguous_reference", "grouped_gemm_swiglu_fp8_masked",
@@ -281,6 +282,35 @@ def grouped_gemm_swiglu_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, w13: 
     return grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, out)
 
 
+def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, rows: int, *,
+                     impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped GEMMs' A operand from the tokens: each row of ``x`` quantised once (:func:`quantize_groups`) and
+    written to the rows its choices name, ``dest[t, j]``; a destination outside ``[0, rows)`` (a dropped choice) is
+    skipped, and rows no destination names are left uninitialised.
+
+    - ``x [T, H]`` bfloat16, ``H`` a multiple of 128; ``dest [T, k]`` int32 or int64; ``rows`` the layout's row
+      count.
+
+    Contiguous tensors on one device; no host read of ``dest``. Returns ``(a [rows, H] float8_e4m3fn,
+    sa [rows, H/128] float32)``."""
+    op = "quantize_scatter"
+    check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] % BLOCK == 0,
+          lambda: f"{op}: x must be a [T, H] tensor with H a multiple of {BLOCK}, got {tuple(getattr(x, 'shape', ()))}")
+    T, H = x.shape
+    _tensor(op, "x", x, torch.bfloat16, (T, H))
+    check(isinstance(dest, torch.Tensor) and dest.dim() == 2 and dest.shape[0] == T
+          and dest.dtype in (torch.int32, torch.int64),
+          lambda: f"{op}: dest must be a 2-D int32 or int64 [{T}, k] tensor")
+    check(dest.is_contiguous(), lambda: f"{op}: dest must be contiguous")
+    check(isinstance(rows, int) and 0 <= rows < 2 ** 31, lambda: f"{op}: rows must be an int in [0, 2^31), got {rows!r}")
+    check_same_device(op, x=x, dest=dest)
+    if _run(op, impl, x.device) == "reference":
+        return quantize_scatter_reference(x, dest, rows)
+    from .tilelang_impl import quantize_scatter_tilelang
+
+    return quantize_scatter_tilelang(x, dest.to(torch.int32), rows)
+
+
 def combine_experts(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out: Optional[torch.Tensor] = None,
                     *, impl: str = "auto") -> torch.Tensor:
     """The weighted sum of each token's expert outputs: ``out[t] = bf16(sum_j weights[t, j] * y[rows[t, j]])``,
@@ -405,5 +435,11 @@ class _LayerOps:
     def gemm_swiglu_masked(self, *args):
         return grouped_gemm_swiglu_fp8_masked(*args, impl=self.impl)
 
+    def _glue(self):
+        return self.impl if layer.GLUE_KERNELS else "reference"
+
+    def quantize_scatter(self, *args):
+        return quantize_scatter(*args, impl=self._glue())
+
     def combine(self, *args):
-        return combine_experts(*args, impl=self.impl if layer.COMBINE_KERNEL else "reference")
+        return combine_experts(*args, impl=self._glue())

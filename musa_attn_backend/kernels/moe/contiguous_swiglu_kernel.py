@@ -25,7 +25,7 @@ import functools
 from typing import Optional
 
 from ..._tilelang import tl_lang as T
-from .swiglu_tir import fp8_code, group_scale, swiglu
+from .swiglu_tir import quantize_rows, swiglu
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -38,6 +38,7 @@ def build_grouped_gemm_swiglu_contiguous(I: int, K: int, limit: Optional[float],
     """``I``: the intermediate size, ``K``: the hidden size (multiples of 128); ``limit``: V4's clamp (None:
     plain SwiGLU). ``M`` and the expert count are dynamic."""
     block_m, block_k, group = 64, 128, 128
+    quantize = quantize_rows(block_m, group)
     assert I % group == 0 and K % block_k == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
     KS, G = K // block_k, I // group
@@ -89,11 +90,7 @@ def build_grouped_gemm_swiglu_contiguous(I: int, K: int, limit: Optional[float],
                     gate = T.Cast(ACC, H_s[i, j])  # bound once (a let): the halves' loads stay vectorised
                     up = T.Cast(ACC, H_s[i, group + j])
                     act[i, j] = swiglu(gate, up, limit)
-                T.reduce_absmax(act, amax, dim=1)
-                for i in T.Parallel(block_m):
-                    sc[i] = group_scale(amax[i])
-                for i, j in T.Parallel(block_m, group):
-                    q[i, j] = fp8_code(act[i, j], sc[i])
+                quantize(act, amax, sc, q)
                 for i, j in T.Parallel(block_m, group):
                     if row0 + i < M:
                         if layout[row0 + i] >= 0:

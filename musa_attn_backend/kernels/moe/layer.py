@@ -36,10 +36,11 @@ MASKED_MAX_TOKENS = 64
 SWIGLU_PATH = "pass"
 SWIGLU_PATHS = ("torch", "pass", "fused")
 
-# the weighted sum of each token's expert outputs: False, torch ops (combine_reference); True, the TileLang
-# program (combine_kernel.py: each chosen row read once as bf16, no [T, k, H] float32 intermediate). False until
-# the GPU tests have run it
-COMBINE_KERNEL = False
+# the layer's glue around the GEMMs: False, torch ops (quantize_scatter_reference, combine_reference); True, the
+# TileLang programs (quantize_scatter_kernel.py: each token quantised once, written to its choices' rows;
+# combine_kernel.py: each chosen row read once as bf16, no [T, k, H] float32 intermediate). False until the GPU
+# tests have run them
+GLUE_KERNELS = False
 
 
 def swiglu(h: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
@@ -136,6 +137,18 @@ def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *, w13_scal
     return acc.to(torch.bfloat16)
 
 
+def quantize_scatter_reference(x: torch.Tensor, dest: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a [rows, H] e4m3, sa [rows, H/128] float32)``: token ``t``'s row :func:`.reference.quantize_groups_reference`
+    of ``x [T, H]``, quantised once, at each row ``dest[t, j]`` in ``[0, rows)``; other destinations (dropped
+    choices) are skipped. Rows no destination names are left uninitialised: a GEMM output row depends on its own A
+    row only, and the GEMMs write none of theirs."""
+    T, k = dest.shape
+    q, s = quantize_groups_reference(x)
+    token = torch.arange(T * k, device=x.device) // k
+    d = dest.reshape(-1).long()
+    return _scatter_rows(q[token], s[token], torch.where((d >= 0) & (d < rows), d, rows), rows)
+
+
 def combine_reference(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[t] = bf16(sum_j weights[t, j] * y[rows[t, j]])``: float32, in choice order; a row outside ``[0, R)``
@@ -171,11 +184,7 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
     row_of_choice = torch.full((T * k + 1,), M, dtype=torch.long, device=dev)
     row_of_choice[torch.where(src >= 0, src, T * k)] = torch.arange(M, device=dev)
     rows = row_of_choice[:T * k]
-    # padding rows stay uninitialised: a GEMM output row depends on its own A row only, and none of theirs is
-    # written
-    q, s = quantize_groups_reference(hidden)
-    token = torch.arange(T * k, device=dev) // k
-    a, sa = _scatter_rows(q[token], s[token], rows, M)
+    a, sa = ops.quantize_scatter(hidden, rows.view(T, k), M)
     if path == "fused":
         a2, sa2 = ops.gemm_swiglu(a, sa, w13, w13_scale, layout, swiglu_limit, _rows_fp8((M,), w13.shape[1] // 2, dev))
     else:
@@ -204,9 +213,7 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     rank = (torch.cumsum(onehot, 0) - onehot).gather(1, e.unsqueeze(1)).squeeze(1)  # earlier choices of e
     counts = onehot.sum(0).to(torch.int32)
     slot = torch.where(keep, e * T + rank, E * T)  # E * T: a spare row for dropped choices
-    q, s = quantize_groups_reference(hidden)
-    token = torch.arange(T * k, device=dev) // k
-    a, sa = (t.view(E, T, -1) for t in _scatter_rows(q[token], s[token], slot, E * T))
+    a, sa = (t.view(E, T, -1) for t in ops.quantize_scatter(hidden, slot.view(T, k), E * T))
     if path == "fused":
         a2, sa2 = ops.gemm_swiglu_masked(a, sa, w13, w13_scale, counts, swiglu_limit,
                                          _rows_fp8((E, T), w13.shape[1] // 2, dev))

@@ -15,7 +15,7 @@ import functools
 from typing import Optional
 
 from ..._tilelang import tl_lang as T
-from .swiglu_tir import fp8_code, group_scale, swiglu
+from .swiglu_tir import quantize_rows, swiglu
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -30,6 +30,7 @@ def build_swiglu_quant(I: int, limit: Optional[float], groups: int = 4, threads:
     G = I // 128
     groups = max(d for d in range(1, groups + 1) if G % d == 0)
     R, n = T.dynamic("rows"), T.dynamic("chosen")
+    quantize = quantize_rows(groups, 128)
 
     @T.prim_func
     def swiglu_quant(
@@ -50,11 +51,7 @@ def build_swiglu_quant(I: int, limit: Optional[float], groups: int = 4, threads:
                         gate = T.Cast(ACC, H[r, (step * groups + g) * 128 + c])  # a let: vectorised loads
                         up = T.Cast(ACC, H[r, I + (step * groups + g) * 128 + c])
                         act[g, c] = swiglu(gate, up, limit)
-                    T.reduce_absmax(act, amax, dim=1)
-                    for g in T.Parallel(groups):
-                        scale[g] = group_scale(amax[g])
-                    for g, c in T.Parallel(groups, 128):
-                        q[g, c] = fp8_code(act[g, c], scale[g])
+                    quantize(act, amax, scale, q)
                     for g, c in T.Parallel(groups, 128):
                         Q[r, (step * groups + g) * 128 + c] = q[g, c]
                     for g in T.Parallel(groups):

@@ -1,5 +1,6 @@
 """TIR expressions shared by the programs that compute V4's SwiGLU and the 1 x 128 FP8 quantisation GEMM2 reads
-(:mod:`.swiglu_quant_kernel`, :mod:`.contiguous_swiglu_kernel`, :mod:`.masked_swiglu_kernel`), in float32, with
+(:mod:`.swiglu_quant_kernel`, :mod:`.contiguous_swiglu_kernel`, :mod:`.masked_swiglu_kernel`,
+:mod:`.quantize_scatter_kernel`), in float32, with
 the reference's order of operations (:func:`.layer.swiglu`, :func:`.reference.quantize_groups_reference`)."""
 
 from typing import Optional
@@ -29,3 +30,19 @@ def group_scale(amax):
 def fp8_code(x, scale):
     """``x`` in e4m3 at ``scale``: ``x / scale`` clamped to the format's range, rounded to nearest even."""
     return T.Cast(FP8, T.max(T.min(T.ieee_fdiv(x, scale), FP8_MAX), -FP8_MAX))
+
+
+def quantize_rows(rows: int, cols: int):
+    """A macro ``quantize(x, amax, scale, q)`` for a float32 fragment ``x [rows, cols]`` of 128-wide groups (one a
+    row): ``amax [rows]`` its rows' absolute maxima, ``scale [rows]`` their :func:`group_scale`, ``q [rows, cols]``
+    the e4m3 codes (:func:`fp8_code`)."""
+
+    @T.macro
+    def quantize(x, amax, scale, q):
+        T.reduce_absmax(x, amax, dim=1)
+        for i in T.Parallel(rows):
+            scale[i] = group_scale(amax[i])
+        for i, j in T.Parallel(rows, cols):
+            q[i, j] = fp8_code(x[i, j], scale[i])
+
+    return quantize

@@ -12,6 +12,7 @@ from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
+from .quantize_scatter_kernel import build_quantize_scatter
 from .swiglu_quant_kernel import build_swiglu_quant
 
 # the tilings: the contiguous layout's tile is 128 rows (its alignment); masked decode batches are small, so 64.
@@ -84,6 +85,19 @@ def combine_kernel(H: int, k: int, target=None, **tiling):
     block = max(b for b in (1024, 512, 256, 128) if H % b == 0)
     return _kernel("moe_combine", build_combine_experts, {"block": block, "threads": block // 8}, (H, k), target,
                    tiling)
+
+
+def quantize_scatter_kernel(H: int, k: int, target=None, **tiling):
+    return _kernel("moe_quantize_scatter", build_quantize_scatter, {}, (H, k), target, tiling)
+
+
+def quantize_scatter_tilelang(x, dest, rows):
+    """``(a, sa)`` with ``rows`` rows (uninitialised where no destination names them)."""
+    a = torch.empty(rows, x.shape[1], dtype=torch.float8_e4m3fn, device=x.device)
+    sa = torch.empty(rows, x.shape[1] // 128, dtype=torch.float32, device=x.device)
+    if x.shape[0] and rows:
+        quantize_scatter_kernel(x.shape[1], dest.shape[1])(x, dest, a, sa)
+    return a, sa
 
 
 def combine_tilelang(y, rows, weights, out):
