@@ -2,9 +2,9 @@
 # device call (with .device/tl carried): the MoE GPU tests and benchmarks, logs and results under $OUT (the device
 # tool returns at most 8 files: one log per part, a JSON and a PNG per bench run). Usage:
 #   source .device/env.sh && scripts/device_moe.sh [tests] [bench] [tilings]   (default: all three)
-#   tests:   pytest -m gpu tests/moe in XDIST processes (default 3: a fresh machine compiles every kernel, and
-#            each Flash-shape test holds up to 60 GB of GPU memory), then the failures again in one process (a test
-#            that ran out of memory beside others passes alone; T1 seconds, default 420, for both), one log
+#   tests:   pytest -m gpu tests/moe in XDIST processes (default 8: a fresh machine compiles every kernel), then
+#            the failures again in 2 processes: each Flash-shape test holds up to 60 GB of GPU memory, so some run
+#            out of memory beside the others and pass in the second round (T1 seconds for both, default 420); one log
 #   bench:   bench_moe.py on V4-Flash, every op and T, after compiling its kernels in 12 processes (T2 seconds,
 #            default 300)
 #   tilings: the contiguous GEMM under TILINGS ("k=v,...;k=v,..."; default FullRow, FullRow with 3 stages, FullRow
@@ -19,12 +19,12 @@ for part in "${parts[@]}"; do
   case $part in
     tests)
       end=$((SECONDS + ${T1:-420}))
-      timeout "${T1:-420}" python3 -m pytest -q -m gpu tests/moe -n "${XDIST:-3}" --tb=short -o cache_dir=/tmp/moe_cache \
+      timeout "${T1:-420}" python3 -m pytest -q -m gpu tests/moe -n "${XDIST:-8}" --tb=short -o cache_dir=/tmp/moe_cache \
         --durations=10 > "$out/moe_tests.txt" 2>&1
       rc=$?
       if [ $rc -ne 0 ] && [ $((end - SECONDS)) -gt 30 ]; then
-        echo "== the failures again, one process" >> "$out/moe_tests.txt"
-        timeout $((end - SECONDS)) python3 -m pytest -q -m gpu tests/moe --lf -p no:xdist --tb=short \
+        echo "== the failures again, two processes" >> "$out/moe_tests.txt"
+        timeout $((end - SECONDS)) python3 -m pytest -q -m gpu tests/moe --lf -n 2 --tb=short \
           -o cache_dir=/tmp/moe_cache >> "$out/moe_tests.txt" 2>&1
         rc=$?
       fi
