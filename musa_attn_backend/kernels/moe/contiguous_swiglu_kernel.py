@@ -25,7 +25,7 @@ import functools
 from typing import Optional
 
 from ..._tilelang import tl_lang as T
-from .swiglu_tir import quantize_rows, swiglu
+from .swiglu_tir import swiglu_quantize_tile
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -38,7 +38,7 @@ def build_grouped_gemm_swiglu_contiguous(I: int, K: int, limit: Optional[float],
     """``I``: the intermediate size, ``K``: the hidden size (multiples of 128); ``limit``: V4's clamp (None:
     plain SwiGLU). ``M`` and the expert count are dynamic."""
     block_m, block_k, group = 64, 128, 128
-    quantize = quantize_rows(block_m, group)
+    epilogue = swiglu_quantize_tile(block_m, group, limit)
     assert I % group == 0 and K % block_k == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
     KS, G = K // block_k, I // group
@@ -85,12 +85,7 @@ def build_grouped_gemm_swiglu_contiguous(I: int, K: int, limit: Optional[float],
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                     for i, j in T.Parallel(block_m, 2 * group):
                         acc[i, j] += part[i, j] * T.if_then_else(j < group, scale_g[i], scale_u[i])
-                T.copy(acc, H_s)
-                for i, j in T.Parallel(block_m, group):
-                    gate = T.Cast(ACC, H_s[i, j])  # bound once (a let): the halves' loads stay vectorised
-                    up = T.Cast(ACC, H_s[i, group + j])
-                    act[i, j] = swiglu(gate, up, limit)
-                quantize(act, amax, sc, q)
+                epilogue(acc, H_s, act, amax, sc, q)
                 for i, j in T.Parallel(block_m, group):
                     if row0 + i < M:
                         if layout[row0 + i] >= 0:

@@ -14,7 +14,7 @@ import functools
 from typing import Optional
 
 from ..._tilelang import tl_lang as T
-from .swiglu_tir import quantize_rows, swiglu
+from .swiglu_tir import swiglu_quantize_tile
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -27,7 +27,7 @@ def build_grouped_gemm_swiglu_masked(I: int, K: int, limit: Optional[float], num
     """``I``: the intermediate size, ``K``: the hidden size (multiples of 128); ``limit``: V4's clamp (None:
     plain SwiGLU). The expert count and ``max_m`` are dynamic."""
     block_m, block_k, group = 64, 128, 128
-    quantize = quantize_rows(block_m, group)
+    epilogue = swiglu_quantize_tile(block_m, group, limit)
     assert I % group == 0 and K % block_k == 0
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
     KS, G = K // block_k, I // group
@@ -72,12 +72,7 @@ def build_grouped_gemm_swiglu_masked(I: int, K: int, limit: Optional[float], num
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                     for i, j in T.Parallel(block_m, 2 * group):
                         acc[i, j] += part[i, j] * T.if_then_else(j < group, scale_g[i], scale_u[i])
-                T.copy(acc, H_s)
-                for i, j in T.Parallel(block_m, group):
-                    gate = T.Cast(ACC, H_s[i, j])  # bound once (a let): the halves' loads stay vectorised
-                    up = T.Cast(ACC, H_s[i, group + j])
-                    act[i, j] = swiglu(gate, up, limit)
-                quantize(act, amax, sc, q)
+                epilogue(acc, H_s, act, amax, sc, q)
                 for i, j in T.Parallel(block_m, group):
                     if row0 + i < rows:
                         Q[e, row0 + i, bx * group + j] = q[i, j]

@@ -8,6 +8,7 @@ from typing import Optional
 from ..._tilelang import tl_lang as T
 
 FP8 = "float8_e4m3"
+ACC = "float32"
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
@@ -46,3 +47,22 @@ def quantize_rows(rows: int, cols: int):
             q[i, j] = fp8_code(x[i, j], scale[i])
 
     return quantize
+
+
+def swiglu_quantize_tile(rows: int, group: int, limit: Optional[float]):
+    """A macro ``epilogue(acc, H_s, act, amax, sc, q)`` for the epilogue-fused GEMM1s: the float32 accumulator
+    ``acc [rows, 2 group]`` (one group's gate columns, then its up columns) rounded to bf16 in ``H_s``, where the
+    halves meet; their SwiGLU in ``act [rows, group]``; then :func:`quantize_rows` into ``amax``, ``sc`` and the
+    codes ``q``."""
+    quantize = quantize_rows(rows, group)
+
+    @T.macro
+    def epilogue(acc, H_s, act, amax, sc, q):
+        T.copy(acc, H_s)
+        for i, j in T.Parallel(rows, group):
+            gate = T.Cast(ACC, H_s[i, j])  # bound once (a let): the halves' loads stay vectorised
+            up = T.Cast(ACC, H_s[i, group + j])
+            act[i, j] = swiglu(gate, up, limit)
+        quantize(act, amax, sc, q)
+
+    return epilogue

@@ -9,6 +9,7 @@ from .combine_kernel import build_combine_experts
 from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
+from .layer import _rows_fp8
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
@@ -93,8 +94,7 @@ def quantize_scatter_kernel(H: int, k: int, target=None, **tiling):
 
 def quantize_scatter_tilelang(x, dest, rows):
     """``(a, sa)`` with ``rows`` rows (uninitialised where no destination names them)."""
-    a = torch.empty(rows, x.shape[1], dtype=torch.float8_e4m3fn, device=x.device)
-    sa = torch.empty(rows, x.shape[1] // 128, dtype=torch.float32, device=x.device)
+    a, sa = _rows_fp8((rows,), x.shape[1], x.device)
     if x.shape[0] and rows:
         quantize_scatter_kernel(x.shape[1], dest.shape[1])(x, dest, a, sa)
     return a, sa
