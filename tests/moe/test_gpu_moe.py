@@ -187,10 +187,11 @@ def test_fused_experts_matches_reference(gpu_device, T, layout, mapped, fp4, pat
 
 @pytest.mark.parametrize("shape,E,max_m", [("small", 8, 5), ("flash_gate_up", 32, 64), ("pro_gate_up", 8, 130)])
 @pytest.mark.parametrize("scales", ["ue8m0", "float32"])
-@pytest.mark.parametrize("packing", ["bytes", "words"])
+@pytest.mark.parametrize("packing", ["bytes", "words", "fp8"])
 def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales, packing, monkeypatch):
     """FP4 (MXFP4) experts converted in the kernel: the same bound as FP8 (the conversion is exact); the scales as
-    UE8M0 bytes or as float32 powers of two (SGLang's storage); both conversion forms (``packing``)."""
+    UE8M0 bytes or as float32 powers of two (SGLang's storage); every conversion form (``packing``: to bf16 by
+    bytes or words, or to e4m3 for FP8 tensor cores)."""
     from musa_attn_backend.kernels.moe import tilelang_impl
 
     monkeypatch.setitem(tilelang_impl.MASKED_FP4, "packing", packing)
@@ -428,7 +429,7 @@ def test_fused_experts_with_the_glue_programs(gpu_device, T, layout, mapped, mon
 @pytest.mark.parametrize("T,H,k,rows", [(1, 4096, 6, 300), (333, 7168, 6, 5000), (4000, 4096, 8, 40000)])
 def test_quantize_scatter_matches_reference(gpu_device, T, H, k, rows):
     """The quantise-and-scatter program against the reference on every named row, bit for bit (the same IEEE
-    divisions; the amax is exact): codes and scales; a destination of -1 or past ``rows`` skipped; rows no
+    divisions, the reference run on the CPU; the amax is exact): codes and scales; a destination of -1 or past ``rows`` skipped; rows no
     destination names untouched (poisoned before, poisoned after)."""
     g = torch.Generator(device=gpu_device).manual_seed(T)
     x = (torch.randn(T, H, device=gpu_device, generator=g) * 3).to(torch.bfloat16)
@@ -440,7 +441,9 @@ def test_quantize_scatter_matches_reference(gpu_device, T, H, k, rows):
     a = torch.full((rows, H), 0x7F, dtype=torch.uint8, device=gpu_device).view(torch.float8_e4m3fn)
     sa = torch.full((rows, H // 128), float("nan"), device=gpu_device)
     tilelang_impl.quantize_scatter_kernel(H, k)(x, dest.to(torch.int32), a, sa)
-    ra, rsa = moe.quantize_scatter_reference(x, dest, rows)
+    # the reference on the CPU: torch on CUDA divides by a Python scalar as a multiplication by its reciprocal
+    # (the scale, amax / 448, one float32 unit off), on the CPU by an IEEE division, as the program does
+    ra, rsa = (t.to(gpu_device) for t in moe.quantize_scatter_reference(x.cpu(), dest.cpu(), rows))
     named = torch.zeros(rows + 1, dtype=torch.bool, device=gpu_device)
     named[torch.where((dest >= 0) & (dest < rows), dest, rows).long().flatten()] = True
     named = named[:rows]

@@ -12,6 +12,7 @@ from musa_attn_backend.kernels.moe import tilelang_impl as ti
 from musa_attn_backend.kernels.moe.contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
 from musa_attn_backend.kernels.moe.contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous as _swiglu_gemm
+from musa_attn_backend.kernels.moe.masked_fp4_fp8_kernel import build_grouped_gemm_masked_fp4_fp8
 from musa_attn_backend.kernels.moe.masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked
 from musa_attn_backend.kernels.moe.masked_swiglu_kernel import build_grouped_gemm_swiglu_masked as _swiglu_masked
@@ -82,6 +83,7 @@ def test_launch_glue_matches_the_programs(use_settings):
                                    lambda: build_grouped_gemm_masked(4096, 2048),
                                    lambda: build_grouped_gemm_masked_fp4(4096, 2048),
                                    lambda: build_grouped_gemm_contiguous_fp4(4096, 2048),
+                                   lambda: build_grouped_gemm_masked_fp4_fp8(4096, 2048),
                                    lambda: _swiglu_gemm(2048, 4096, 10.0),
                                    lambda: _swiglu_masked(2048, 4096, 10.0)])
 def test_programs_take_both_gemm_operands_from_shared_memory(build):
@@ -162,10 +164,13 @@ NVCC = nvcc_path()
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
-                                   "contiguous_swiglu", "masked_swiglu", "combine", "quantize_scatter"])
+                                   "contiguous_swiglu", "masked_swiglu", "combine", "quantize_scatter",
+                                   "masked_fp4_fp8"])
 def test_programs_compile_for_sm90a(which):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    if which == "combine":
+    if which == "masked_fp4_fp8":
+        kern = ti.masked_fp4_kernel(4096, 4096, target=HOPPER, packing="fp8")
+    elif which == "combine":
         kern = ti.combine_kernel(7168, 6, target=HOPPER)
     elif which == "quantize_scatter":
         kern = ti.quantize_scatter_kernel(7168, 6, target=HOPPER)
@@ -277,6 +282,51 @@ def test_fp4_word_packing_glue_passes_the_same_memory_as_words(use_settings, mon
     for func, args in calls:
         _signature_check(func, args)
         assert args[2].dtype == torch.int32 and args[2].data_ptr() == b.data_ptr()
+
+
+def _e4m3_conversion_program(R: int, C: int):
+    """A CPU program (TileLang's C target, which has no FP8 type) writing one tile of packed E2M1 words as e4m3
+    bytes through :func:`e4m3_bits_from_word`, the conversion of the FP8-tensor-core FP4 program."""
+    from musa_attn_backend._tilelang import tl_lang as T
+    from musa_attn_backend.kernels.moe.fp4_tir import e4m3_bits_from_word
+
+    @T.prim_func
+    def conv(Bw: T.Tensor((R, C // 8), "int32"), out: T.Tensor((R, C), "uint8")):
+        with T.Kernel(1, threads=1) as _:
+            for n in T.serial(R):
+                for j in T.serial(C):
+                    out[n, j] = e4m3_bits_from_word(Bw[n, j // 8], j % 8)
+
+    return conv
+
+
+def test_fp4_to_e4m3_conversion_is_exact():
+    """``packing="fp8"``: each E2M1 value becomes the e4m3 value ``E2M1 / 64`` by bit moves, bit for bit against
+    the reference's decode (``dequantize_fp4`` under the scale byte 121, ``2^-6``) on random words holding every
+    byte value, both signs of zero included (0x8 decodes to -0.0). Compiled for the CPU (TileLang's C target)."""
+    import tilelang
+
+    R, C = 64, 256
+    g = torch.Generator().manual_seed(1)
+    bq = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=g)
+    assert torch.unique(bq).numel() == 256
+    out = torch.full((R, C), 0x7F, dtype=torch.uint8)
+    kernel = tilelang.compile(_e4m3_conversion_program(R, C), target="c")
+    kernel(bq.view(torch.int32), out)
+    ref = moe.dequantize_fp4(bq, torch.full((R, C // 32), 121, dtype=torch.uint8))
+    assert torch.equal(out, ref.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert (out.view(torch.float8_e4m3fn).float() != 0).float().mean() > 0.8
+
+
+def test_masked_fp4_fp8_program_lowers_for_sm90a():
+    """``packing="fp8"``: the packed words and the activations loaded by every thread (cp.async, no warp
+    specialisation), one m64n16k32 FP8 WGMMA of the converted weight tile (the M side) and the token tile per 32
+    values of K, the factor 64 applied once to the output."""
+    src = ti.masked_fp4_kernel(4096, 2048, target=HOPPER, packing="fp8").get_kernel_source()
+    assert "cp_async" in src and "mbarrier" not in src
+    assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32" in src
+    assert src.count("0x1p+6f") == 1
+    assert "kBFloat16" not in src
 
 
 @pytest.mark.parametrize("H,block", [(4096, 1024), (7168, 1024), (384, 128)])

@@ -74,3 +74,19 @@ def convert_words(rows: int, cols: int, threads: int, out_dtype: str):
                 B_w[n, c * 8 + v] = T.Cast(out_dtype, fp4_from_word(Bw[n, c], v, Bs[n, c // 4], Bs.dtype))
 
     return convert
+
+
+def e4m3_bits_from_word(word, i):
+    """The e4m3 byte (uint8) of value ``i`` (0..7) of a little-endian int32 ``word`` of packed E2M1: the e4m3 value
+    ``E2M1 / 64``, by bit moves alone. The nibble ``s eem`` becomes the byte ``s 000 0ee m00`` (e4m3's exponent
+    bias is 7, E2M1's 1; the subnormals line up, ``0 001`` = 0.5 -> ``0 0000 100`` = 2^-7). The word is split into
+    its even and odd nibbles, four bytes each, both moved at once; value ``i`` is byte ``i / 2`` of one half."""
+    half = T.shift_right(T.Cast("uint32", word), T.uint32(4 * (i % 2))) & T.uint32(0x0F0F0F0F)
+    e4m3 = T.shift_left(half & T.uint32(0x08080808), T.uint32(4)) | T.shift_left(half & T.uint32(0x07070707),
+                                                                                   T.uint32(2))
+    return T.Cast("uint8", T.shift_right(e4m3, T.Cast("uint32", 8 * (i // 2))) & T.uint32(0xFF))
+
+
+def e4m3_from_word(word, i):
+    """:func:`e4m3_bits_from_word` as an e4m3 value."""
+    return T.reinterpret(e4m3_bits_from_word(word, i), "float8_e4m3")

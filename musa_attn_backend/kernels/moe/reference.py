@@ -74,7 +74,9 @@ def quantize_groups_reference(x: torch.Tensor, pow2: bool = False) -> tuple[torc
     K = x.shape[-1]
     g = x.float().unflatten(-1, (K // BLOCK, BLOCK))
     amax = g.abs().amax(-1).clamp(min=1e-4)
-    scale = amax / FP8_MAX
+    # an IEEE division on every device, as the programs': on CUDA, torch divides by a Python scalar as a
+    # multiplication by its reciprocal (one float32 unit off at times), by a tensor it divides
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)

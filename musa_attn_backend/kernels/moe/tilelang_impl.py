@@ -10,6 +10,7 @@ from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
 from .layer import _rows_fp8
+from .masked_fp4_fp8_kernel import build_grouped_gemm_masked_fp4_fp8
 from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
@@ -23,6 +24,8 @@ CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="FullRow")
 LARGE_M_STAGES = (98304, 3)
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="bytes")
+# the masked FP4 program's tiling under packing="fp8" (masked_fp4_fp8_kernel.py: swapped, block_m tokens)
+MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="bytes")
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
@@ -63,6 +66,12 @@ def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
 
 
 def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
+    """The masked FP4 program under ``MASKED_FP4``'s ``packing`` (or ``tiling``'s): ``bytes`` or ``words``, the
+    weights converted to bf16 (masked_fp4_kernel.py); ``fp8``, read as words and converted to e4m3 for FP8
+    tensor cores (masked_fp4_fp8_kernel.py, tiled by ``MASKED_FP4_FP8``)."""
+    if {**MASKED_FP4, **tiling}["packing"] == "fp8":
+        return _kernel("moe_fp4_masked_fp8", build_grouped_gemm_masked_fp4_fp8, MASKED_FP4_FP8, (N, K), target,
+                       {k: v for k, v in tiling.items() if k != "packing"}, _fp4_pass_configs())
     return _kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4, (N, K), target, tiling,
                    _fp4_pass_configs())
 
@@ -111,9 +120,9 @@ def _fp4_scales(b_scale) -> dict:
 
 
 def _fp4_bytes(b, tiling: dict):
-    """The packed weights as the FP4 programs under ``tiling`` read them: the bytes, or ("words") the same memory
-    as int32 words (contiguous, ``K / 2`` a multiple of 64: no copy)."""
-    return b.view(torch.int32) if tiling.get("packing") == "words" else b
+    """The packed weights as the FP4 programs under ``tiling`` read them: the bytes, or ("words", "fp8") the same
+    memory as int32 words (contiguous, ``K / 2`` a multiple of 64: no copy)."""
+    return b.view(torch.int32) if tiling.get("packing") in ("words", "fp8") else b
 
 
 def _contiguous_overrides(M: int) -> dict:

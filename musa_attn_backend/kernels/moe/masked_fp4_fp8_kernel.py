@@ -1,0 +1,91 @@
+"""TileLang program: the masked grouped GEMM with FP4 (MXFP4) expert weights on FP8 tensor cores, for decode
+(the rule and the formats: :mod:`.reference`)::
+
+    D[e, m, n] = sum_k (A[e, m, k] * a_scale[e, m, k / 128]) * (E2M1(B[e, n, k]) * 2^(s[e, n, k / 32] - 127))
+
+for ``m < masked_m[e]`` (clamped to ``[0, max_m]``).
+
+Every E2M1 value is an e4m3 value times 64: the nibble ``s eem`` read as the byte ``s 000 0ee m00`` (exponent bias
+7 against 1, the subnormals of both formats aligned) is ``E2M1 / 64``. So the weights become FP8 by bit moves
+(:func:`.fp4_tir.e4m3_from_word`: a dozen integer operations per eight values, no table, no float), and the
+activations stay FP8: one FP8 tensor-core GEMM of two shared tiles (what MUSA MP31 lowers) per 32 values of K,
+the span of one weight scale. Its float32 result is scaled into the accumulator by the weight row's scale and the
+activation row's scale; the factor 64 is applied once, to the output.
+
+The tile is swapped (weights as the GEMM's M side, ``block_n`` rows; activations as its N side, ``block_m``
+tokens): a decode batch has few tokens an expert, and the per-32 rescale then touches ``block_n x block_m``
+values, not 64 padded rows. The weights stay packed in memory (half the bytes of FP8 weights, no FP8 copy).
+Blocks past ``masked_m[e]`` exit before reading anything; rows past it are not written. An output column
+depends on its own activation row only, so rows between ``masked_m[e]`` and the tile's end (whatever they hold)
+reach no written value.
+"""
+
+import functools
+
+from ..._tilelang import tl_lang as T
+from .fp4_tir import e4m3_from_word, pow2
+
+FP8 = "float8_e4m3"
+ACC = "float32"
+BF16 = "bfloat16"
+SPAN = 32  # the values one weight scale covers, one FP8 MMA's K
+E2M1_OVER_E4M3 = 64.0
+
+
+@functools.lru_cache(maxsize=None)
+def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n: int = 128, num_stages: int = 4,
+                                      threads: int = 128, scale_dtype: str = "uint8"):
+    """``N``, ``K``: the weights' logical shape (multiples of 128); ``B`` is read as int32 words (eight values
+    each: value ``8q + i`` in bits ``4i .. 4i + 3`` of word ``q``, the bytes' little-endian order); the expert count
+    and ``max_m`` are dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values)."""
+    assert N % block_n == 0 and K % 128 == 0 and (block_n * SPAN // 8) % threads == 0
+    E, MM = T.dynamic("experts"), T.dynamic("max_m")
+    KS, WORDS = K // SPAN, SPAN // 8
+    per_thread = block_n * WORDS // threads
+
+    @T.prim_func
+    def grouped_gemm_masked_fp4_fp8(
+        A: T.Tensor((E, MM, K), FP8),
+        SA: T.Tensor((E, MM, K // 128), ACC),
+        B: T.Tensor((E, N, K // 8), "int32"),
+        SB: T.Tensor((E, N, KS), scale_dtype),
+        masked_m: T.Tensor((E,), "int32"),
+        D: T.Tensor((E, MM, N), BF16),
+    ):
+        with T.Kernel(N // block_n, T.ceildiv(MM, block_m), E, threads=threads) as (bx, by, e):
+            A_s = T.alloc_shared((block_m, SPAN), FP8)
+            Bw_s = T.alloc_shared((block_n, WORDS), "int32")
+            B_s = T.alloc_shared((block_n, SPAN), FP8)
+            D_s = T.alloc_shared((block_m, block_n), BF16)
+            part = T.alloc_fragment((block_n, block_m), ACC)
+            acc = T.alloc_fragment((block_n, block_m), ACC)
+            sb = T.alloc_fragment((block_n,), ACC)
+            sa = T.alloc_fragment((block_m,), ACC)
+            tx = T.get_thread_binding()
+
+            rows = T.min(T.max(masked_m[e], 0), MM)
+            row0 = by * block_m
+            n0 = bx * block_n
+            if row0 < rows:
+                T.clear(acc)
+                for k in T.Pipelined(KS, num_stages=num_stages):
+                    T.copy(A[e, row0, k * SPAN], A_s)
+                    T.copy(B[e, n0, k * WORDS], Bw_s)
+                    for it in T.serial(per_thread):  # one word (eight values) a thread at a time
+                        u = it * threads + tx
+                        for v in T.vectorized(8):
+                            B_s[u // WORDS, (u % WORDS) * 8 + v] = e4m3_from_word(Bw_s[u // WORDS, u % WORDS], v)
+                    for i in T.Parallel(block_n):
+                        sb[i] = pow2(SB[e, n0 + i, k]) if scale_dtype == "uint8" else SB[e, n0 + i, k]
+                    for j in T.Parallel(block_m):
+                        sa[j] = SA[e, T.min(row0 + j, MM - 1), k // (128 // SPAN)]
+                    T.gemm(B_s, A_s, part, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(block_n, block_m):
+                        acc[i, j] += part[i, j] * (sb[i] * sa[j])
+                for i, j in T.Parallel(block_n, block_m):
+                    D_s[j, i] = T.Cast(BF16, acc[i, j] * E2M1_OVER_E4M3)
+                for j, i in T.Parallel(block_m, block_n):
+                    if row0 + j < rows:
+                        D[e, row0 + j, n0 + i] = D_s[j, i]
+
+    return grouped_gemm_masked_fp4_fp8
