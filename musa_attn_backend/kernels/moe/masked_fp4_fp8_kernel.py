@@ -34,13 +34,18 @@ E2M1_OVER_E4M3 = 64.0
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n: int = 128, num_stages: int = 4,
-                                      threads: int = 128, scale_dtype: str = "uint8"):
+                                      threads: int = 128, scale_dtype: str = "uint8", chunk: int = 32):
     """``N``, ``K``: the weights' logical shape (multiples of 128); ``B`` is read as int32 words (eight values
     each: value ``8q + i`` in bits ``4i .. 4i + 3`` of word ``q``, the bytes' little-endian order); the expert count
-    and ``max_m`` are dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values)."""
+    and ``max_m`` are dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values).
+
+    The scales are staged in shared memory ahead of their use, as the K loop would otherwise wait on a global load
+    of them every 32 values: the activation rows' whole ``K / 128`` scales once, the weight rows' ``chunk`` at a
+    time (at most ``chunk`` steps of 32 values, each pipelined by ``num_stages``)."""
     assert N % block_n == 0 and K % 128 == 0 and (block_n * SPAN // 8) % threads == 0
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
     KS, WORDS = K // SPAN, SPAN // 8
+    chunk = max(c for c in range(1, min(chunk, KS) + 1) if KS % c == 0)
     per_thread = block_n * WORDS // threads
 
     @T.prim_func
@@ -56,6 +61,8 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
             A_s = T.alloc_shared((block_m, SPAN), FP8)
             Bw_s = T.alloc_shared((block_n, WORDS), "int32")
             B_s = T.alloc_shared((block_n, SPAN), FP8)
+            SA_s = T.alloc_shared((block_m, K // 128), ACC)
+            SB_s = T.alloc_shared((block_n, chunk), scale_dtype)
             D_s = T.alloc_shared((block_m, block_n), BF16)
             part = T.alloc_fragment((block_n, block_m), ACC)
             acc = T.alloc_fragment((block_n, block_m), ACC)
@@ -67,21 +74,25 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
             row0 = by * block_m
             n0 = bx * block_n
             if row0 < rows:
+                T.copy(SA[e, row0, 0], SA_s)
                 T.clear(acc)
-                for k in T.Pipelined(KS, num_stages=num_stages):
-                    T.copy(A[e, row0, k * SPAN], A_s)
-                    T.copy(B[e, n0, k * WORDS], Bw_s)
-                    for it in T.serial(per_thread):  # one word (eight values) a thread at a time
-                        u = it * threads + tx
-                        for v in T.vectorized(8):
-                            B_s[u // WORDS, (u % WORDS) * 8 + v] = e4m3_from_word(Bw_s[u // WORDS, u % WORDS], v)
-                    for i in T.Parallel(block_n):
-                        sb[i] = pow2(SB[e, n0 + i, k]) if scale_dtype == "uint8" else SB[e, n0 + i, k]
-                    for j in T.Parallel(block_m):
-                        sa[j] = SA[e, T.min(row0 + j, MM - 1), k // (128 // SPAN)]
-                    T.gemm(B_s, A_s, part, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(block_n, block_m):
-                        acc[i, j] += part[i, j] * (sb[i] * sa[j])
+                for c in T.serial(KS // chunk):
+                    T.copy(SB[e, n0, c * chunk], SB_s)
+                    for kk in T.Pipelined(chunk, num_stages=num_stages):
+                        k = c * chunk + kk
+                        T.copy(A[e, row0, k * SPAN], A_s)
+                        T.copy(B[e, n0, k * WORDS], Bw_s)
+                        for it in T.serial(per_thread):  # one word (eight values) a thread at a time
+                            u = it * threads + tx
+                            for v in T.vectorized(8):
+                                B_s[u // WORDS, (u % WORDS) * 8 + v] = e4m3_from_word(Bw_s[u // WORDS, u % WORDS], v)
+                        for i in T.Parallel(block_n):
+                            sb[i] = pow2(SB_s[i, kk]) if scale_dtype == "uint8" else SB_s[i, kk]
+                        for j in T.Parallel(block_m):
+                            sa[j] = SA_s[j, k // (128 // SPAN)]
+                        T.gemm(B_s, A_s, part, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(block_n, block_m):
+                            acc[i, j] += part[i, j] * (sb[i] * sa[j])
                 for i, j in T.Parallel(block_n, block_m):
                     D_s[j, i] = T.Cast(BF16, acc[i, j] * E2M1_OVER_E4M3)
                 for j, i in T.Parallel(block_m, block_n):
