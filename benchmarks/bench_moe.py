@@ -26,9 +26,9 @@ Timed, each replayed from a CUDA graph (median of the replays):
   (``try_get_optimal_moe_config``, recorded); its token alignment is computed here in torch, untimed, because
   SGLang's is a compiled op;
 - ``ours_fp4`` / ``ours_fp4_masked`` (``T <= 512``): both layouts with MXFP4 weights of the same shape (random
-  E2M1 bytes, UE8M0 scales), converted in the kernel; ``ours_fp4_words*``: the same under the word conversion
-  (``packing="words"``); ``ours_fp4_fp8_masked``: the masked layout converting to e4m3 for FP8 tensor cores
-  (``packing="fp8"``; ``ours_fp4_fp8`` in ``moe_layer`` rows);
+  E2M1 bytes, UE8M0 scales), converted in the kernel under the default forms; ``ours_fp4_forms_ms`` /
+  ``ours_fp4_masked_forms_ms``: each conversion form (``tilelang_impl``'s ``packing``: to bf16 from ``bytes`` or
+  ``words``; masked also ``fp8``, to e4m3 for FP8 tensor cores);
 - ``ours_gemm_swiglu`` (gate_up rows): :func:`grouped_gemm_swiglu_fp8`, GEMM1 with the SwiGLU and GEMM2's
   quantisation in its epilogue, against ``ours`` plus ``ours_swiglu_quant`` (:func:`swiglu_quant` over the chosen
   rows of ``ours``' output), the two steps it replaces.
@@ -211,13 +211,17 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
         row["ours_fp4_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
         from musa_attn_backend.kernels.moe import tilelang_impl
 
+        # every conversion form (tilelang_impl's packing: bf16 from bytes or words; masked also e4m3 for FP8 MMA)
         saved = tilelang_impl.CONTIGUOUS_FP4["packing"], tilelang_impl.MASKED_FP4["packing"]
-        tilelang_impl.CONTIGUOUS_FP4["packing"] = tilelang_impl.MASKED_FP4["packing"] = "words"
-        try:  # the other conversion form (kernels.moe.fp4_tir): its own columns
-            row["ours_fp4_words_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
-            row["ours_fp4_words_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
-            tilelang_impl.MASKED_FP4["packing"] = "fp8"
-            row["ours_fp4_fp8_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
+        row["ours_fp4_forms_ms"], row["ours_fp4_masked_forms_ms"] = {}, {}
+        try:
+            for form in tilelang_impl.FP4_PACKINGS:
+                tilelang_impl.MASKED_FP4["packing"] = form
+                row["ours_fp4_masked_forms_ms"][form] = time(
+                    lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
+                if form in tilelang_impl.CONTIGUOUS_FP4_PACKINGS:
+                    tilelang_impl.CONTIGUOUS_FP4["packing"] = form
+                    row["ours_fp4_forms_ms"][form] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
         finally:
             tilelang_impl.CONTIGUOUS_FP4["packing"], tilelang_impl.MASKED_FP4["packing"] = saved
         del am, sam, om, b4, sb4
@@ -297,14 +301,6 @@ def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) 
     w13f, s13f = random_fp4_weights(E, 2 * I, H, device, seed=1)
     w2f, s2f = random_fp4_weights(E, H, I, device, seed=2)
     row["ours_fp4_ms"] = time(lambda: run(w13f, s13f, w2f, s2f))
-    from musa_attn_backend.kernels.moe import tilelang_impl
-
-    saved = tilelang_impl.MASKED_FP4["packing"]
-    tilelang_impl.MASKED_FP4["packing"] = "fp8"
-    try:  # the masked layout's FP4 GEMMs on FP8 tensor cores (T <= layer.MASKED_MAX_TOKENS)
-        row["ours_fp4_fp8_ms"] = time(lambda: run(w13f, s13f, w2f, s2f))
-    finally:
-        tilelang_impl.MASKED_FP4["packing"] = saved
     del w13f, s13f, w2f, s2f
     row["peers"] = {}
     if device == "cuda":
@@ -386,9 +382,9 @@ def kernels_for(models, tiling: dict) -> list:
         E, H, I = (MODELS[model][k] for k in ("E", "H", "I"))
         for N, K in ((2 * I, H), (H, I)):
             jobs += [("contiguous_kernel", (N, K), t) for t in contiguous]
-            jobs += [(name, (N, K), {}) for name in ("masked_kernel", "contiguous_fp4_kernel", "masked_fp4_kernel")]
-            jobs += [(name, (N, K), {"packing": "words"}) for name in ("contiguous_fp4_kernel", "masked_fp4_kernel")]
-            jobs += [("masked_fp4_kernel", (N, K), {"packing": "fp8"})]
+            jobs += [("masked_kernel", (N, K), {})]
+            jobs += [("masked_fp4_kernel", (N, K), {"packing": p}) for p in tilelang_impl.FP4_PACKINGS]
+            jobs += [("contiguous_fp4_kernel", (N, K), {"packing": p}) for p in tilelang_impl.CONTIGUOUS_FP4_PACKINGS]
         jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
                  ("swiglu_quant_kernel", (I, 10.0), {}), ("combine_kernel", (H, TOPK), {}),
                  ("quantize_scatter_kernel", (H, TOPK), {})]

@@ -17,11 +17,11 @@ def test_smoke_writes_json(tmp_path, load_bench):
         assert "ours_ms" in r and "ours_fp4_ms" in r
         if r["op"] == "moe_layer":
             assert set(r["ours_paths_ms"]) == {"torch", "pass", "fused"} and "ours_glue_kernels_ms" in r
-            assert "ours_fp4_fp8_ms" in r
             continue
         assert ("ours_gemm_swiglu_ms" in r and "ours_swiglu_quant_ms" in r) == (r["op"] == "moe_gate_up"), r
         assert "ours_ms" in r and "ours_masked_ms" in r and r["shape"]["rows"] == r["shape"]["T"] * 6
-        assert "ours_fp4_words_ms" in r and "ours_fp4_words_masked_ms" in r and "ours_fp4_fp8_masked_ms" in r
+        assert set(r["ours_fp4_masked_forms_ms"]) == {"bytes", "words", "fp8"}
+        assert set(r["ours_fp4_forms_ms"]) == {"bytes", "words"}
         assert r["shape"]["layout_rows"] % 128 == 0 and r["flops"] > 0
 
 

@@ -72,8 +72,8 @@ def test_launch_glue_matches_the_programs(use_settings):
                                                torch.zeros(E, dtype=torch.int32), None,
                                                (torch.empty(E, 7, N // 2, dtype=torch.float8_e4m3fn),
                                                 torch.empty(E, 7, N // 256)))
-    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked", "moe_fp4_contiguous",
-                                     "moe_fp4_masked", "moe_swiglu_quant", "moe_fp8_contiguous_swiglu",
+    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked_fp8", "moe_fp4_contiguous",
+                                     "moe_fp4_masked_fp8", "moe_swiglu_quant", "moe_fp8_contiguous_swiglu",
                                      "moe_fp8_masked_swiglu"]
     for _, func, args in calls:
         _signature_check(func, args)
@@ -128,11 +128,12 @@ def test_gemm_swiglu_lowers_for_sm90a_with_both_weight_halves_in_one_tile(layout
     assert ("(uchar)127" in src) == (layout == "contiguous")
 
 
-@pytest.mark.parametrize("which", ["masked_fp4", "contiguous_fp4"])
-def test_fp4_programs_are_built_without_warp_specialisation(which):
+@pytest.mark.parametrize("which,packing", [("masked_fp4", "bytes"), ("masked_fp4", "words"), ("masked_fp4", "fp8"),
+                                          ("contiguous_fp4", "bytes"), ("contiguous_fp4", "words")])
+def test_fp4_programs_are_built_without_warp_specialisation(which, packing):
     """The glue builds the FP4 programs with every thread pipelining (``tilelang_impl._fp4_pass_configs``: the
     warp-specialised build released the scale bytes' slot too early); no producer/consumer barriers remain."""
-    src = getattr(ti, f"{which}_kernel")(4096, 2048, target=HOPPER).get_kernel_source()
+    src = getattr(ti, f"{which}_kernel")(4096, 2048, target=HOPPER, packing=packing).get_kernel_source()
     assert "cp_async" in src and "mbarrier" not in src
 
 
@@ -165,11 +166,13 @@ NVCC = nvcc_path()
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
                                    "contiguous_swiglu", "masked_swiglu", "combine", "quantize_scatter",
-                                   "masked_fp4_fp8"])
+                                   "masked_fp4_words"])
 def test_programs_compile_for_sm90a(which):
+    """Each program the glue launches, built by nvcc for sm_90a under its default tiling (the FP4 ones: the default
+    forms, and the masked bf16 word form)."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    if which == "masked_fp4_fp8":
-        kern = ti.masked_fp4_kernel(4096, 4096, target=HOPPER, packing="fp8")
+    if which == "masked_fp4_words":
+        kern = ti.masked_fp4_kernel(4096, 4096, target=HOPPER, packing="words")
     elif which == "combine":
         kern = ti.combine_kernel(7168, 6, target=HOPPER)
     elif which == "quantize_scatter":

@@ -23,10 +23,15 @@ from .swiglu_quant_kernel import build_swiglu_quant
 CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="FullRow")
 LARGE_M_STAGES = (98304, 3)
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
-MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="bytes")
-# the masked FP4 program's tiling under packing="fp8" (masked_fp4_fp8_kernel.py: swapped, block_m tokens)
+# FP4 weights, by how the programs read and convert them ("packing"): "bytes" or "words" (the same memory as int32
+# words, eight values converted at a time), both to bf16 for a bf16 GEMM; "fp8" (masked only), words moved to
+# e4m3 for FP8 tensor cores (masked_fp4_fp8_kernel.py, tiled by MASKED_FP4_FP8: swapped, block_m tokens). The
+# defaults are the fastest measured (bench_moe.py's forms columns: docs/moe.md)
+FP4_PACKINGS = ("bytes", "words", "fp8")
+CONTIGUOUS_FP4_PACKINGS = ("bytes", "words")
+MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="fp8")
 MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
-CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="bytes")
+CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="words")
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
 MASKED_SWIGLU = dict(num_stages=3, threads=256)
