@@ -28,7 +28,7 @@ Timed, each replayed from a CUDA graph (median of the replays):
 - ``ours_fp4`` / ``ours_fp4_masked`` (``T <= 512``): both layouts with MXFP4 weights of the same shape (random
   E2M1 bytes, UE8M0 scales), converted in the kernel under the default forms; ``ours_fp4_forms_ms`` /
   ``ours_fp4_masked_forms_ms``: each conversion form (``tilelang_impl``'s ``packing``: to bf16 from ``bytes`` or
-  ``words``; masked also ``fp8``, to e4m3 for FP8 tensor cores);
+  ``words``; or ``fp8``, to e4m3 for FP8 tensor cores);
 - ``ours_gemm_swiglu`` (gate_up rows): :func:`grouped_gemm_swiglu_fp8`, GEMM1 with the SwiGLU and GEMM2's
   quantisation in its epilogue, against ``ours`` plus ``ours_swiglu_quant`` (:func:`swiglu_quant` over the chosen
   rows of ``ours``' output), the two steps it replaces.
@@ -219,9 +219,8 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
                 tilelang_impl.MASKED_FP4["packing"] = form
                 row["ours_fp4_masked_forms_ms"][form] = time(
                     lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
-                if form in tilelang_impl.CONTIGUOUS_FP4_PACKINGS:
-                    tilelang_impl.CONTIGUOUS_FP4["packing"] = form
-                    row["ours_fp4_forms_ms"][form] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
+                tilelang_impl.CONTIGUOUS_FP4["packing"] = form
+                row["ours_fp4_forms_ms"][form] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
         finally:
             tilelang_impl.CONTIGUOUS_FP4["packing"], tilelang_impl.MASKED_FP4["packing"] = saved
         del am, sam, om, b4, sb4
@@ -383,8 +382,8 @@ def kernels_for(models, tiling: dict) -> list:
         for N, K in ((2 * I, H), (H, I)):
             jobs += [("contiguous_kernel", (N, K), t) for t in contiguous]
             jobs += [("masked_kernel", (N, K), {})]
-            jobs += [("masked_fp4_kernel", (N, K), {"packing": p}) for p in tilelang_impl.FP4_PACKINGS]
-            jobs += [("contiguous_fp4_kernel", (N, K), {"packing": p}) for p in tilelang_impl.CONTIGUOUS_FP4_PACKINGS]
+            jobs += [(name, (N, K), {"packing": p}) for p in tilelang_impl.FP4_PACKINGS
+                     for name in ("masked_fp4_kernel", "contiguous_fp4_kernel")]
         jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
                  ("swiglu_quant_kernel", (I, 10.0), {}), ("combine_kernel", (H, TOPK), {}),
                  ("quantize_scatter_kernel", (H, TOPK), {})]

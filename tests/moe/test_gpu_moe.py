@@ -214,7 +214,7 @@ def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales, packi
 
 @pytest.mark.parametrize("shape,T,E,scales", [("small", 333, 8, "ue8m0"), ("flash_gate_up", 512, 32, "ue8m0"),
                                               ("small", 333, 8, "float32")])
-@pytest.mark.parametrize("packing", ["bytes", "words"])
+@pytest.mark.parametrize("packing", ["bytes", "words", "fp8"])
 def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E, scales, packing, monkeypatch):
     from musa_attn_backend.kernels.moe import tilelang_impl
 

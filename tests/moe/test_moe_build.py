@@ -9,6 +9,7 @@ from musa_attn_backend import _tilelang
 from musa_attn_backend.kernels import moe
 from musa_attn_backend.kernels._tir import gemm_operands
 from musa_attn_backend.kernels.moe import tilelang_impl as ti
+from musa_attn_backend.kernels.moe.contiguous_fp4_fp8_kernel import build_grouped_gemm_contiguous_fp4_fp8
 from musa_attn_backend.kernels.moe.contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
 from musa_attn_backend.kernels.moe.contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous as _swiglu_gemm
@@ -84,6 +85,7 @@ def test_launch_glue_matches_the_programs(use_settings):
                                    lambda: build_grouped_gemm_masked_fp4(4096, 2048),
                                    lambda: build_grouped_gemm_contiguous_fp4(4096, 2048),
                                    lambda: build_grouped_gemm_masked_fp4_fp8(4096, 2048),
+                                   lambda: build_grouped_gemm_contiguous_fp4_fp8(4096, 2048),
                                    lambda: _swiglu_gemm(2048, 4096, 10.0),
                                    lambda: _swiglu_masked(2048, 4096, 10.0)])
 def test_programs_take_both_gemm_operands_from_shared_memory(build):
@@ -129,7 +131,8 @@ def test_gemm_swiglu_lowers_for_sm90a_with_both_weight_halves_in_one_tile(layout
 
 
 @pytest.mark.parametrize("which,packing", [("masked_fp4", "bytes"), ("masked_fp4", "words"), ("masked_fp4", "fp8"),
-                                          ("contiguous_fp4", "bytes"), ("contiguous_fp4", "words")])
+                                          ("contiguous_fp4", "bytes"), ("contiguous_fp4", "words"),
+                                          ("contiguous_fp4", "fp8")])
 def test_fp4_programs_are_built_without_warp_specialisation(which, packing):
     """The glue builds the FP4 programs with every thread pipelining (``tilelang_impl._fp4_pass_configs``: the
     warp-specialised build released the scale bytes' slot too early); no producer/consumer barriers remain."""
@@ -166,13 +169,15 @@ NVCC = nvcc_path()
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
                                    "contiguous_swiglu", "masked_swiglu", "combine", "quantize_scatter",
-                                   "masked_fp4_words"])
+                                   "masked_fp4_words", "contiguous_fp4_fp8"])
 def test_programs_compile_for_sm90a(which):
     """Each program the glue launches, built by nvcc for sm_90a under its default tiling (the FP4 ones: the default
     forms, and the masked bf16 word form)."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     if which == "masked_fp4_words":
         kern = ti.masked_fp4_kernel(4096, 4096, target=HOPPER, packing="words")
+    elif which == "contiguous_fp4_fp8":
+        kern = ti.contiguous_fp4_kernel(4096, 4096, target=HOPPER, packing="fp8")
     elif which == "combine":
         kern = ti.combine_kernel(7168, 6, target=HOPPER)
     elif which == "quantize_scatter":
@@ -321,12 +326,14 @@ def test_fp4_to_e4m3_conversion_is_exact():
     assert (out.view(torch.float8_e4m3fn).float() != 0).float().mean() > 0.8
 
 
-def test_masked_fp4_fp8_program_lowers_for_sm90a():
+@pytest.mark.parametrize("which", ["masked_fp4", "contiguous_fp4"])
+def test_fp4_fp8_programs_lower_for_sm90a(which):
     """``packing="fp8"``: the packed words and the activations loaded by every thread (cp.async, no warp
     specialisation), one m64n16k32 FP8 WGMMA of the converted weight tile (the M side) and the token tile per 32
-    values of K, the factor 64 applied once to the output."""
-    src = ti.masked_fp4_kernel(4096, 2048, target=HOPPER, packing="fp8").get_kernel_source()
+    values of K, the factor 64 applied once to the output; contiguous: the NaN of rows of another expert."""
+    src = getattr(ti, f"{which}_kernel")(4096, 2048, target=HOPPER, packing="fp8").get_kernel_source()
     assert "cp_async" in src and "mbarrier" not in src
+    assert ("(uint16_t)32704" in src or "0x7FC0" in src.upper() or "32704" in src) == (which == "contiguous_fp4")
     assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32" in src
     assert src.count("0x1p+6f") == 1
     assert "kBFloat16" not in src

@@ -90,3 +90,20 @@ def e4m3_bits_from_word(word, i):
 def e4m3_from_word(word, i):
     """:func:`e4m3_bits_from_word` as an e4m3 value."""
     return T.reinterpret(e4m3_bits_from_word(word, i), "float8_e4m3")
+
+
+def convert_words_e4m3(rows: int, words: int, threads: int):
+    """A macro ``convert(Bw, B_s)``: the e4m3 tile ``B_s [rows, 8 * words]`` (:func:`e4m3_from_word`: ``E2M1 / 64``,
+    unscaled) from its packed int32 words ``Bw [rows, words]``; each thread converts one word (eight values) into
+    one 8-byte store at a time."""
+    assert rows * words % threads == 0
+
+    @T.macro
+    def convert(Bw, B_s):
+        tx = T.get_thread_binding()
+        for it in T.serial(rows * words // threads):
+            u = it * threads + tx
+            for v in T.vectorized(8):
+                B_s[u // words, (u % words) * 8 + v] = e4m3_from_word(Bw[u // words, u % words], v)
+
+    return convert

@@ -23,7 +23,7 @@ reach no written value.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import e4m3_from_word, pow2
+from .fp4_tir import convert_words_e4m3, pow2
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -42,11 +42,11 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
     The scales are staged in shared memory ahead of their use, as the K loop would otherwise wait on a global load
     of them every 32 values: the activation rows' whole ``K / 128`` scales once, the weight rows' ``chunk`` at a
     time (at most ``chunk`` steps of 32 values, each pipelined by ``num_stages``)."""
-    assert N % block_n == 0 and K % 128 == 0 and (block_n * SPAN // 8) % threads == 0
+    assert N % block_n == 0 and K % 128 == 0
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
     KS, WORDS = K // SPAN, SPAN // 8
     chunk = max(c for c in range(1, min(chunk, KS) + 1) if KS % c == 0)
-    per_thread = block_n * WORDS // threads
+    convert = convert_words_e4m3(block_n, WORDS, threads)
 
     @T.prim_func
     def grouped_gemm_masked_fp4_fp8(
@@ -68,7 +68,6 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
             acc = T.alloc_fragment((block_n, block_m), ACC)
             sb = T.alloc_fragment((block_n,), ACC)
             sa = T.alloc_fragment((block_m,), ACC)
-            tx = T.get_thread_binding()
 
             rows = T.min(T.max(masked_m[e], 0), MM)
             row0 = by * block_m
@@ -82,10 +81,7 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
                         k = c * chunk + kk
                         T.copy(A[e, row0, k * SPAN], A_s)
                         T.copy(B[e, n0, k * WORDS], Bw_s)
-                        for it in T.serial(per_thread):  # one word (eight values) a thread at a time
-                            u = it * threads + tx
-                            for v in T.vectorized(8):
-                                B_s[u // WORDS, (u % WORDS) * 8 + v] = e4m3_from_word(Bw_s[u // WORDS, u % WORDS], v)
+                        convert(Bw_s, B_s)
                         for i in T.Parallel(block_n):
                             sb[i] = pow2(SB_s[i, kk]) if scale_dtype == "uint8" else SB_s[i, kk]
                         for j in T.Parallel(block_m):

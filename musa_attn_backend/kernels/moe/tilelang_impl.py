@@ -6,6 +6,7 @@ import torch
 
 from ..._tilelang import compile_cached, tl
 from .combine_kernel import build_combine_experts
+from .contiguous_fp4_fp8_kernel import build_grouped_gemm_contiguous_fp4_fp8
 from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
@@ -24,14 +25,14 @@ CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="FullRow")
 LARGE_M_STAGES = (98304, 3)
 MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 # FP4 weights, by how the programs read and convert them ("packing"): "bytes" or "words" (the same memory as int32
-# words, eight values converted at a time), both to bf16 for a bf16 GEMM; "fp8" (masked only), words moved to
-# e4m3 for FP8 tensor cores (masked_fp4_fp8_kernel.py, tiled by MASKED_FP4_FP8: swapped, block_m tokens). The
-# defaults are the fastest measured (bench_moe.py's forms columns: docs/moe.md)
+# words, eight values converted at a time), both to bf16 for a bf16 GEMM; "fp8", words moved to e4m3 for FP8
+# tensor cores (masked_fp4_fp8_kernel.py, contiguous_fp4_fp8_kernel.py; tiled by *_FP4_FP8: swapped, block_m
+# rows). The defaults are the fastest measured (bench_moe.py's forms columns: docs/moe.md)
 FP4_PACKINGS = ("bytes", "words", "fp8")
-CONTIGUOUS_FP4_PACKINGS = ("bytes", "words")
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="fp8")
 MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="words")
+CONTIGUOUS_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
 MASKED_SWIGLU = dict(num_stages=3, threads=256)
@@ -66,6 +67,11 @@ def masked_kernel(N: int, K: int, target=None, **tiling):
 
 
 def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
+    """The contiguous FP4 program under ``CONTIGUOUS_FP4``'s ``packing`` (or ``tiling``'s), as
+    :func:`masked_fp4_kernel` picks the masked one."""
+    if {**CONTIGUOUS_FP4, **tiling}["packing"] == "fp8":
+        return _kernel("moe_fp4_contiguous_fp8", build_grouped_gemm_contiguous_fp4_fp8, CONTIGUOUS_FP4_FP8, (N, K),
+                       target, {k: v for k, v in tiling.items() if k != "packing"}, _fp4_pass_configs())
     return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, (N, K), target, tiling,
                    _fp4_pass_configs())
 
