@@ -37,8 +37,8 @@ Timed, each replayed from a CUDA graph (median of the replays):
 V4's clamped SwiGLU, the weighted sum; FP8 and FP4 weights), against the same layer composed from SGLang's Triton
 GEMMs (its kernel twice, torch for the SwiGLU, the quantisation and the sum); ``ours_paths_ms`` times the FP8 layer
 under each of ``layer.SWIGLU_PATHS`` (torch ops, one ``swiglu_quant`` pass, the epilogue-fused GEMM1), and
-``ours_glue_kernels_ms`` with the TileLang glue (``layer.GLUE_KERNELS``: the quantise-and-scatter, the weighted
-sum).
+``ours_glue_ms`` with its glue (the quantise-and-scatter, the weighted sum) as TileLang programs and as torch ops
+(``layer.GLUE_KERNELS``).
 
 The roofline of a row is the larger of its FLOPs at the run's dense FP8 matmul rate (``torch._scaled_mm`` at 8192^3)
 and its bytes (the weights of the experts the routing touches, A and D) at the run's copy rate.
@@ -292,9 +292,11 @@ def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) 
             row["ours_paths_ms"][path] = time(lambda: run(w13, s13, w2, s2))
     finally:
         layer.SWIGLU_PATH = default
-    layer.GLUE_KERNELS, glue = True, layer.GLUE_KERNELS
-    try:  # the TileLang glue in place of torch's
-        row["ours_glue_kernels_ms"] = time(lambda: run(w13, s13, w2, s2))
+    glue, row["ours_glue_ms"] = layer.GLUE_KERNELS, {}
+    try:  # the glue as TileLang programs and as torch ops
+        for name, on in (("kernels", True), ("torch", False)):
+            layer.GLUE_KERNELS = on
+            row["ours_glue_ms"][name] = time(lambda: run(w13, s13, w2, s2))
     finally:
         layer.GLUE_KERNELS = glue
     w13f, s13f = random_fp4_weights(E, 2 * I, H, device, seed=1)

@@ -73,7 +73,7 @@ def test_launch_glue_matches_the_programs(use_settings):
                                                torch.zeros(E, dtype=torch.int32), None,
                                                (torch.empty(E, 7, N // 2, dtype=torch.float8_e4m3fn),
                                                 torch.empty(E, 7, N // 256)))
-    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked_fp8", "moe_fp4_contiguous",
+    assert [c[0] for c in calls] == ["moe_fp8_contiguous", "moe_fp8_masked", "moe_fp4_masked_fp8", "moe_fp4_contiguous_fp8",
                                      "moe_fp4_masked_fp8", "moe_swiglu_quant", "moe_fp8_contiguous_swiglu",
                                      "moe_fp8_masked_swiglu"]
     for _, func, args in calls:
@@ -178,6 +178,8 @@ def test_programs_compile_for_sm90a(which):
         kern = ti.masked_fp4_kernel(4096, 4096, target=HOPPER, packing="words")
     elif which == "contiguous_fp4_fp8":
         kern = ti.contiguous_fp4_kernel(4096, 4096, target=HOPPER, packing="fp8")
+    elif which == "contiguous_fp4":
+        kern = ti.contiguous_fp4_kernel(4096, 4096, target=HOPPER, packing="words")
     elif which == "combine":
         kern = ti.combine_kernel(7168, 6, target=HOPPER)
     elif which == "quantize_scatter":
@@ -262,6 +264,23 @@ def test_fp4_word_packing_converts_eight_values_a_store(build):
     table = str(0xC8643210)
     assert table in words and table not in plain
     assert "*(uint4*)(((bfloat16_t*)B_w)" in words and "*(uint4*)(((bfloat16_t*)B_w)" not in plain
+
+
+@pytest.mark.parametrize("M,E,packing", [(35584, 256, "fp8"), (57088, 256, "words"), (300, 4, "fp8"),
+                                         (4 * 127 + 32 * 4, 4, "fp8"), (4 * 127 + 32 * 4 + 1, 4, "words")])
+def test_contiguous_fp4_auto_packing_follows_the_rows_an_expert(M, E, packing):
+    """``CONTIGUOUS_FP4["packing"] == "auto"``: the FP8-tensor-core form while the layout (sized by
+    ``align_routing`` for ``T x k`` choices plus ``E x 127`` rows of padding) holds at most 32 rows an expert
+    (T = 512 at V4-Flash: 35,584 rows), the bf16 word form above (T = 4096: 57,088); a set packing is kept."""
+    assert ti.CONTIGUOUS_FP4["packing"] == "auto"
+    assert ti._contiguous_fp4_overrides(M, E) == {"packing": packing}
+    ids = torch.randint(0, 256, (512, 6), dtype=torch.int32)
+    assert moe.align_routing(ids, 256)[1].numel() == 35584
+
+
+def test_contiguous_fp4_kernel_refuses_an_unresolved_packing():
+    with pytest.raises(ValueError, match="packing must be one of"):
+        ti.contiguous_fp4_kernel(4096, 4096, target=HOPPER)
 
 
 def test_fp4_word_packing_glue_passes_the_same_memory_as_words(use_settings, monkeypatch):

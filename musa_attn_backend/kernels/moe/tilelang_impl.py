@@ -27,12 +27,16 @@ MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 # FP4 weights, by how the programs read and convert them ("packing"): "bytes" or "words" (the same memory as int32
 # words, eight values converted at a time), both to bf16 for a bf16 GEMM; "fp8", words moved to e4m3 for FP8
 # tensor cores (masked_fp4_fp8_kernel.py, contiguous_fp4_fp8_kernel.py; tiled by *_FP4_FP8: swapped, block_m
-# rows). The defaults are the fastest measured (bench_moe.py's forms columns: docs/moe.md)
+# rows). The defaults are the fastest measured (bench_moe.py's forms columns: docs/moe.md). Contiguous "auto":
+# "fp8" while the layout holds at most FP4_FP8_MAX_ROWS_PER_EXPERT rows an expert (each 16-row slice of a tile
+# converts the expert's weights again; measured faster up to T = 512, 12 rows an expert), "words" above
 FP4_PACKINGS = ("bytes", "words", "fp8")
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="fp8")
 MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
-CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="words")
+CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="auto")
 CONTIGUOUS_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
+FP4_FP8_MAX_ROWS_PER_EXPERT = 32
+ALIGN = 128
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
 MASKED_SWIGLU = dict(num_stages=3, threads=256)
@@ -68,8 +72,12 @@ def masked_kernel(N: int, K: int, target=None, **tiling):
 
 def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
     """The contiguous FP4 program under ``CONTIGUOUS_FP4``'s ``packing`` (or ``tiling``'s), as
-    :func:`masked_fp4_kernel` picks the masked one."""
-    if {**CONTIGUOUS_FP4, **tiling}["packing"] == "fp8":
+    :func:`masked_fp4_kernel` picks the masked one; ``auto`` is resolved by the caller, who knows the layout's size
+    (:func:`_contiguous_fp4_overrides`)."""
+    packing = {**CONTIGUOUS_FP4, **tiling}["packing"]
+    if packing not in FP4_PACKINGS:
+        raise ValueError(f"contiguous_fp4_kernel: packing must be one of {FP4_PACKINGS}, got {packing!r}")
+    if packing == "fp8":
         return _kernel("moe_fp4_contiguous_fp8", build_grouped_gemm_contiguous_fp4_fp8, CONTIGUOUS_FP4_FP8, (N, K),
                        target, {k: v for k, v in tiling.items() if k != "packing"}, _fp4_pass_configs())
     return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, (N, K), target, tiling,
@@ -136,6 +144,16 @@ def _fp4_bytes(b, tiling: dict):
     return b.view(torch.int32) if tiling.get("packing") in ("words", "fp8") else b
 
 
+def _contiguous_fp4_overrides(M: int, E: int) -> dict:
+    """The contiguous FP4 program's ``packing`` for a layout of ``M`` rows over ``E`` experts (host values, no
+    sync): ``CONTIGUOUS_FP4``'s, or under ``auto`` the rule above, the layout's choices bounded by
+    ``M - E * (ALIGN - 1)`` (:func:`.reference.align_routing` sizes it for the worst routing)."""
+    packing = CONTIGUOUS_FP4["packing"]
+    if packing == "auto":
+        packing = "fp8" if M - E * (ALIGN - 1) <= FP4_FP8_MAX_ROWS_PER_EXPERT * E else "words"
+    return {"packing": packing}
+
+
 def _contiguous_overrides(M: int) -> dict:
     """The contiguous FP8 tiling's overrides for ``M`` rows of A (a host value: the layout's size, no sync)."""
     return {} if LARGE_M_STAGES is None or M < LARGE_M_STAGES[0] else {"num_stages": LARGE_M_STAGES[1]}
@@ -144,8 +162,9 @@ def _contiguous_overrides(M: int) -> dict:
 def grouped_gemm_contiguous_tilelang(a, a_scale, b, b_scale, grouped_layout, out, fp4=False):
     if a.shape[0]:
         if fp4:
-            contiguous_fp4_kernel(b.shape[1], a.shape[1], **_fp4_scales(b_scale))(
-                a, a_scale, _fp4_bytes(b, CONTIGUOUS_FP4), b_scale, grouped_layout, out)
+            tiling = _contiguous_fp4_overrides(a.shape[0], b.shape[0])
+            contiguous_fp4_kernel(b.shape[1], a.shape[1], **_fp4_scales(b_scale), **tiling)(
+                a, a_scale, _fp4_bytes(b, tiling), b_scale, grouped_layout, out)
         else:
             contiguous_kernel(b.shape[1], a.shape[1], **_contiguous_overrides(a.shape[0]))(
                 a, a_scale, b, b_scale, grouped_layout, out)
