@@ -107,3 +107,25 @@ def convert_words_e4m3(rows: int, words: int, threads: int):
                 B_s[u // words, (u % words) * 8 + v] = e4m3_from_word(Bw[u // words, u % words], v)
 
     return convert
+
+
+def fp8_mma_step(block_n: int, block_m: int, words: int, threads: int, scale_dtype: str):
+    """A macro ``step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)``: one 32-value K step of the FP4
+    programs on FP8 tensor cores, after its copies: the packed words ``Bw_s [block_n, words]`` converted into
+    ``B_s`` (:func:`convert_words_e4m3`), one FP8 GEMM of ``B_s`` and the token tile ``A_s [block_m, 32]`` into
+    ``part [block_n, block_m]``, added to ``acc`` times the weight rows' scales (column ``kk`` of the staged
+    ``SB_s``: UE8M0 bytes or float32 values) and the token rows' (column ``k / 4`` of ``SA_s``)."""
+    convert = convert_words_e4m3(block_n, words, threads)
+
+    @T.macro
+    def step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc):
+        convert(Bw_s, B_s)
+        for i in T.Parallel(block_n):
+            sb[i] = pow2(SB_s[i, kk]) if scale_dtype == "uint8" else SB_s[i, kk]
+        for j in T.Parallel(block_m):
+            sa[j] = SA_s[j, k // 4]
+        T.gemm(B_s, A_s, part, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(block_n, block_m):
+            acc[i, j] += part[i, j] * (sb[i] * sa[j])
+
+    return step

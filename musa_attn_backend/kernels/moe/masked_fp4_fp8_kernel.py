@@ -23,7 +23,7 @@ reach no written value.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import convert_words_e4m3, pow2
+from .fp4_tir import fp8_mma_step
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -46,7 +46,7 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
     KS, WORDS = K // SPAN, SPAN // 8
     chunk = max(c for c in range(1, min(chunk, KS) + 1) if KS % c == 0)
-    convert = convert_words_e4m3(block_n, WORDS, threads)
+    step = fp8_mma_step(block_n, block_m, WORDS, threads, scale_dtype)
 
     @T.prim_func
     def grouped_gemm_masked_fp4_fp8(
@@ -81,14 +81,7 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
                         k = c * chunk + kk
                         T.copy(A[e, row0, k * SPAN], A_s)
                         T.copy(B[e, n0, k * WORDS], Bw_s)
-                        convert(Bw_s, B_s)
-                        for i in T.Parallel(block_n):
-                            sb[i] = pow2(SB_s[i, kk]) if scale_dtype == "uint8" else SB_s[i, kk]
-                        for j in T.Parallel(block_m):
-                            sa[j] = SA_s[j, k // (128 // SPAN)]
-                        T.gemm(B_s, A_s, part, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(block_n, block_m):
-                            acc[i, j] += part[i, j] * (sb[i] * sa[j])
+                        step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)
                 for i, j in T.Parallel(block_n, block_m):
                     D_s[j, i] = T.Cast(BF16, acc[i, j] * E2M1_OVER_E4M3)
                 for j, i in T.Parallel(block_m, block_n):
