@@ -283,6 +283,11 @@ def test_contiguous_fp4_kernel_refuses_an_unresolved_packing():
         ti.contiguous_fp4_kernel(4096, 4096, target=HOPPER)
 
 
+def test_masked_fp4_kernel_refuses_an_unknown_packing():
+    with pytest.raises(ValueError, match="moe_fp4_masked: packing must be one of"):
+        ti.masked_fp4_kernel(4096, 4096, target=HOPPER, packing="nibbles")
+
+
 def test_fp4_word_packing_glue_passes_the_same_memory_as_words(use_settings, monkeypatch):
     """Under ``packing="words"`` the glue hands the FP4 programs the packed bytes as an int32 view (no copy) that
     matches their signatures."""

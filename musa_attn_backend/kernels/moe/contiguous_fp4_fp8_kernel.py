@@ -17,12 +17,12 @@ import functools
 
 from ..._tilelang import tl_lang as T
 from .fp4_tir import fp8_mma_step
+from .reference import ALIGN as TILE  # the layout's alignment: a tile's expert is its first row's
 
 FP8 = "float8_e4m3"
 ACC = "float32"
 BF16 = "bfloat16"
 SPAN = 32  # the values one weight scale covers, one FP8 MMA's K
-TILE = 128  # the layout's alignment: a tile's expert is its first row's
 E2M1_OVER_E4M3 = 64.0
 
 

@@ -16,6 +16,7 @@ from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
 from .quantize_scatter_kernel import build_quantize_scatter
+from .reference import ALIGN
 from .swiglu_quant_kernel import build_swiglu_quant
 
 # the tilings: the contiguous layout's tile is 128 rows (its alignment); masked decode batches are small, so 64.
@@ -36,7 +37,6 @@ MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="auto")
 CONTIGUOUS_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
 FP4_FP8_MAX_ROWS_PER_EXPERT = 32
-ALIGN = 128
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
 MASKED_SWIGLU = dict(num_stages=3, threads=256)
@@ -70,29 +70,31 @@ def masked_kernel(N: int, K: int, target=None, **tiling):
     return _kernel("moe_fp8_masked", build_grouped_gemm_masked, MASKED, (N, K), target, tiling)
 
 
-def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
-    """The contiguous FP4 program under ``CONTIGUOUS_FP4``'s ``packing`` (or ``tiling``'s), as
-    :func:`masked_fp4_kernel` picks the masked one; ``auto`` is resolved by the caller, who knows the layout's size
-    (:func:`_contiguous_fp4_overrides`)."""
-    packing = {**CONTIGUOUS_FP4, **tiling}["packing"]
+def _fp4_kernel(name: str, build, tiling_default: dict, build_fp8, tiling_fp8: dict, args: tuple, target,
+                tiling: dict):
+    """An FP4 program under ``tiling_default``'s ``packing`` (or ``tiling``'s): ``bytes`` or ``words``, ``build``
+    (the weights converted to bf16); ``fp8``, ``build_fp8`` tiled by ``tiling_fp8`` (the weights read as words and
+    converted to e4m3 for FP8 tensor cores). Both built without warp specialisation."""
+    packing = {**tiling_default, **tiling}["packing"]
     if packing not in FP4_PACKINGS:
-        raise ValueError(f"contiguous_fp4_kernel: packing must be one of {FP4_PACKINGS}, got {packing!r}")
+        raise ValueError(f"{name}: packing must be one of {FP4_PACKINGS}, got {packing!r}")
     if packing == "fp8":
-        return _kernel("moe_fp4_contiguous_fp8", build_grouped_gemm_contiguous_fp4_fp8, CONTIGUOUS_FP4_FP8, (N, K),
-                       target, {k: v for k, v in tiling.items() if k != "packing"}, _fp4_pass_configs())
-    return _kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4, (N, K), target, tiling,
-                   _fp4_pass_configs())
+        return _kernel(f"{name}_fp8", build_fp8, tiling_fp8, args, target,
+                       {k: v for k, v in tiling.items() if k != "packing"}, _fp4_pass_configs())
+    return _kernel(name, build, tiling_default, args, target, tiling, _fp4_pass_configs())
+
+
+def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
+    """The contiguous FP4 program (:func:`_fp4_kernel`: contiguous_fp4_kernel.py, contiguous_fp4_fp8_kernel.py);
+    ``auto`` is resolved by the caller, who knows the layout's size (:func:`_contiguous_fp4_overrides`)."""
+    return _fp4_kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4,
+                       build_grouped_gemm_contiguous_fp4_fp8, CONTIGUOUS_FP4_FP8, (N, K), target, tiling)
 
 
 def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
-    """The masked FP4 program under ``MASKED_FP4``'s ``packing`` (or ``tiling``'s): ``bytes`` or ``words``, the
-    weights converted to bf16 (masked_fp4_kernel.py); ``fp8``, read as words and converted to e4m3 for FP8
-    tensor cores (masked_fp4_fp8_kernel.py, tiled by ``MASKED_FP4_FP8``)."""
-    if {**MASKED_FP4, **tiling}["packing"] == "fp8":
-        return _kernel("moe_fp4_masked_fp8", build_grouped_gemm_masked_fp4_fp8, MASKED_FP4_FP8, (N, K), target,
-                       {k: v for k, v in tiling.items() if k != "packing"}, _fp4_pass_configs())
-    return _kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4, (N, K), target, tiling,
-                   _fp4_pass_configs())
+    """The masked FP4 program (:func:`_fp4_kernel`: masked_fp4_kernel.py, masked_fp4_fp8_kernel.py)."""
+    return _fp4_kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4,
+                       build_grouped_gemm_masked_fp4_fp8, MASKED_FP4_FP8, (N, K), target, tiling)
 
 
 def swiglu_quant_kernel(I: int, limit, target=None, **tiling):
