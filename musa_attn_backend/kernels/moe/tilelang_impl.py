@@ -30,7 +30,7 @@ MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 # tensor cores (masked_fp4_fp8_kernel.py, contiguous_fp4_fp8_kernel.py; tiled by *_FP4_FP8: swapped, block_m
 # rows). The defaults are the fastest measured (bench_moe.py's forms columns: docs/moe.md). Contiguous "auto":
 # "fp8" while the layout holds at most FP4_FP8_MAX_ROWS_PER_EXPERT rows an expert (each 16-row slice of a tile
-# converts the expert's weights again; measured faster up to T = 512, 12 rows an expert), "words" above
+# converts the expert's weights again, so the form pays off for few rows an expert), "words" above
 FP4_PACKINGS = ("bytes", "words", "fp8")
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="fp8")
 MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, threads=128)
