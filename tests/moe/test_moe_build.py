@@ -318,16 +318,19 @@ def test_fp4_word_packing_glue_passes_the_same_memory_as_words(use_settings, mon
 
 def _e4m3_conversion_program(R: int, C: int):
     """A CPU program (TileLang's C target, which has no FP8 type) writing one tile of packed E2M1 words as e4m3
-    bytes through :func:`e4m3_bits_from_word`, the conversion of the FP8-tensor-core FP4 program."""
+    bytes, two int32 words (the bits of two uint32) a packed word, through :func:`e4m3_quads`, the conversion of the FP8-tensor-core FP4
+    programs."""
     from musa_attn_backend._tilelang import tl_lang as T
-    from musa_attn_backend.kernels.moe.fp4_tir import e4m3_bits_from_word
+    from musa_attn_backend.kernels.moe.fp4_tir import e4m3_quads
 
     @T.prim_func
-    def conv(Bw: T.Tensor((R, C // 8), "int32"), out: T.Tensor((R, C), "uint8")):
+    def conv(Bw: T.Tensor((R, C // 8), "int32"), out: T.Tensor((R, C // 4), "int32")):
         with T.Kernel(1, threads=1) as _:
             for n in T.serial(R):
-                for j in T.serial(C):
-                    out[n, j] = e4m3_bits_from_word(Bw[n, j // 8], j % 8)
+                for q in T.serial(C // 8):
+                    lo, hi = e4m3_quads(Bw[n, q])
+                    out[n, 2 * q] = T.Cast("int32", lo)
+                    out[n, 2 * q + 1] = T.Cast("int32", hi)
 
     return conv
 
@@ -344,7 +347,7 @@ def test_fp4_to_e4m3_conversion_is_exact():
     assert torch.unique(bq).numel() == 256
     out = torch.full((R, C), 0x7F, dtype=torch.uint8)
     kernel = tilelang.compile(_e4m3_conversion_program(R, C), target="c")
-    kernel(bq.view(torch.int32), out)
+    kernel(bq.view(torch.int32), out.view(torch.int32))
     ref = moe.dequantize_fp4(bq, torch.full((R, C // 32), 121, dtype=torch.uint8))
     assert torch.equal(out, ref.to(torch.float8_e4m3fn).view(torch.uint8))
     assert (out.view(torch.float8_e4m3fn).float() != 0).float().mean() > 0.8

@@ -76,35 +76,43 @@ def convert_words(rows: int, cols: int, threads: int, out_dtype: str):
     return convert
 
 
-def e4m3_bits_from_word(word, i):
-    """The e4m3 byte (uint8) of value ``i`` (0..7) of a little-endian int32 ``word`` of packed E2M1: the e4m3 value
-    ``E2M1 / 64``, by bit moves alone. The nibble ``s eem`` becomes the byte ``s 000 0ee m00`` (e4m3's exponent
-    bias is 7, E2M1's 1; the subnormals line up, ``0 001`` = 0.5 -> ``0 0000 100`` = 2^-7). The word is split into
-    its even and odd nibbles, four bytes each, both moved at once; value ``i`` is byte ``i / 2`` of one half."""
-    half = T.shift_right(T.Cast("uint32", word), T.uint32(4 * (i % 2))) & T.uint32(0x0F0F0F0F)
-    e4m3 = T.shift_left(half & T.uint32(0x08080808), T.uint32(4)) | T.shift_left(half & T.uint32(0x07070707),
-                                                                                   T.uint32(2))
-    return T.Cast("uint8", T.shift_right(e4m3, T.Cast("uint32", 8 * (i // 2))) & T.uint32(0xFF))
+def e4m3_quads(word):
+    """The e4m3 bytes of the eight E2M1 values of a little-endian int32 ``word`` of packed E2M1 (value ``i`` in bits
+    ``4i .. 4i + 3``), as two uint32 words: values 0..3 in bytes 0..3 of the first, 4..7 of the second. Each byte
+    is the e4m3 value ``E2M1 / 64``, made by bit moves alone: the nibble ``s eem`` becomes the byte ``s 000 0ee
+    m00`` (e4m3's exponent bias is 7, E2M1's 1; the subnormals line up, ``0 001`` = 0.5 -> ``0 0000 100`` =
+    2^-7). Each half of the word has its four nibbles spread one a byte (two shift-or-mask steps), then all four
+    moved at once, so no byte is taken apart or put back together."""
+    u32 = T.uint32
+    w = T.Cast("uint32", word)
 
+    def quad(x):  # four nibbles in bits 0..15 -> four e4m3 bytes
+        x = (x | T.shift_left(x, u32(8))) & u32(0x00FF00FF)
+        x = (x | T.shift_left(x, u32(4))) & u32(0x0F0F0F0F)
+        return (T.shift_left(x, u32(4)) & u32(0x80808080)) | (T.shift_left(x, u32(2)) & u32(0x1C1C1C1C))
 
-def e4m3_from_word(word, i):
-    """:func:`e4m3_bits_from_word` as an e4m3 value."""
-    return T.reinterpret(e4m3_bits_from_word(word, i), "float8_e4m3")
+    return quad(w & u32(0xFFFF)), quad(T.shift_right(w, u32(16)))
 
 
 def convert_words_e4m3(rows: int, words: int, threads: int):
-    """A macro ``convert(Bw, B_s)``: the e4m3 tile ``B_s [rows, 8 * words]`` (:func:`e4m3_from_word`: ``E2M1 / 64``,
-    unscaled) from its packed int32 words ``Bw [rows, words]``; each thread converts one word (eight values) into
-    one 8-byte store at a time."""
+    """A macro ``convert(Bw, B_s)``: the e4m3 tile ``B_s [rows, 8 * words]`` (``E2M1 / 64``, unscaled:
+    :func:`e4m3_quads`) from its packed int32 words ``Bw [rows, words]``. Each thread converts one word at a time
+    into a two-word register buffer and stores its eight bytes at once, through a uint8 view of ``B_s``: a view of
+    the same element size keeps the tile's layout (its swizzle, chosen for the GEMM, counts bytes either way),
+    and storing uint8 lanes keeps the store one 8-byte move."""
     assert rows * words % threads == 0
 
     @T.macro
     def convert(Bw, B_s):
         tx = T.get_thread_binding()
+        quads = T.alloc_local((2,), "uint32")
+        values = T.view(quads, (8,), "uint8")
+        B_bytes = T.view(B_s, (rows, 8 * words), "uint8")
         for it in T.serial(rows * words // threads):
             u = it * threads + tx
+            quads[0], quads[1] = e4m3_quads(Bw[u // words, u % words])
             for v in T.vectorized(8):
-                B_s[u // words, (u % words) * 8 + v] = e4m3_from_word(Bw[u // words, u % words], v)
+                B_bytes[u // words, (u % words) * 8 + v] = values[v]
 
     return convert
 

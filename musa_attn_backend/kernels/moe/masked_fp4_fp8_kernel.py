@@ -7,7 +7,7 @@ for ``m < masked_m[e]`` (clamped to ``[0, max_m]``).
 
 Every E2M1 value is an e4m3 value times 64: the nibble ``s eem`` read as the byte ``s 000 0ee m00`` (exponent bias
 7 against 1, the subnormals of both formats aligned) is ``E2M1 / 64``. So the weights become FP8 by bit moves
-(:func:`.fp4_tir.e4m3_from_word`: integer operations on whole words, no table, no float), and the
+(:func:`.fp4_tir.e4m3_quads`: integer operations on whole words, no table, no float), and the
 activations stay FP8: one FP8 tensor-core GEMM of two shared tiles (what MUSA MP31 lowers) per 32 values of K,
 the span of one weight scale. Its float32 result is scaled into the accumulator by the weight row's scale and the
 activation row's scale; the factor 64 is applied once, to the output.
