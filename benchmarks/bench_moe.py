@@ -114,18 +114,33 @@ def triton_alignment(ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids, torch.tensor([total], dtype=torch.int32, device=ids.device)
 
 
+def sglang_config(w1_shape, w2_shape, top_k: int, T: int) -> dict:
+    """SGLang's Triton MoE config for block-FP8 weights at ``T`` tokens (its tuned tables, else its default). The
+    lookup reads the deterministic-inference flag from the runtime context a server publishes; in a bare process
+    none is published, so the lookup sees the server's default (off) instead of raising."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from sglang.srt import runtime_context
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe_triton_config as cfg
+
+    exec_default = SimpleNamespace(deterministic=SimpleNamespace(enable_deterministic_inference=False))
+    published = runtime_context.get_context().is_config_namespace_published("exec")
+    with mock.patch.object(cfg, "get_exec", cfg.get_exec if published else (lambda: exec_default)):
+        config = cfg.try_get_optimal_moe_config(w1_shape, w2_shape, top_k, "fp8_w8a8", T, block_shape=[128, 128])
+    return dict(config[0] if isinstance(config, tuple) else config)
+
+
 def sglang_triton(model_shape, ids, a_tok, sa_tok, b, sb, out, topk_weights=None, per_choice=False):
     """SGLang's Triton block-FP8 MoE GEMM of token rows ``a_tok [T, K]`` (each gathered once per choice; with
     ``per_choice`` the rows are already ``[T * k, K]``, as SGLang runs its down GEMM) into ``out [T * k, N]``, times
     ``topk_weights`` when given: ``(fn, config)``."""
     import triton.language as tl
     from sglang.kernels.ops.moe.fused_moe_triton_kernels import invoke_fused_moe_kernel
-    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import try_get_optimal_moe_config
 
     E, H, I = model_shape
     T, k = ids.shape
-    config = try_get_optimal_moe_config((E, 2 * I, H), (E, H, I), k, "fp8_w8a8", T, block_shape=[128, 128])
-    config = config[0] if isinstance(config, tuple) else config
+    config = sglang_config((E, 2 * I, H), (E, H, I), k, T)
     sorted_ids, expert_ids, post = triton_alignment(ids, E, config["BLOCK_SIZE_M"])
     w = topk_weights if topk_weights is not None else torch.ones(T, k, device=ids.device)
 
