@@ -27,8 +27,9 @@ Timed, each replayed from a CUDA graph (median of the replays):
   SGLang's is a compiled op;
 - ``ours_fp4`` / ``ours_fp4_masked`` (``T <= 512``): both layouts with MXFP4 weights of the same shape (random
   E2M1 bytes, UE8M0 scales), converted in the kernel under the default forms; ``ours_fp4_forms_ms`` /
-  ``ours_fp4_masked_forms_ms``: each conversion form (``tilelang_impl``'s ``packing``: to bf16 from ``bytes`` or
-  ``words``; or ``fp8``, to e4m3 for FP8 tensor cores);
+  ``ours_fp4_masked_forms_ms``: each conversion form (:data:`FP4_FORMS`: ``tilelang_impl``'s ``packing``, to bf16
+  from ``bytes`` or ``words``, or ``fp8``, to e4m3 for FP8 tensor cores, with 1, 2 or 4 spans of 32 values a K
+  step); above 512 tokens ``ours_fp4_forms_ms`` alone, without ``bytes`` (the contiguous ``auto`` rule's choice);
 - ``ours_gemm_swiglu`` (gate_up rows): :func:`grouped_gemm_swiglu_fp8`, GEMM1 with the SwiGLU and GEMM2's
   quantisation in its epilogue, against ``ours`` plus ``ours_swiglu_quant`` (:func:`swiglu_quant` over the chosen
   rows of ``ours``' output), the two steps it replaces.
@@ -224,21 +225,16 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
         b4, sb4 = random_fp4_weights(E, N, K, device)
         row["ours_fp4_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
         row["ours_fp4_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
-        from musa_attn_backend.kernels.moe import tilelang_impl
-
-        # every conversion form (tilelang_impl's packing: bf16 from bytes or words; masked also e4m3 for FP8 MMA)
-        saved = tilelang_impl.CONTIGUOUS_FP4["packing"], tilelang_impl.MASKED_FP4["packing"]
-        row["ours_fp4_forms_ms"], row["ours_fp4_masked_forms_ms"] = {}, {}
-        try:
-            for form in tilelang_impl.FP4_PACKINGS:
-                tilelang_impl.MASKED_FP4["packing"] = form
-                row["ours_fp4_masked_forms_ms"][form] = time(
-                    lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
-                tilelang_impl.CONTIGUOUS_FP4["packing"] = form
-                row["ours_fp4_forms_ms"][form] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
-        finally:
-            tilelang_impl.CONTIGUOUS_FP4["packing"], tilelang_impl.MASKED_FP4["packing"] = saved
+        row["ours_fp4_masked_forms_ms"] = fp4_forms(FP4_FORMS, time, lambda: moe.grouped_gemm_fp8_masked(
+            am, sam, b4, sb4, mm, om))
+        row["ours_fp4_forms_ms"] = fp4_forms(FP4_FORMS, time, lambda: moe.grouped_gemm_fp8(
+            a, sa, b4, sb4, layout, out))
         del am, sam, om, b4, sb4
+    else:  # prefill sizes: the contiguous FP4 programs that the ``auto`` packing chooses between
+        b4, sb4 = random_fp4_weights(E, N, K, device)
+        row["ours_fp4_forms_ms"] = fp4_forms([f for f in FP4_FORMS if f[1] != "bytes"], time,
+                                             lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
+        del b4, sb4
     if gemm == "gate_up":  # the epilogue-fused GEMM1, and the SwiGLU + quantisation pass it replaces
         try:
             qs = (torch.empty(layout.numel(), N // 2, device=device, dtype=torch.float8_e4m3fn),
@@ -384,6 +380,30 @@ def versions() -> dict:
     return package_versions("tilelang")
 
 
+# the FP4 forms each FP4 row times: (name, tilelang_impl packing, FP8-MMA spans of 32 values a K step)
+FP4_FORMS = [("bytes", "bytes", 1), ("words", "words", 1), ("fp8", "fp8", 1), ("fp8_spans2", "fp8", 2),
+             ("fp8_spans4", "fp8", 4)]
+
+
+def fp4_forms(forms, time, fn) -> dict:
+    """``{form: ms}`` of ``fn`` (an FP4 GEMM launch) under each of ``forms`` (:data:`FP4_FORMS` entries); the
+    FP4 defaults are restored afterwards."""
+    from musa_attn_backend.kernels.moe import tilelang_impl as ti
+
+    dicts = (ti.CONTIGUOUS_FP4, ti.MASKED_FP4, ti.CONTIGUOUS_FP4_FP8, ti.MASKED_FP4_FP8)
+    saved = [dict(d) for d in dicts]
+    out = {}
+    try:
+        for form, packing, spans in forms:
+            ti.MASKED_FP4["packing"] = ti.CONTIGUOUS_FP4["packing"] = packing
+            ti.MASKED_FP4_FP8["spans"] = ti.CONTIGUOUS_FP4_FP8["spans"] = spans
+            out[form] = time(fn)
+    finally:
+        for d, v in zip(dicts, saved):
+            d.update(v)
+    return out
+
+
 def kernels_for(models, tiling: dict) -> list:
     """The TileLang programs a run of ``models`` compiles, as ``(tilelang_impl function, args, tiling)``: the
     contiguous FP8 GEMM under ``tiling`` (and its large-M stages, where the run keeps that rule), everything else
@@ -399,8 +419,8 @@ def kernels_for(models, tiling: dict) -> list:
         for N, K in ((2 * I, H), (H, I)):
             jobs += [("contiguous_kernel", (N, K), t) for t in contiguous]
             jobs += [("masked_kernel", (N, K), {})]
-            jobs += [(name, (N, K), {"packing": p}) for p in tilelang_impl.FP4_PACKINGS
-                     for name in ("masked_fp4_kernel", "contiguous_fp4_kernel")]
+            jobs += [(name, (N, K), {"packing": p, **({"spans": n} if p == "fp8" else {})})
+                     for _, p, n in FP4_FORMS for name in ("masked_fp4_kernel", "contiguous_fp4_kernel")]
         jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
                  ("swiglu_quant_kernel", (I, 10.0), {}), ("combine_kernel", (H, TOPK), {}),
                  ("quantize_scatter_kernel", (H, TOPK), {})]

@@ -20,8 +20,8 @@ def test_smoke_writes_json(tmp_path, load_bench):
             continue
         assert ("ours_gemm_swiglu_ms" in r and "ours_swiglu_quant_ms" in r) == (r["op"] == "moe_gate_up"), r
         assert "ours_ms" in r and "ours_masked_ms" in r and r["shape"]["rows"] == r["shape"]["T"] * 6
-        assert set(r["ours_fp4_masked_forms_ms"]) == {"bytes", "words", "fp8"}
-        assert set(r["ours_fp4_forms_ms"]) == {"bytes", "words", "fp8"}
+        forms = {"bytes", "words", "fp8", "fp8_spans2", "fp8_spans4"}
+        assert set(r["ours_fp4_masked_forms_ms"]) == forms and set(r["ours_fp4_forms_ms"]) == forms
         assert r["shape"]["layout_rows"] % 128 == 0 and r["flops"] > 0
 
 

@@ -185,16 +185,21 @@ def test_fused_experts_matches_reference(gpu_device, T, layout, mapped, fp4, pat
     assert rel < 1e-2, rel
 
 
+# the FP4 conversion forms (tilelang_impl's packing) and, for FP8 tensor cores, the spans of 32 values a K step
+FP4_FORMS = [("bytes", 1), ("words", 1), ("fp8", 1), ("fp8", 2), ("fp8", 4)]
+
+
 @pytest.mark.parametrize("shape,E,max_m", [("small", 8, 5), ("flash_gate_up", 32, 64), ("pro_gate_up", 8, 130)])
 @pytest.mark.parametrize("scales", ["ue8m0", "float32"])
-@pytest.mark.parametrize("packing", ["bytes", "words", "fp8"])
-def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales, packing, monkeypatch):
+@pytest.mark.parametrize("packing,spans", FP4_FORMS)
+def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales, packing, spans, monkeypatch):
     """FP4 (MXFP4) experts converted in the kernel: the same bound as FP8 (the conversion is exact); the scales as
     UE8M0 bytes or as float32 powers of two (SGLang's storage); every conversion form (``packing``: to bf16 by
-    bytes or words, or to e4m3 for FP8 tensor cores)."""
+    bytes or words, or to e4m3 for FP8 tensor cores, 32, 64 or 128 values of K a step: ``spans``)."""
     from musa_attn_backend.kernels.moe import tilelang_impl
 
     monkeypatch.setitem(tilelang_impl.MASKED_FP4, "packing", packing)
+    monkeypatch.setitem(tilelang_impl.MASKED_FP4_FP8, "spans", spans)
     N, K = SHAPES[shape]
     g = torch.Generator(device=gpu_device).manual_seed(4)
     packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g,
@@ -214,11 +219,12 @@ def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales, packi
 
 @pytest.mark.parametrize("shape,T,E,scales", [("small", 333, 8, "ue8m0"), ("flash_gate_up", 512, 32, "ue8m0"),
                                               ("small", 333, 8, "float32")])
-@pytest.mark.parametrize("packing", ["bytes", "words", "fp8"])
-def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E, scales, packing, monkeypatch):
+@pytest.mark.parametrize("packing,spans", FP4_FORMS)
+def test_contiguous_fp4_matches_reference(gpu_device, shape, T, E, scales, packing, spans, monkeypatch):
     from musa_attn_backend.kernels.moe import tilelang_impl
 
     monkeypatch.setitem(tilelang_impl.CONTIGUOUS_FP4, "packing", packing)
+    monkeypatch.setitem(tilelang_impl.CONTIGUOUS_FP4_FP8, "spans", spans)
     N, K = SHAPES[shape]
     g = torch.Generator(device=gpu_device).manual_seed(5)
     packed, scale = moe.quantize_fp4_reference(torch.randn(E, N, K, device=gpu_device, generator=g))

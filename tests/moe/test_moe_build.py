@@ -353,13 +353,18 @@ def test_fp4_to_e4m3_conversion_is_exact():
     assert (out.view(torch.float8_e4m3fn).float() != 0).float().mean() > 0.8
 
 
+@pytest.mark.parametrize("spans", [1, 2, 4])
 @pytest.mark.parametrize("which", ["masked_fp4", "contiguous_fp4"])
-def test_fp4_fp8_programs_lower_for_sm90a(which):
+def test_fp4_fp8_programs_lower_for_sm90a(which, spans):
     """``packing="fp8"``: the packed words and the activations loaded by every thread (cp.async, no warp
     specialisation), one m64n16k32 FP8 WGMMA of the converted weight tile (the M side) and the token tile per 32
-    values of K, the factor 64 applied once to the output; contiguous: the NaN of rows of another expert."""
-    src = getattr(ti, f"{which}_kernel")(4096, 2048, target=HOPPER, packing="fp8").get_kernel_source()
+    values of K (``spans`` of them a step, each on its own slice of both tiles), the converted words stored 8 bytes
+    at a time, the factor 64 applied once to the output; contiguous: the NaN of rows of another expert."""
+    src = getattr(ti, f"{which}_kernel")(4096, 2048, target=HOPPER, packing="fp8", spans=spans).get_kernel_source()
     assert "cp_async" in src and "mbarrier" not in src
+    assert "*(uint2*)(((uchar*)B_bytes)" in src
+    assert (f"for (int s = 0; s < {spans}; ++s)" in src) == (spans > 1)
+    assert ("increase_descriptor_offset<int>(desc_a, (s * 4096))" in src) == (spans > 1)
     assert ("(uint16_t)32704" in src or "0x7FC0" in src.upper() or "32704" in src) == (which == "contiguous_fp4")
     assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 16, 32" in src
     assert src.count("0x1p+6f") == 1

@@ -16,28 +16,27 @@ A slice with no row of its tile's expert (a tile's padding) computes nothing.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import fp8_mma_step
+from .fp4_tir import SPAN, fp8_mma_step
 from .reference import ALIGN as TILE  # the layout's alignment: a tile's expert is its first row's
 
 FP8 = "float8_e4m3"
 ACC = "float32"
 BF16 = "bfloat16"
-SPAN = 32  # the values one weight scale covers, one FP8 MMA's K
 E2M1_OVER_E4M3 = 64.0
 
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, block_n: int = 128,
-                                          num_stages: int = 4, threads: int = 128, scale_dtype: str = "uint8",
-                                          chunk: int = 32):
+                                          num_stages: int = 4, spans: int = 1, threads: int = 128,
+                                          scale_dtype: str = "uint8", chunk: int = 32):
     """``N``, ``K``: the weights' logical shape (multiples of 128); ``B`` is read as int32 words (the masked
     program's); ``M`` and the expert count are dynamic. ``block_m`` divides 128. ``scale_dtype``: ``uint8`` (UE8M0
-    bytes) or ``float32`` (the scales' values). The scales are staged as in the masked program (``chunk``)."""
-    assert N % block_n == 0 and K % 128 == 0 and TILE % block_m == 0
+    bytes) or ``float32`` (the scales' values). ``spans`` (1, 2 or 4) and ``chunk``: as in the masked program."""
+    assert N % block_n == 0 and K % 128 == 0 and TILE % block_m == 0 and spans in (1, 2, 4)
     M, E = T.dynamic("m"), T.dynamic("experts")
     KS, WORDS = K // SPAN, SPAN // 8
-    chunk = max(c for c in range(1, min(chunk, KS) + 1) if KS % c == 0)
-    step = fp8_mma_step(block_n, block_m, WORDS, threads, scale_dtype)
+    chunk = max(c for c in range(spans, max(min(chunk, KS), spans) + 1, spans) if KS % c == 0)
+    step = fp8_mma_step(block_n, block_m, spans, threads, scale_dtype)
 
     @T.prim_func
     def grouped_gemm_contiguous_fp4_fp8(
@@ -49,9 +48,9 @@ def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, blo
         D: T.Tensor((M, N), BF16),
     ):
         with T.Kernel(N // block_n, T.ceildiv(M, block_m), threads=threads) as (bx, by):
-            A_s = T.alloc_shared((block_m, SPAN), FP8)
-            Bw_s = T.alloc_shared((block_n, WORDS), "int32")
-            B_s = T.alloc_shared((block_n, SPAN), FP8)
+            A_s = T.alloc_shared((block_m, SPAN * spans), FP8)
+            Bw_s = T.alloc_shared((block_n, WORDS * spans), "int32")
+            B_s = T.alloc_shared((block_n, SPAN * spans), FP8)
             SA_s = T.alloc_shared((block_m, K // 128), ACC)
             SB_s = T.alloc_shared((block_n, chunk), scale_dtype)
             D_s = T.alloc_shared((block_m, block_n), BF16)
@@ -75,8 +74,8 @@ def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, blo
                 T.clear(acc)
                 for c in T.serial(KS // chunk):
                     T.copy(SB[layout[tile0], n0, c * chunk], SB_s)
-                    for kk in T.Pipelined(chunk, num_stages=num_stages):
-                        k = c * chunk + kk
+                    for kk in T.Pipelined(chunk // spans, num_stages=num_stages):
+                        k = c * chunk + kk * spans  # in units of 32 values
                         T.copy(A[row0, k * SPAN], A_s)
                         T.copy(B[layout[tile0], n0, k * WORDS], Bw_s)
                         step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)

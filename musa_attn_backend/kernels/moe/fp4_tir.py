@@ -31,6 +31,9 @@ def fp4_weight(Bq, Bs, n, j):
     return e2m1(nib) * (pow2(scale) if str(Bs.dtype) == "uint8" else scale)
 
 
+SPAN = 32  # the values one UE8M0 weight scale covers: one FP8 MMA's K in the FP8-tensor-core programs
+SPAN_WORDS = SPAN // 8
+
 # twice the E2M1 magnitudes of codes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6), one per 4-bit field: code c's in bits 4c..4c+3
 E2M1_TWICE = 0xC8643210
 
@@ -117,23 +120,27 @@ def convert_words_e4m3(rows: int, words: int, threads: int):
     return convert
 
 
-def fp8_mma_step(block_n: int, block_m: int, words: int, threads: int, scale_dtype: str):
-    """A macro ``step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)``: one 32-value K step of the FP4
-    programs on FP8 tensor cores, after its copies: the packed words ``Bw_s [block_n, words]`` converted into
-    ``B_s`` (:func:`convert_words_e4m3`), one FP8 GEMM of ``B_s`` and the token tile ``A_s [block_m, 32]`` into
-    ``part [block_n, block_m]``, added to ``acc`` times the weight rows' scales (column ``kk`` of the staged
-    ``SB_s``: UE8M0 bytes or float32 values) and the token rows' (column ``k / 4`` of ``SA_s``)."""
-    convert = convert_words_e4m3(block_n, words, threads)
+def fp8_mma_step(block_n: int, block_m: int, spans: int, threads: int, scale_dtype: str):
+    """A macro ``step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)``: one K step of ``spans`` x 32 values
+    of the FP4 programs on FP8 tensor cores, after its copies: the packed words ``Bw_s [block_n, 4 * spans]``
+    converted into ``B_s [block_n, 32 * spans]`` (:func:`convert_words_e4m3`), then per 32 values (one weight
+    scale's span, ``s``) one FP8 GEMM of that slice of ``B_s`` and of the token tile ``A_s [block_m, 32 * spans]``
+    into ``part [block_n, block_m]``, added to ``acc`` times the weight rows' scales (column ``kk * spans + s`` of
+    the staged ``SB_s``: UE8M0 bytes or float32 values) and the token rows' (column ``(k + s) / 4`` of ``SA_s``;
+    ``k`` counts spans of 32). More spans a step: fewer barriers and longer loads per row, more shared memory."""
+    convert = convert_words_e4m3(block_n, spans * SPAN_WORDS, threads)
 
     @T.macro
     def step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc):
         convert(Bw_s, B_s)
-        for i in T.Parallel(block_n):
-            sb[i] = pow2(SB_s[i, kk]) if scale_dtype == "uint8" else SB_s[i, kk]
-        for j in T.Parallel(block_m):
-            sa[j] = SA_s[j, k // 4]
-        T.gemm(B_s, A_s, part, transpose_B=True, clear_accum=True)
-        for i, j in T.Parallel(block_n, block_m):
-            acc[i, j] += part[i, j] * (sb[i] * sa[j])
+        for s in T.unroll(spans):
+            for i in T.Parallel(block_n):
+                sb[i] = pow2(SB_s[i, kk * spans + s]) if scale_dtype == "uint8" else SB_s[i, kk * spans + s]
+            for j in T.Parallel(block_m):
+                sa[j] = SA_s[j, (k + s) // 4]
+            T.gemm(B_s[:, s * SPAN:(s + 1) * SPAN], A_s[:, s * SPAN:(s + 1) * SPAN], part, transpose_B=True,
+                   clear_accum=True)
+            for i, j in T.Parallel(block_n, block_m):
+                acc[i, j] += part[i, j] * (sb[i] * sa[j])
 
     return step

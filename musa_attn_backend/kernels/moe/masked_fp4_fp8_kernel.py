@@ -23,30 +23,30 @@ reach no written value.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import fp8_mma_step
+from .fp4_tir import SPAN, fp8_mma_step
 
 FP8 = "float8_e4m3"
 ACC = "float32"
 BF16 = "bfloat16"
-SPAN = 32  # the values one weight scale covers, one FP8 MMA's K
 E2M1_OVER_E4M3 = 64.0
 
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n: int = 128, num_stages: int = 4,
-                                      threads: int = 128, scale_dtype: str = "uint8", chunk: int = 32):
+                                      spans: int = 1, threads: int = 128, scale_dtype: str = "uint8", chunk: int = 32):
     """``N``, ``K``: the weights' logical shape (multiples of 128); ``B`` is read as int32 words (eight values
     each: value ``8q + i`` in bits ``4i .. 4i + 3`` of word ``q``, the bytes' little-endian order); the expert count
     and ``max_m`` are dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values).
 
-    The scales are staged in shared memory ahead of their use, as the K loop would otherwise wait on a global load
-    of them every 32 values: the activation rows' whole ``K / 128`` scales once, the weight rows' ``chunk`` at a
-    time (at most ``chunk`` steps of 32 values, each pipelined by ``num_stages``)."""
-    assert N % block_n == 0 and K % 128 == 0
+    Each pipelined step covers ``spans`` (1, 2 or 4) x 32 values of K: one convert, one barrier and ``spans`` FP8
+    GEMMs (:func:`.fp4_tir.fp8_mma_step`). The scales are staged in shared memory ahead of their use, as the K loop
+    would otherwise wait on a global load of them every 32 values: the activation rows' whole ``K / 128`` scales
+    once, the weight rows' ``chunk`` columns at a time (``chunk`` x 32 values, a multiple of the step's)."""
+    assert N % block_n == 0 and K % 128 == 0 and spans in (1, 2, 4)
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
     KS, WORDS = K // SPAN, SPAN // 8
-    chunk = max(c for c in range(1, min(chunk, KS) + 1) if KS % c == 0)
-    step = fp8_mma_step(block_n, block_m, WORDS, threads, scale_dtype)
+    chunk = max(c for c in range(spans, max(min(chunk, KS), spans) + 1, spans) if KS % c == 0)
+    step = fp8_mma_step(block_n, block_m, spans, threads, scale_dtype)
 
     @T.prim_func
     def grouped_gemm_masked_fp4_fp8(
@@ -58,9 +58,9 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
         D: T.Tensor((E, MM, N), BF16),
     ):
         with T.Kernel(N // block_n, T.ceildiv(MM, block_m), E, threads=threads) as (bx, by, e):
-            A_s = T.alloc_shared((block_m, SPAN), FP8)
-            Bw_s = T.alloc_shared((block_n, WORDS), "int32")
-            B_s = T.alloc_shared((block_n, SPAN), FP8)
+            A_s = T.alloc_shared((block_m, SPAN * spans), FP8)
+            Bw_s = T.alloc_shared((block_n, WORDS * spans), "int32")
+            B_s = T.alloc_shared((block_n, SPAN * spans), FP8)
             SA_s = T.alloc_shared((block_m, K // 128), ACC)
             SB_s = T.alloc_shared((block_n, chunk), scale_dtype)
             D_s = T.alloc_shared((block_m, block_n), BF16)
@@ -77,8 +77,8 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
                 T.clear(acc)
                 for c in T.serial(KS // chunk):
                     T.copy(SB[e, n0, c * chunk], SB_s)
-                    for kk in T.Pipelined(chunk, num_stages=num_stages):
-                        k = c * chunk + kk
+                    for kk in T.Pipelined(chunk // spans, num_stages=num_stages):
+                        k = c * chunk + kk * spans  # in units of 32 values
                         T.copy(A[e, row0, k * SPAN], A_s)
                         T.copy(B[e, n0, k * WORDS], Bw_s)
                         step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)
