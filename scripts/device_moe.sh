@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
 # device call (with .device/tl carried): the MoE GPU tests and benchmarks, logs and results under $OUT (the device
 # tool returns at most 8 files: one log per part, a JSON and a PNG per bench run). Usage:
-#   source .device/env.sh && scripts/device_moe.sh [tests] [bench] [engines] [tilings]   (default: tests bench
-#   tilings)
+#   source .device/env.sh && scripts/device_moe.sh [tests] [bench] [tilings]   (default: all three)
 #   tests:   pytest -m gpu tests/moe in XDIST processes (default 8: a fresh machine compiles every kernel), then
 #            the failures again in 2 processes: each Flash-shape test holds up to 60 GB of GPU memory, so some run
 #            out of memory beside the others and pass in the second round (T1 seconds for both, default 420); one log
 #   bench:   bench_moe.py on V4-Flash, every op and T, after compiling its kernels in 12 processes (T2 seconds,
-#            default 300)
-#   engines: (with .device/fw carried in a second call) the vLLM V4 layer on our MoE op against vLLM's kernels
-#            (tests/vllm/test_gpu_vllm_dsv4.py -k own_kernels; T4 seconds, default 400: installing and importing
-#            the frameworks takes most of it); the bench run after it has SGLang's Triton peer
+#            default 300); SGLang's Triton peer runs where .device/fw was carried, in this call or an earlier one
+#            on the same warm machine
 #   tilings: the contiguous GEMM under TILINGS ("k=v,...;k=v,..."; default FullRow, FullRow with 3 stages, FullRow
 #            in panels of 8) on the prefill shapes (T3 seconds each, default 120)
 source .device/env.sh
@@ -37,10 +34,6 @@ for part in "${parts[@]}"; do
       python3 benchmarks/bench_moe.py --models flash --compile-only 12 > "$out/bench.txt" 2>&1
       timeout "${T2:-300}" python3 benchmarks/bench_moe.py --models flash --out "$out" >> "$out/bench.txt" 2>&1
       echo "bench rc=$?"; grep -E "^moe_" "$out/bench.txt" | cut -c1-160 ;;
-    engines)
-      timeout "${T4:-400}" python3 -m pytest -q -m gpu tests/vllm/test_gpu_vllm_dsv4.py -k own_kernels --tb=short \
-        -o cache_dir=/tmp/moe_cache > "$out/engines.txt" 2>&1
-      echo "engines rc=$?"; grep -E "^FAILED|passed|failed|skipped" "$out/engines.txt" | tail -10 ;;
     tilings)
       IFS=';' read -r -a tilings <<< "${TILINGS:-policy=FullRow;policy=FullRow,num_stages=3;policy=FullRow,swizzle=8}"
       for t in "${tilings[@]}"; do  # compile every tiling's kernels at once
@@ -54,6 +47,6 @@ for part in "${parts[@]}"; do
         echo "tiling $t: rc=$?"
       done
       grep -E "^== |^moe_" "$out/tilings.txt" | cut -c1-120 ;;
-    *) echo "unknown part $part (tests, bench, engines, tilings)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, tilings)"; exit 2 ;;
   esac
 done

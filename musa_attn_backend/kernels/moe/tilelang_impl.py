@@ -33,9 +33,9 @@ MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
 # converts the expert's weights again, so the form pays off for few rows an expert), "words" above
 FP4_PACKINGS = ("bytes", "words", "fp8")
 MASKED_FP4 = dict(block_m=64, block_n=128, num_stages=2, threads=128, packing="fp8")
-MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, spans=1, threads=128)
+MASKED_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, spans=2, threads=128)
 CONTIGUOUS_FP4 = dict(block_n=128, num_stages=2, threads=256, packing="auto")
-CONTIGUOUS_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, spans=1, threads=128)
+CONTIGUOUS_FP4_FP8 = dict(block_m=16, block_n=128, num_stages=4, spans=2, threads=128)
 FP4_FP8_MAX_ROWS_PER_EXPERT = 32
 SWIGLU_QUANT = dict(groups=4, threads=128)
 CONTIGUOUS_SWIGLU = dict(num_stages=3, threads=256)
