@@ -27,7 +27,7 @@ E2M1_OVER_E4M3 = 64.0
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, block_n: int = 128,
-                                          num_stages: int = 4, spans: int = 1, threads: int = 128,
+                                          num_stages: int = 4, spans: int = 2, threads: int = 128,
                                           scale_dtype: str = "uint8", chunk: int = 32):
     """``N``, ``K``: the weights' logical shape (multiples of 128); ``B`` is read as int32 words (the masked
     program's); ``M`` and the expert count are dynamic. ``block_m`` divides 128. ``scale_dtype``: ``uint8`` (UE8M0

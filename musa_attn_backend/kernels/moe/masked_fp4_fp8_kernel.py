@@ -33,7 +33,7 @@ E2M1_OVER_E4M3 = 64.0
 
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n: int = 128, num_stages: int = 4,
-                                      spans: int = 1, threads: int = 128, scale_dtype: str = "uint8", chunk: int = 32):
+                                      spans: int = 2, threads: int = 128, scale_dtype: str = "uint8", chunk: int = 32):
     """``N``, ``K``: the weights' logical shape (multiples of 128); ``B`` is read as int32 words (eight values
     each: value ``8q + i`` in bits ``4i .. 4i + 3`` of word ``q``, the bytes' little-endian order); the expert count
     and ``max_m`` are dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values).
