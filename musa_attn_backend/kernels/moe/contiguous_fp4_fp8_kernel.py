@@ -16,7 +16,7 @@ A slice with no row of its tile's expert (a tile's padding) computes nothing.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import SPAN, fp8_mma_step
+from .fp4_tir import SPAN, fp8_mma_buffers, fp8_mma_step, staged_chunk
 from .reference import ALIGN as TILE  # the layout's alignment: a tile's expert is its first row's
 
 FP8 = "float8_e4m3"
@@ -35,7 +35,7 @@ def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, blo
     assert N % block_n == 0 and K % 128 == 0 and TILE % block_m == 0 and spans in (1, 2, 4)
     M, E = T.dynamic("m"), T.dynamic("experts")
     KS, WORDS = K // SPAN, SPAN // 8
-    chunk = max(c for c in range(spans, max(min(chunk, KS), spans) + 1, spans) if KS % c == 0)
+    chunk = staged_chunk(K, chunk, spans)
     step = fp8_mma_step(block_n, block_m, spans, threads, scale_dtype)
 
     @T.prim_func
@@ -48,16 +48,8 @@ def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, blo
         D: T.Tensor((M, N), BF16),
     ):
         with T.Kernel(N // block_n, T.ceildiv(M, block_m), threads=threads) as (bx, by):
-            A_s = T.alloc_shared((block_m, SPAN * spans), FP8)
-            Bw_s = T.alloc_shared((block_n, WORDS * spans), "int32")
-            B_s = T.alloc_shared((block_n, SPAN * spans), FP8)
-            SA_s = T.alloc_shared((block_m, K // 128), ACC)
-            SB_s = T.alloc_shared((block_n, chunk), scale_dtype)
-            D_s = T.alloc_shared((block_m, block_n), BF16)
-            part = T.alloc_fragment((block_n, block_m), ACC)
-            acc = T.alloc_fragment((block_n, block_m), ACC)
-            sb = T.alloc_fragment((block_n,), ACC)
-            sa = T.alloc_fragment((block_m,), ACC)
+            A_s, Bw_s, B_s, SA_s, SB_s, D_s, part, acc, sb, sa = fp8_mma_buffers(block_m, block_n, spans, K, chunk,
+                                                                                  scale_dtype)
             mine = T.alloc_var("int32")
 
             NAN_BF16 = T.reinterpret(T.uint16(0x7FC0), BF16)

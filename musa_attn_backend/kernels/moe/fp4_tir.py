@@ -120,6 +120,31 @@ def convert_words_e4m3(rows: int, words: int, threads: int):
     return convert
 
 
+def staged_chunk(K: int, chunk: int, spans: int) -> int:
+    """How many 32-value columns of weight scales the FP8-MMA programs stage in shared memory at a time: the
+    largest multiple of ``spans`` that divides ``K / 32``, at most ``chunk`` (and at least ``spans``)."""
+    KS = K // SPAN
+    return max(c for c in range(spans, max(min(chunk, KS), spans) + 1, spans) if KS % c == 0)
+
+
+def fp8_mma_buffers(block_m: int, block_n: int, spans: int, K: int, chunk: int, scale_dtype: str):
+    """The tiles of the FP8-MMA FP4 programs, allocated in the calling kernel, in :func:`fp8_mma_step`'s names:
+    ``(A_s, Bw_s, B_s, SA_s, SB_s, D_s, part, acc, sb, sa)``. Shared: a step's activations (``block_m`` x
+    ``32 * spans`` e4m3), packed weight words and their e4m3 conversion, the activation rows' ``K / 128`` scales,
+    ``chunk`` columns of weight scales (:func:`staged_chunk`) and the bf16 output tile; fragments: a GEMM's
+    product and the accumulator (``block_n`` x ``block_m``) and one step's weight and activation scales."""
+    return (T.alloc_shared((block_m, SPAN * spans), "float8_e4m3"),
+            T.alloc_shared((block_n, SPAN_WORDS * spans), "int32"),
+            T.alloc_shared((block_n, SPAN * spans), "float8_e4m3"),
+            T.alloc_shared((block_m, K // 128), ACC),
+            T.alloc_shared((block_n, chunk), scale_dtype),
+            T.alloc_shared((block_m, block_n), "bfloat16"),
+            T.alloc_fragment((block_n, block_m), ACC),
+            T.alloc_fragment((block_n, block_m), ACC),
+            T.alloc_fragment((block_n,), ACC),
+            T.alloc_fragment((block_m,), ACC))
+
+
 def fp8_mma_step(block_n: int, block_m: int, spans: int, threads: int, scale_dtype: str):
     """A macro ``step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)``: one K step of ``spans`` x 32 values
     of the FP4 programs on FP8 tensor cores, after its copies: the packed words ``Bw_s [block_n, 4 * spans]``
