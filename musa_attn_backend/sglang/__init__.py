@@ -47,6 +47,9 @@ def register() -> None:
     from .moe import install as install_moe_experts
 
     install_moe_experts()
+    from .requests import install as install_request_guard
+
+    install_request_guard()
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     version = getattr(sglang, "__version__", "?")

@@ -85,9 +85,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                               else c for c in (k_cache, extra_k_cache))
     T = b * s_q
     res, lse = sparse_mqa(
-        q.reshape(T, h, L.D), k_cache, indices.reshape(T, -1), _per_token(topk_length, b, s_q, "topk_length", op),
-        extra_cache=extra_k_cache,
-        extra_indices=None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.reshape(T, -1),
+        q.reshape(T, h, L.D), k_cache, indices.reshape(T, indices.shape[2]),
+        _per_token(topk_length, b, s_q, "topk_length", op), extra_cache=extra_k_cache,
+        extra_indices=(None if extra_indices_in_kvcache is None
+                       else extra_indices_in_kvcache.reshape(T, extra_indices_in_kvcache.shape[2])),
         extra_lengths=_per_token(extra_topk_length, b, s_q, "extra_topk_length", op), sink=attn_sink,
         sm_scale=softmax_scale, out=None if out is None else out.view(T, h, L.D), return_lse=True, impl=impl)
     lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))  # one launch: -inf -> +inf

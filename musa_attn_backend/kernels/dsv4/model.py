@@ -233,7 +233,7 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
         check(x.dtype == residual.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32),
               lambda: f"{op}: x and residual must share a bf16, fp16 or fp32 dtype")
         return mhc_post_rows(x, residual, post, comb)
-    p = post.reshape(post.shape[0], -1).float()
+    p = post.reshape(residual.shape[0], residual.shape[1]).float()  # T may be 0: no -1 in the shape
     return (p.unsqueeze(-1) * x.float().unsqueeze(1)
             + (comb.float().unsqueeze(-1) * residual.float().unsqueeze(2)).sum(1)).to(x.dtype)
 

@@ -55,7 +55,10 @@ def attention_slots_reference(positions, req, swa_table, swa_block, window, rati
     win = local_to_global(window_local(positions, window), req, swa_table, swa_block)
     if ratio == 1:
         return win, None
-    local = topk_local if ratio == 4 else dense_local(positions, ratio, width)
+    if ratio == 4:  # a padding row (position -1) names no row, whatever the indexer wrote for it
+        local = torch.where(positions.long().view(-1, 1) >= 0, topk_local.long(), -1)
+    else:
+        local = dense_local(positions, ratio, width)
     return win, local_to_global(local, req, main_table, main_rows)
 
 

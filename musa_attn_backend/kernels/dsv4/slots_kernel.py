@@ -55,8 +55,8 @@ def build_attention_slots(window: int, mode: int, threads: int = 128):
                     for i in T.Parallel(threads):
                         j = c * threads + i
                         if j < K:
-                            if mode == 4:
-                                CS[t, j] = translate(TK[t, j], r, MT, W2, main_rows)
+                            if mode == 4:  # a padding row (position -1) names no row, whatever topk holds
+                                CS[t, j] = T.if_then_else(p >= 0, translate(TK[t, j], r, MT, W2, main_rows), -1)
                             else:
                                 CS[t, j] = T.if_then_else(j < seen[0], translate(j, r, MT, W2, main_rows), -1)
 

@@ -353,7 +353,7 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     when given.
 
     - ``hidden [T, H]`` bfloat16; ``topk_weights [T, k]`` floating, ``topk_ids [T, k]`` integer (global expert
-      ids, ``-1``: none);
+      ids, ``-1``: none; a token naming one expert twice gets the sum of both choices on either layout);
     - ``w13 [E, 2I, H]`` float8_e4m3fn (gate rows, then up rows) with ``w13_scale [E, 2I/128, H/128]`` float32;
       ``w2 [E, H, I]`` with ``w2_scale [E, H/128, I/128]``; ``E`` the experts on this rank. Or FP4 (MXFP4)
       experts: ``w13 [E, 2I, H/2]``, ``w2 [E, H, I/2]`` uint8 with UE8M0 scales ``[E, 2I, H/32]``, ``[E, H, I/32]``;

@@ -84,7 +84,7 @@ def grouped_gemm_swiglu_masked_reference(a, a_scale, w13, w13_scale, masked_m, s
     out = out if out is not None else _rows_fp8((E, MM), I, a.device)
     m = torch.arange(MM, device=a.device)
     named = torch.nonzero((m < masked_m.clamp(0, MM).unsqueeze(1)).flatten()).flatten()
-    swiglu_quant_reference(h.view(E * MM, -1), named, swiglu_limit,
+    swiglu_quant_reference(h.view(E * MM, h.shape[-1]), named, swiglu_limit,
                            (out[0].view(E * MM, I), out[1].view(E * MM, I // 128)))
     return out
 
@@ -161,7 +161,7 @@ def combine_reference(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor
         return out.zero_()
     rows = rows.long()
     valid = ((rows >= 0) & (rows < R)).unsqueeze(-1)
-    gathered = y[rows.clamp(0, R - 1).reshape(-1)].view(T, k, -1).float()
+    gathered = y[rows.clamp(0, R - 1).reshape(-1)].view(T, k, y.shape[1]).float()
     out.copy_((torch.where(valid, gathered, 0.0) * weights.float().unsqueeze(-1)).sum(1))
     return out
 
@@ -193,17 +193,33 @@ def fused_experts_contiguous(hidden, w13, w2, topk_weights, topk_ids, w13_scale,
     return ops.combine(y, rows.view(T, k), topk_weights, out)
 
 
+def merge_repeated_choices(ids: torch.Tensor, weights: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, weights)`` of a routing where no token names an expert twice: a choice that repeats an earlier
+    choice of its token is dropped (its id becomes ``E``) and its weight added to the first one's (float32), so
+    the token still gets the sum of both choices. ``ids [T, k]`` local (``E``: none), ``weights [T, k]``. The
+    masked layout gives each expert ``T`` rows, one a token; a second row for one token would run into the next
+    expert's rows. Torch ops on the device, no host read."""
+    k = ids.shape[1]
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)  # [T, j, i]: choices j and i name one expert
+    earlier = torch.ones(k, k, dtype=torch.bool, device=ids.device).tril(-1)  # i < j
+    repeat = (same & earlier).any(-1) & (ids < E)
+    merged = (same * weights.float().unsqueeze(1)).sum(-1)
+    return torch.where(repeat, E, ids), torch.where(repeat, 0.0, merged)
+
+
 def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit, expert_map,
                          gemm, out, path="torch", ops=None):
-    """The masked layout: each expert's rows at ``[e, 0 .. count)`` of ``[E, T, K]`` buffers (a token picks an
-    expert at most once, so ``T`` rows always suffice), two masked grouped GEMMs. Fixed shapes, no host sync. The
+    """The masked layout: each expert's rows at ``[e, 0 .. count)`` of ``[E, T, K]`` buffers (a token's repeated
+    choices of one expert merged first, :func:`merge_repeated_choices`, so ``T`` rows always suffice), two masked
+    grouped GEMMs. Fixed shapes, no host sync. The
     torch work between the GEMMs touches the ``T x k`` chosen rows only (gathered from and scattered into the
     buffers by each choice's slot); the buffers' other rows are never initialised, and the GEMMs read and write
     no row at or past an expert's count."""
     T, k = topk_ids.shape
     E = w13.shape[0]
     dev = hidden.device
-    ids = local_expert_ids(topk_ids, E, expert_map).reshape(-1)
+    ids, topk_weights = merge_repeated_choices(local_expert_ids(topk_ids, E, expert_map), topk_weights, E)
+    ids = ids.reshape(-1)
     keep = ids < E
     e = ids.clamp(max=E - 1)
     # the choices of each expert, one-hot (a scatter: F.one_hot checks the ids' range on the host)
