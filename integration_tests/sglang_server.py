@@ -70,13 +70,45 @@ def _wait_ready(proc: subprocess.Popen, base: str, backend: str, log: Path, dead
 @contextmanager
 def sglang_server(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int = 16,
                   max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=()):
+    """One server, up; yields its base URL."""
+    with sglang_server_process(model, backend, log=log, shim_log=shim_log, page_size=page_size,
+                               max_total_tokens=max_total_tokens, startup_timeout=startup_timeout,
+                               extra=extra) as (base, _):
+        yield base
+
+
+@contextmanager
+def sglang_server_process(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int = 16,
+                          max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=()):
+    """As ``sglang_server``, but yields ``(base URL, process)``: the ``subprocess.Popen`` of the launcher, the
+    leader of its own process group (scheduler and detokenizer included; see ``process_group_rss``)."""
     proc, base = _start(model, backend, log=log, shim_log=shim_log, page_size=page_size,
                         max_total_tokens=max_total_tokens, extra=extra)
     try:
         _wait_ready(proc, base, backend, log, time.time() + startup_timeout)
-        yield base
+        yield base, proc
     finally:
         _kill_tree(proc)
+
+
+def process_group_rss(proc: subprocess.Popen) -> dict[int, int]:
+    """Resident memory in bytes (``VmRSS`` of ``/proc/<pid>/status``) of every live process in ``proc``'s process
+    group (the server's launcher, scheduler, detokenizer and helpers), by PID; Linux only."""
+    pgid = os.getpgid(proc.pid)
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the fields after the parenthesised command name: state, ppid, pgrp, ...
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    out[int(entry.name)] = int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or a kernel thread without VmRSS
+    return out
 
 
 @contextmanager

@@ -7,11 +7,13 @@ Checked against ``dsv4_reference.Reference``, an independent float32 V4 forward 
 teacher forcing (``dsv4_reference.agreement``): every prompt position's log-probability as SGLang's prefill computes
 it and every greedy step's, for a short prompt, one of 2,600 tokens (the window wraps, the C4 indexer chooses 512 of
 650 compressed rows, the C128 layer reads 20 rows) and one sharing 1,300 tokens with it, each decoding 64 tokens in
-one batch; then the short and shared prompts again (the shared prefix a radix-cache hit) and a text prompt. The
+one batch; then the short and shared prompts again (the shared prefix a radix-cache hit) and a text prompt. An
+empty prompt first gets a 400 (``musa_attn_backend.sglang.requests``) and the server answers everything after it. The
 OpenAI chat endpoint answers through SGLang's V4 chat encoder with the same tokens ``/generate`` gives for the
 encoded prompt."""
 
 import sys
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,11 @@ def test_tiny_deepseek_v4_over_http_agrees_with_the_reference(model, tmp_path):
     asks = prompts(config["vocab_size"])
     log = tmp_path / "server.log"
     with sglang_server(model, "tilelang_musa", log=log, shim_log=tmp_path / "shim.log", **SERVER) as base:
+        # an empty prompt: refused with a 400 before the scheduler (SGLang's own 0-token prefill would stop it);
+        # every request below is the next one the server must still answer
+        with pytest.raises(urllib.error.HTTPError) as empty:
+            post(base + "/generate", {"text": "", "sampling_params": GREEDY}, timeout=120)
+        assert empty.value.code == 400 and "The input is empty" in empty.value.read().decode(), empty.value
         names = ["short", "long", "shared"]
         batch = post(base + "/generate", {"input_ids": [asks[n] for n in names], "sampling_params": GREEDY,
                                           "return_logprob": True, "logprob_start_len": 0}, timeout=900)

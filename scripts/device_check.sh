@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (after `source .device/env.sh`): GPU tests, then a benchmark. Logs go to $OUT.
 #   scripts/device_check.sh <family> [pytest args...]   family: a folder of tests/ (attention, kv_cache, tuning,
-#   metadata, dsv4, moe, sglang, vllm, tools), kernels (all but the engines) or engines (sglang + vllm)
+#   metadata, dsv4, moe, sglang, vllm, tools, contract), kernels (all but the engines) or engines (sglang + vllm)
 #   scripts/device_check.sh bench|quick-bench [bench args...]
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -33,10 +33,10 @@ gpu_tests() {
   echo "passed so far: $(grep -c ' PASSED ' "$out/gpu_tests.log")"
 }
 case "$what" in
-  attention|kv_cache|tuning|metadata|sglang|vllm|tools|dsv4|moe)
+  attention|kv_cache|tuning|metadata|sglang|vllm|tools|dsv4|moe|contract)
     gpu_tests "tests/$what" "$@" ;;
   kernels)  # the families that need only .device/tl (the engine families need .device/fw too)
-    gpu_tests tests/attention tests/kv_cache tests/tuning tests/tools tests/dsv4 tests/moe "$@" ;;
+    gpu_tests tests/attention tests/kv_cache tests/tuning tests/tools tests/dsv4 tests/moe tests/contract "$@" ;;
   engines)
     gpu_tests tests/sglang tests/vllm "$@" ;;
   bench)

@@ -22,6 +22,8 @@ that keeps its metadata, index translation and CUDA-graph logic and runs this pa
 - The SWA rows the model writes through the pool (``set_swa_key_buffer_radix_fused_norm_rope``, JIT CUDA in
   SGLang) go through :func:`..kernels.dsv4.norm_rope_write_kv_v4`, set on this backend's pool only.
 - Settings the kernels do not serve are refused at construction (:func:`refuse_unsupported`).
+- Batches with no token (SGLang's unpadded IDLE batches on data-parallel attention ranks) get empty results
+  without metadata; padded IDLE rows are no request's: the compressors and the indexer skip them.
 
 Elsewhere: the model-side kernels around attention (q norm + RoPE, inverse RoPE, mHC, the clamped SwiGLU) are
 installed by :mod:`.model_hooks`, and SGLang's MTP draft factories build this backend through :mod:`.drafts`.
@@ -167,11 +169,33 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
         pool = self.token_to_kv_pool
         cos, sin = sglang_dsv4.rope_table(freqs_cis)
         cache = dsv4.paged_view(pool.get_swa_raw_buffer(layer_id).view(torch.uint8), pool.swa_page_size)
-        dsv4.norm_rope_write_kv_v4(kv.reshape(kv.shape[0], -1), kv_weight, float(eps), cos, sin, positions, cache,
+        # [T, 512] rows ([T, 1, 512] from some callers); the width named, not -1: T may be 0 (an IDLE rank)
+        dsv4.norm_rope_write_kv_v4(kv.reshape(-1, kv.shape[-1]), kv_weight, float(eps), cos, sin, positions, cache,
                                    swa_loc)
 
     def _use_sparse_prefill(self, forward_batch, *, num_qo_tokens: int) -> bool:
         return False  # prefill through _flash_mla_with_kvcache as well: sparse_mqa on the FP8 caches
+
+    # ------------------------------------------------------------- batches with no token
+    # SGLang runs batches of 0 tokens on data-parallel attention ranks that have no request (ForwardMode.IDLE,
+    # unpadded under DP SUM_LEN): its eager runner then builds no metadata and sets ``forward_metadata = None``
+    # (model_executor/runner/eager_runner.py, _execute_idle), and the V4 attention skips the backend when its input
+    # has no row, unless the input is scattered over attention TP (models/deepseek_v4.py, the attention's
+    # forward). Padded IDLE batches (DP MAX_LEN, CUDA graphs) have rows and take the ordinary path. SGLang's own
+    # metadata builder fails on a batch with no request (``seq_lens_cpu.max()`` of an empty tensor), and every
+    # method below would read the missing metadata; with no row there is nothing to compute, so each of them
+    # returns its empty result before reading any.
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        if forward_batch.seq_lens.shape[0] == 0 and not (self.mtp_enabled and forward_batch.forward_mode.is_idle()):
+            self.forward_metadata = None  # no request: what SGLang's eager runner does for an unpadded IDLE batch
+            return
+        super().init_forward_metadata(forward_batch)
+
+    def forward(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        if q.shape[0] == 0:  # no query row: the empty [0, heads, v_head_dim] output, no metadata read
+            return q.new_empty((0, q.shape[1], layer.v_head_dim))
+        return super().forward(q, k, v, layer, forward_batch, *args, **kwargs)
 
     def init_forward_metadata_indexer(self, core_attn_metadata, *, compress_ratio: int = 4,
                                       use_prefill_cuda_graph: bool = False, rows_per_request: int = 1):
@@ -185,7 +209,8 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
 
     # ------------------------------------------------------------- compressors
     def _compress(self, x, forward_batch, layer_id, compressor) -> None:
-        if forward_batch.forward_mode.is_idle():
+        # IDLE (padded rows included: they are no request's tokens) or no token: nothing to compress or keep
+        if forward_batch.forward_mode.is_idle() or x.shape[0] == 0:
             return
         states = compressor.get_state_pool(self)
         if states.online:
@@ -232,7 +257,7 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
         indexer compressor, the paged logits over the indexer-key cache and the top-k written as compressed
         slots into ``c4_sparse_page_indices`` (and the positions into ``c4_sparse_raw_indices`` where the
         metadata has them)."""
-        if forward_batch.forward_mode.is_idle():
+        if forward_batch.forward_mode.is_idle() or x.shape[0] == 0:  # no request's token: no row to select for
             return
         if c4_indexer.use_fp4_indexer:
             raise ValueError("tilelang_musa: the FP4 indexer cache is not supported; the FP8 one is")

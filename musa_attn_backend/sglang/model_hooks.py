@@ -33,6 +33,8 @@ def fused_q_norm_rope(q_input, q_output, eps, freqs_cis, positions) -> None:
 
 
 def fused_rope_inplace(q, k, freqs_cis, positions, inverse=False) -> None:
+    if q.shape[0] == 0:  # no token (an IDLE rank of DP attention): nothing to rotate, no table to build
+        return
     cos, sin = rope_table(freqs_cis)
     ops.rope_(q, cos, sin, positions, inverse)
     if k is not None:
@@ -73,8 +75,12 @@ def hc_split_sinkhorn(mixes, hc_scale, hc_base, hc_mult=4, sinkhorn_iters=20, ep
 
 
 def mhc_combine(x_flat, pre, hc, out_dtype):
-    m = x_flat.shape[0]
-    return ops.hc_combine(x_flat.reshape(m, hc, -1), pre.reshape(m, hc), out_dtype)
+    """``y [m, H] = sum_k pre[m, k] * x_flat[m, k * H:(k + 1) * H]``. The stream width is ``H = x_flat.shape[1] //
+    hc`` (not a ``-1`` in a reshape: with ``m = 0`` rows, an IDLE rank of DP attention, that is ambiguous)."""
+    m, width = x_flat.shape
+    if width % hc:
+        raise ValueError(f"mhc_combine: x_flat's width {width} is not a multiple of hc={hc}")
+    return ops.hc_combine(x_flat.reshape(m, hc, width // hc), pre.reshape(m, hc), out_dtype)
 
 
 def fused_hc_head(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps):

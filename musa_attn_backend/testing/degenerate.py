@@ -120,7 +120,15 @@ def _raises(fn, *words: str) -> None:
     raise AssertionError(f"expected a ValueError naming {words}")
 
 
-def _same(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0, rtol: float = 0.0) -> None:
+def _same(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0, rtol: float = 0.0,
+          of_max: float = 0.0) -> None:
+    """``got`` equals ``want``: bytes exactly (FP8, uint8, or no tolerance: NaN where ``want`` has it), else NaN
+    and infinities where ``want`` has them and ``|got - want| <= atol + rtol * |want| + of_max * max |want|``
+    on the finite values (``of_max``: a sum's error is relative to its largest terms, not to the result)."""
+    if of_max:
+        fin = want.float()[torch.isfinite(want.float())]
+        atol += of_max * (fin.abs().max().item() if fin.numel() else 0.0)
+        of_max = 0.0
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     if got.dtype in (torch.float8_e4m3fn, torch.uint8) or (atol == 0 and rtol == 0):
         a, b = (got.view(torch.uint8), want.view(torch.uint8)) if got.dtype == torch.float8_e4m3fn else (got, want)
@@ -138,6 +146,15 @@ def _same(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0, r
     err = (g[fin] - w[fin]).abs()
     bound = atol + rtol * w[fin].abs()
     assert bool((err <= bound).all()), f"{what}: largest error {err.max().item():.3g} past atol {atol} rtol {rtol}"
+
+
+def _l2(got: torch.Tensor, want: torch.Tensor, what: str, bound: float = 1e-2) -> None:
+    """Relative L2 error below ``bound``, every value finite: the MoE layer against its float32 formula (an
+    activation on an FP8 rounding boundary may round the other way in the GPU's order of sums, moving single
+    elements by a quantisation step; tests/moe/test_gpu_moe.py bounds the layer the same way)."""
+    assert got.shape == want.shape and bool(torch.isfinite(got.float()).all()), f"{what}: shape or non-finite"
+    err = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)
+    assert err.item() < bound, f"{what}: relative L2 error {err.item():.3g} >= {bound}"
 
 
 def _tol(impl: str, bf16: bool = True) -> dict:
@@ -543,8 +560,14 @@ def _(dev, impl):
         assert q8.shape == (T, 16, 128) and q8.dtype == torch.float8_e4m3fn and wt.shape == (T, 16)
         if impl != "reference" and T:
             r8, rw = dsv4.indexer_q(q, w, pos, cos, sin, impl="reference")
-            _same(q8.float(), r8.float(), "indexer_q's FP8 rows", atol=0.07, rtol=0.07)  # one e4m3 step
+            # one e4m3 step (3 mantissa bits: 1/8 of the value; 2^-9 below the normal range)
+            _same(q8.float(), r8.float(), "indexer_q's FP8 rows", atol=2 ** -9, rtol=0.126)
             _same(wt, rw, "indexer_q's weights", **_tol(impl, bf16=False))
+
+
+# the indexer's logits: FP8 products summed over heads and dims in another order on tensor cores (as
+# tests/dsv4/test_gpu_dsv4_indexer.py bounds them)
+_LOGITS = dict(atol=0.0, rtol=1e-3, of_max=1e-3)
 
 
 def _fp8(*shape, seed, dev):
@@ -563,13 +586,13 @@ def _(dev, impl):
         starts = torch.tensor([0, 10, 30, 20, 0, 45][:T], dtype=torch.int32, device=dev)
         ends = torch.tensor([50, 10, 20, 49, -3, 60][:T], dtype=torch.int32, device=dev)  # 1, 2, 4: empty
         out = _vs_reference(impl, lambda i: dsv4.indexer_logits(q, w, k, ks, starts, ends, impl=i),
-                            "indexer_logits", **_tol(impl, bf16=False))
+                            "indexer_logits", **_LOGITS)
         assert out.shape == (T, S)
         if T and S:
             assert bool(torch.isneginf(out[[1, 2, 4]]).all()), "an empty range holds a logit"
             keep = [0, 3, 5]
             alone = dsv4.indexer_logits(q[keep], w[keep], k, ks, starts[keep], ends[keep], impl=impl)
-            _same(out[keep], alone, "ordinary rows beside empty ones", **_tol(impl, bf16=False))
+            _same(out[keep], alone, "ordinary rows beside empty ones", **_LOGITS)
 
 
 def _paged_logits(dev, impl, B, next_n, lens, max_len, bad_page=False, seed=0):
@@ -589,7 +612,7 @@ def _paged_logits(dev, impl, B, next_n, lens, max_len, bad_page=False, seed=0):
     cl = torch.tensor(lens, dtype=torch.int32, device=dev).view(B, next_n) if next_n > 1 else \
         torch.tensor(lens, dtype=torch.int32, device=dev)
     return _vs_reference(impl, lambda i: dsv4.paged_indexer_logits(q, w, cache, cl, table.to(dev), max_len, impl=i),
-                         "paged_indexer_logits", **_tol(impl, bf16=False))
+                         "paged_indexer_logits", **_LOGITS)
 
 
 @case("dsv4.paged_indexer_logits", "zero requests; max_len 0; zero-length rows; invalid page entries")
@@ -846,7 +869,7 @@ def _(dev, impl):
     for layout in ("masked", "contiguous"):
         for fp4 in (False, True):
             x, wts, got, want = _experts(dev, impl, T, ids, layout, fp4)
-            _same(got, want, f"{layout}{' fp4' if fp4 else ''} against the float32 formula", atol=3e-2, rtol=3e-2)
+            _l2(got, want, f"{layout}{' fp4' if fp4 else ''} against the float32 formula")
             assert torch.equal(got[3].float(), torch.zeros(256, device=dev)), "a token with no expert is not zero"
             keep = [1, 2, 4, 6]
             _, _, alone, _ = _experts(dev, impl, T, ids, layout, fp4, subset=keep)
@@ -859,7 +882,7 @@ def _(dev, impl):
                       (GRAPH_MAX_BATCH, "contiguous")):
         ids = torch.stack([torch.randperm(4, generator=_gen(t))[:2] for t in range(T)]).int()
         _, _, got, want = _experts(dev, impl, T, ids, layout)
-        _same(got, want, f"{layout}, {T} tokens", atol=3e-2, rtol=3e-2)
+        _l2(got, want, f"{layout}, {T} tokens")
     emap = torch.full((16,), -1, dtype=torch.int32, device=dev)  # 16 global experts, none here
     ids = torch.randint(0, 16, (5, 2), generator=_gen(5)).int()
     _, _, got, _ = _experts(dev, impl, 5, ids, "masked", expert_map=emap)

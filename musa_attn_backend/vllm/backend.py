@@ -191,9 +191,10 @@ class TileLangMusaImpl(AttentionImpl):
         # without cached prefixes to read instead of the cache
         new_kv = (key[:n], value[:n]) if key is not None and value is not None \
             and self.kv_sharing_target_layer_name is None and not self.fp8 else None
-        # the kernels write vLLM's output rows in place (no copy): [T, H, Dv] as vLLM allocates it
+        # the kernels write vLLM's output rows in place (no copy): [T, H, Dv] as vLLM allocates it ([T, H * Dv]
+        # split by its last dimension, not by view(n, H, -1): a batch of no tokens has no size to infer -1 from)
+        out = output[:n] if output.dim() == 3 else output[:n].unflatten(-1, (self.num_heads, -1))
         paged_attention(query[:n], k_cache, v_cache, attn_metadata.meta, causal=attn_metadata.causal,
                         sm_scale=self.scale, sliding_window=self.window, logit_softcap=self.logits_soft_cap,
-                        sinks=self.sinks, k_scale=k_scale, v_scale=v_scale, new_kv=new_kv,
-                        out=output[:n].view(n, self.num_heads, -1))
+                        sinks=self.sinks, k_scale=k_scale, v_scale=v_scale, new_kv=new_kv, out=out)
         return output

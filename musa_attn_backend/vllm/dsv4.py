@@ -516,6 +516,8 @@ class MusaDeepseekV4Attention(DeepseekV4Attention):
         cos, sin = _rope_tables(self.rotary_emb)
         o = o.contiguous()
         dsv4_model.rope_(o[..., -ROPE:], cos, sin, positions[:n], inverse=True)
-        g = o.view(n, self.n_local_groups, -1).transpose(0, 1)  # [groups, T, heads_per_group * 512]
+        # the group width spelled out, not -1: a batch of no tokens (T = 0) has no size to infer it from
+        width = o.shape[1] * o.shape[2] // self.n_local_groups
+        g = o.view(n, self.n_local_groups, width).transpose(0, 1)  # [groups, T, heads_per_group * 512]
         z = torch.bmm(g, self._wo_a.transpose(1, 2))  # [groups, T, o_lora_rank]
         return self.wo_b(z.transpose(0, 1).flatten(1))

@@ -13,6 +13,7 @@ RoPE is GPT-J style on the last 64 dims: the pairs ``(x[2j], x[2j + 1])`` rotate
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -90,7 +91,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
     if resolve_impl(impl, x.device, op) == "tilelang":
         from .model_tilelang import norm_rope_rows
 
-        y = norm_rope_rows(x.reshape(x.shape[0], -1, ROPE), None, None, cos, sin, positions, norm="none",
+        heads = math.prod(x.shape[1:-1])  # T may be 0: no -1 in the shape
+        y = norm_rope_rows(x.reshape(x.shape[0], heads, ROPE), None, None, cos, sin, positions, norm="none",
                            round_mid=False, inverse=inverse, out_dtype=x.dtype)
         x.copy_(y.view(x.shape))
         return x
