@@ -57,7 +57,6 @@ from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo  # noqa: 
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
 from sglang.srt.layers.moe.utils import MoeRunnerBackend  # noqa: E402
-from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import dsv4_attention as kit  # noqa: E402
@@ -414,28 +413,6 @@ def test_model_hook(hook_results, hook, rows):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _store(buffer: torch.Tensor, rows: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-    dsv4.write_kv_v4(k.to(torch.bfloat16), dsv4.paged_view(buffer.view(torch.uint8), rows), slots.to(torch.int64))
-
-
-@pytest.fixture
-def cpu_kit(monkeypatch):
-    """The kit's Triton writers and CUDA RNG calls made to run on a CPU (as test_sglang_dsv4_kit.py)."""
-    monkeypatch.setattr(kit, "quant_to_nope_fp8_rope_bf16_pack_triton", lambda k: k)
-
-    def set_swa(self, layer_id, swa_loc, cache_nope_fp8_rope_bf16_pack):
-        _store(self.get_swa_key_buffer_radix(layer_id), self.get_swa_key_page_size(), swa_loc,
-               cache_nope_fp8_rope_bf16_pack)
-
-    def set_extra(self, layer_id, loc, cache_nope_fp8_rope_bf16_pack):
-        _store(self.get_extra_key_buffer(layer_id), self.get_extra_key_page_size(layer_id), loc,
-               cache_nope_fp8_rope_bf16_pack)
-
-    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "set_swa_key_buffer_radix", set_swa)
-    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "set_extra_key_buffer", set_extra)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
-    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
 
 
 class _TC(unittest.TestCase):

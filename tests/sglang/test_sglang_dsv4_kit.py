@@ -21,38 +21,11 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 
 load_plugins()
 
-from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import dsv4_attention as kit  # noqa: E402
 
 from musa_attn_backend import BACKEND_NAME  # noqa: E402
 from musa_attn_backend.kernels import dsv4  # noqa: E402
-
-
-def _store(buffer: torch.Tensor, rows: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-    buffer = buffer.view(torch.uint8)  # the pool hands its FP8 pages out as float8_e4m3fn
-    dsv4.write_kv_v4(k.to(torch.bfloat16), dsv4.paged_view(buffer, rows), slots.to(torch.int64))
-
-
-@pytest.fixture
-def cpu_kit(monkeypatch):
-    """The kit's writers and RNG calls, made to run on a CPU (see the module docstring)."""
-    monkeypatch.setattr(kit, "quant_to_nope_fp8_rope_bf16_pack_triton", lambda k: k)
-
-    def set_swa(self, layer_id, swa_loc, cache_nope_fp8_rope_bf16_pack):
-        _store(self.get_swa_key_buffer_radix(layer_id), self.get_swa_key_page_size(), swa_loc,
-               cache_nope_fp8_rope_bf16_pack)
-
-    def set_extra(self, layer_id, loc, cache_nope_fp8_rope_bf16_pack):
-        _store(self.get_extra_key_buffer(layer_id), self.get_extra_key_page_size(layer_id), loc,
-               cache_nope_fp8_rope_bf16_pack)
-
-    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "set_swa_key_buffer_radix", set_swa)
-    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "set_extra_key_buffer", set_extra)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: torch.empty(0, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: None)
-    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
-
 
 pytestmark = pytest.mark.usefixtures("cpu_kit")
 
