@@ -93,24 +93,24 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
 
 
 def check_portable(key, func, target) -> None:
-    """Raise a ValueError naming the kernel where ``func`` uses what ``target`` cannot lower: a GEMM that reads
-    its A operand from registers on a target whose GEMMs take A from shared memory only (MUSA). Before any
-    lowering, so the error names the program instead of the GEMM lowering's."""
-    from .kernels._tir import register_a_gemms
+    """Raise a ValueError naming the kernel where ``func`` breaks a rule of ``target``'s lowering
+    (:func:`.kernels._tir.violations`: a register A operand where GEMMs take A from shared memory only, one tile
+    in two majornesses, a 16-bit GEMM extent the target's layouts refuse, a slice at a run-time offset, a float
+    vector wider than its code generator prints). Before any lowering, so the error names the program and the
+    rule instead of failing deep in the target's GEMM lowering. Nothing is checked for a target with every
+    capability (CUDA)."""
+    from .kernels._tir import violations
     from .platform import features_of
 
     try:
         feats = features_of(target)
     except ValueError:
         return  # a target this package does not describe: nothing known to check
-    if feats["gemm_a_in_registers"]:
-        return
-    bad = register_a_gemms(func)
+    bad = violations(func, feats)
     if bad:
         raise ValueError(
-            f"kernel {key!r} does not lower for {target!r}: its GEMM(s) read A from registers "
-            f"({', '.join(f'{g.a} ({g.a_scope}) x {g.b}' for g in bad)}), and this target's GEMMs take A from "
-            "shared memory only (platform.gemm_a_in_registers is false); stage the operand through shared memory")
+            f"kernel {key!r} does not lower for {target!r}: " + "; ".join(f"{v.detail} [platform.{v.flag} is false]"
+                                                                          for v in bad))
 
 
 @contextlib.contextmanager

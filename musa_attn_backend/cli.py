@@ -268,7 +268,7 @@ def cmd_demo(args) -> int:
 def cmd_warmup(args) -> int:
     import time
 
-    from . import config, warmup
+    from . import config, warmup, warmup_dsv4
 
     if args.target:
         # also in the environment, for any process started from here that reads it
@@ -280,13 +280,17 @@ def cmd_warmup(args) -> int:
     if not platform.target_kind:
         print("musa-attn warmup: no GPU to compile for here; pass --target sm_90a (or mp_31)", file=sys.stderr)
         return 2
-    model = _model_from_args(args, "warmup")
-    if model is None:
-        return 2
     try:
-        jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
-                           speculative_tokens=args.speculative_tokens, page_size=args.page_size)
-    except ValueError as e:  # e.g. no tiling of this model fits the target
+        model = _model_from_args(args, "warmup")
+        if model is None:
+            return 2
+        if isinstance(model, warmup_dsv4.V4Model):
+            jobs = warmup_dsv4.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
+                                    speculative_tokens=args.speculative_tokens, experts=args.experts)
+        else:
+            jobs = warmup.plan(model, engine=args.engine, kv_dtype=args.kv_cache_dtype,
+                               speculative_tokens=args.speculative_tokens, page_size=args.page_size)
+    except ValueError as e:  # e.g. no tiling of this model fits the target, a V4 setting the kernels refuse
         print(f"musa-attn warmup: {e}", file=sys.stderr)
         return 2
     if args.lower_only:
@@ -325,18 +329,27 @@ def _lower_only(jobs, model, args, platform) -> int:
     failed = [r for r in results if r.error is not None]
     for r in failed:
         print(f"warmup --lower-only: {r.name} does not lower: {r.job.describe()}\n    {r.error}", file=sys.stderr)
-    print(f"warmup --lower-only: {len(results) - len(failed)} of {len(results)} kernels lowered for "
-          f"{platform.tilelang_target()} in {time.perf_counter() - t0:.1f}s" + (f", {len(failed)} did not"
-                                                                                   if failed else ""))
+    checked = sum(r.checked_only for r in results)
+    done = (f"{len(results) - len(failed)} of {len(results)} kernels "
+            + ("passed the target's rules (checked on their TIR; not lowered: this TileLang has no backend for "
+               "the target)" if checked else "lowered") + f" for {platform.tilelang_target()}")
+    print(f"warmup --lower-only: {done} in {time.perf_counter() - t0:.1f}s"
+          + (f", {len(failed)} did not" if failed else ""))
     return 1 if failed else 0
 
 
-def _model_from_args(args, cmd: str):
-    """The model's attention shapes from --model-config or the explicit head flags (None after an error)."""
-    from . import warmup
+def _model_from_args(args, cmd: str, v4: bool = True):
+    """The model's attention shapes from --model-config or the explicit head flags (None after an error): a
+    :class:`.warmup_dsv4.V4Model` for a DeepSeek-V4 config (where ``v4``), else a :class:`.warmup.ModelAttention`."""
+    from . import warmup, warmup_dsv4
 
     if args.model_config:
-        return warmup.from_hf_config(warmup.load_config(args.model_config), tp=args.tp, dtype=args.dtype)
+        config = warmup.load_config(args.model_config)
+        if warmup_dsv4.is_v4(config):
+            if not v4:
+                raise ValueError(f"{cmd} takes dense models; DeepSeek-V4's kernels have no tuning table")
+            return warmup_dsv4.from_hf_config(config, tp=args.tp)
+        return warmup.from_hf_config(config, tp=args.tp, dtype=args.dtype)
     missing = [n for n in ("heads", "kv_heads", "head_dim") if getattr(args, n) is None]
     if missing:
         print(f"musa-attn {cmd}: give --model-config, or --heads, --kv-heads and --head-dim "
@@ -355,7 +368,11 @@ def cmd_tune(args) -> int:
         print("musa-attn tune: needs a GPU (candidates are checked and timed on it); `musa-attn warmup "
               "--target ...` builds without one", file=sys.stderr)
         return 2
-    model = _model_from_args(args, "tune")
+    try:
+        model = _model_from_args(args, "tune", v4=False)
+    except ValueError as e:
+        print(f"musa-attn tune: {e}", file=sys.stderr)
+        return 2
     if model is None:
         return 2
     import torch
@@ -427,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warmup", help="compile every kernel a model needs into the kernel cache, ahead of serving")
     _add_model_args(w)
     w.add_argument("--speculative-tokens", type=int, default=0, help="draft tokens verified per step")
+    w.add_argument("--experts", default="fp8", choices=("fp8", "fp4"),
+                   help="DeepSeek-V4: the checkpoint's routed-expert format (FP8 block scales or MXFP4); its MoE "
+                        "kernels are planned where MUSA_ATTN_MOE routes the experts to this package")
     w.add_argument("--target", help="compile for this target instead of the local GPU (sm_90a, mp_31, ...)")
     w.add_argument("--lower-only", action="store_true",
                    help="run only TileLang's lowering (no device compiler, nothing cached): exit 1 naming each kernel "

@@ -67,6 +67,11 @@ SWITCHES: tuple[Switch, ...] = (
            "every attention program stages the softmax probabilities P through shared memory before the P V "
            "product, as it must where the target's GEMMs take no register operand (MUSA), and the kernel choice "
            "is the one for such a target: to run and measure MUSA's programs on CUDA (0: only where needed)"),
+    Switch("musa_forms", "MUSA_ATTN_MUSA_FORMS", "bool", False, True,
+           "every program takes the form MUSA's TileLang lowers (P through shared memory, one majorness a shared "
+           "GEMM tile, GEMM tile rows of at most 256 bytes or multiples of 256, whole tiles as GEMM operands, "
+           "float vectors of at most 8 lanes: platform.LOWERING_FLAGS off), as the programs MUSA would choose: "
+           "to run and measure MUSA's programs on CUDA (0: only where the target needs them)"),
     Switch("target", "MUSA_ATTN_TARGET", "text", None, True,
            "compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
            "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)"),
@@ -103,6 +108,7 @@ class Settings:
     chunked_combine: bool = True
     new_kv_prefill: bool = True
     shared_p: bool = False
+    musa_forms: bool = False
     target: Optional[str] = None
     cache_dir: Optional[Path] = None
     poison: bool = False

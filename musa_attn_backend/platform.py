@@ -36,7 +36,10 @@ TARGET_ENV = config.BY_FIELD["target"].env
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
 # the capability flags a Platform carries (kernels branch on these, never on the device name)
-FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "gemm_a_in_registers")
+FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "gemm_a_in_registers",
+            "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices", "wide_float_vectors")
+# the flags whose absence brings in a rule on the programs' TIR (kernels._tir.RULES), checked before lowering
+LOWERING_FLAGS = FEATURES[5:]
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -70,6 +73,17 @@ class Platform:
     dependent_launch: bool = False
     # a tile GEMM may take A from registers with B in shared memory (CUDA); else P goes through shared memory
     gemm_a_in_registers: bool = False
+    # one shared tile may be a GEMM operand read K-major by one GEMM and MN-major by another (CUDA); else each
+    # role gets a tile of its own (MUSA lays a shared operand out by its majorness)
+    gemm_tile_two_majors: bool = False
+    # a GEMM operand tile's rows may be any multiple of 16 bytes (CUDA); else at most 256 bytes or a multiple of
+    # 256 (a 16-bit head dim of 192 split into GEMMs of 128 and 64), with the shapes MUSA's warp partition takes
+    gemm_any_extent: bool = False
+    # a GEMM may read part of a shared tile's last two dimensions (CUDA); else every operand is a whole tile at
+    # offset 0 (MUSA's SQMMA takes an operand's own stride and no offset; a leading dimension may be indexed)
+    gemm_tile_slices: bool = False
+    # the code generator prints float vectors wider than 8 lanes (CUDA); else tilings keep them at 8
+    wide_float_vectors: bool = False
     source: str = "detected"  # "detected" or "env"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -135,6 +149,10 @@ def _cuda_features(arch: str) -> dict:
         "warp_specialized": cc == 90 and m.group(3) == "a",
         "dependent_launch": cc >= 90,
         "gemm_a_in_registers": True,
+        "gemm_tile_two_majors": True,
+        "gemm_any_extent": True,
+        "gemm_tile_slices": True,
+        "wide_float_vectors": True,
     }
 
 
@@ -154,15 +172,26 @@ def _musa_features(arch: str) -> dict:
         "dependent_launch": False,
         # SQMMA, PH1 WMMA and the FMA fallback of tilelang-musa's GEMM lowering read A from shared memory only
         "gemm_a_in_registers": False,
+        # what tilelang-musa's lowering for MP31 refuses (docs/musa.md): its layout inference lays a shared GEMM
+        # operand out by majorness, its SQMMA swizzles chunk a tile's rows by 256 bytes, its GEMMs take whole
+        # tiles at offset 0, its code generator prints float vectors of up to 8 lanes
+        "gemm_tile_two_majors": False,
+        "gemm_any_extent": False,
+        "gemm_tile_slices": False,
+        "wide_float_vectors": False,
     }
 
 
 def target_features(kind: str, arch: str) -> dict:
     """The capability flags (:data:`FEATURES`) and capability of a compile target, e.g. ("cuda", "sm_90a"),
-    under the current settings (``MUSA_ATTN_SHARED_P`` turns ``gemm_a_in_registers`` off)."""
+    under the current settings (``MUSA_ATTN_SHARED_P`` turns ``gemm_a_in_registers`` off, ``MUSA_ATTN_MUSA_FORMS``
+    every flag of :data:`LOWERING_FLAGS`)."""
     feats = _cuda_features(arch) if kind == "cuda" else _musa_features(arch)
-    if config.settings().shared_p:
+    current = config.settings()
+    if current.shared_p or current.musa_forms:
         feats["gemm_a_in_registers"] = False
+    if current.musa_forms:
+        feats.update(dict.fromkeys(LOWERING_FLAGS, False))
     return feats
 
 

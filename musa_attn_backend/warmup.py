@@ -111,11 +111,50 @@ def new_kv_layouts(hq: int, hkv: int, d: int, dv: int) -> list[tuple[tuple, tupl
 
 @dataclass(frozen=True)
 class Job:
-    kind: str  # prefill | decode | combine | write_kv
+    """One kernel to build: ``kind`` names its launcher's kernel getter (:data:`BUILDERS`), called with ``args``
+    and the keyword arguments ``kwargs`` (pairs)."""
+
+    kind: str
     args: tuple
+    kwargs: tuple = ()
 
     def describe(self) -> str:
-        return f"{self.kind}{self.args}"
+        extra = ", ".join(f"{k}={v!r}" for k, v in self.kwargs)
+        return f"{self.kind}{self.args}" + (f" {{{extra}}}" if extra else "")
+
+
+# job kind -> (module, kernel getter): the launchers' own functions, so a job builds the kernel the launch asks
+# for, under the same compile key
+BUILDERS = {
+    "prefill": ("musa_attn_backend.kernels.attention.tilelang_impl", "prefill_kernel"),
+    "decode": ("musa_attn_backend.kernels.attention.tilelang_impl", "decode_kernel"),
+    "combine": ("musa_attn_backend.kernels.attention.tilelang_impl", "combine_kernel"),
+    "write_kv": ("musa_attn_backend.kernels.kv_cache.tilelang_impl", "write_kv_kernel"),
+    "dsv4_sparse_mqa": ("musa_attn_backend.kernels.dsv4.tilelang_impl", "sparse_mqa_kernel"),
+    "dsv4_combine": ("musa_attn_backend.kernels.dsv4.tilelang_impl", "combine_kernel"),
+    "dsv4_write_kv": ("musa_attn_backend.kernels.dsv4.tilelang_impl", "write_kv_v4_kernel"),
+    "dsv4_write_index_k": ("musa_attn_backend.kernels.dsv4.tilelang_impl", "write_index_k_kernel"),
+    "dsv4_attention_slots": ("musa_attn_backend.kernels.dsv4.tilelang_impl", "attention_slots_kernel"),
+    "dsv4_indexer_logits": ("musa_attn_backend.kernels.dsv4.indexer_tilelang", "indexer_logits_kernel"),
+    "dsv4_paged_indexer_logits": ("musa_attn_backend.kernels.dsv4.indexer_tilelang", "paged_indexer_logits_kernel"),
+    "dsv4_indexer_topk": ("musa_attn_backend.kernels.dsv4.indexer_tilelang", "indexer_topk_kernel"),
+    "dsv4_indexer_q": ("musa_attn_backend.kernels.dsv4.indexer_tilelang", "indexer_q_kernel"),
+    "dsv4_compress_rows": ("musa_attn_backend.kernels.dsv4.compressor_tilelang", "compress_rows_kernel"),
+    "dsv4_save_state": ("musa_attn_backend.kernels.dsv4.compressor_tilelang", "save_state_kernel"),
+    "dsv4_norm_rope": ("musa_attn_backend.kernels.dsv4.model_tilelang", "norm_rope_kernel"),
+    "dsv4_silu_mul_clamp": ("musa_attn_backend.kernels.dsv4.model_tilelang", "silu_mul_clamp_kernel"),
+    "dsv4_mhc_pre": ("musa_attn_backend.kernels.dsv4.model_tilelang", "mhc_pre_kernel"),
+    "dsv4_mhc_post": ("musa_attn_backend.kernels.dsv4.model_tilelang", "mhc_post_kernel"),
+    "moe_fp8_contiguous": ("musa_attn_backend.kernels.moe.tilelang_impl", "contiguous_kernel"),
+    "moe_fp8_masked": ("musa_attn_backend.kernels.moe.tilelang_impl", "masked_kernel"),
+    "moe_fp4_contiguous": ("musa_attn_backend.kernels.moe.tilelang_impl", "contiguous_fp4_kernel"),
+    "moe_fp4_masked": ("musa_attn_backend.kernels.moe.tilelang_impl", "masked_fp4_kernel"),
+    "moe_swiglu_quant": ("musa_attn_backend.kernels.moe.tilelang_impl", "swiglu_quant_kernel"),
+    "moe_fp8_contiguous_swiglu": ("musa_attn_backend.kernels.moe.tilelang_impl", "contiguous_swiglu_kernel"),
+    "moe_fp8_masked_swiglu": ("musa_attn_backend.kernels.moe.tilelang_impl", "masked_swiglu_kernel"),
+    "moe_combine": ("musa_attn_backend.kernels.moe.tilelang_impl", "combine_kernel"),
+    "moe_quantize_scatter": ("musa_attn_backend.kernels.moe.tilelang_impl", "quantize_scatter_kernel"),
+}
 
 
 DEFAULT_PAGE_SIZE = {"sglang": 1, "vllm": 16}
@@ -155,14 +194,10 @@ def plan(model: ModelAttention, *, engine: str = "sglang", kv_dtype: Optional[st
 
 def _build(job: Job):
     """Make the launcher's kernel for ``job`` (through ``compile_cached``, or what intercepts it)."""
-    if job.kind == "write_kv":
-        from .kernels.kv_cache.tilelang_impl import write_kv_kernel
+    import importlib
 
-        return write_kv_kernel(*job.args)
-    from .kernels.attention import tilelang_impl as impl
-
-    return {"prefill": impl.prefill_kernel, "decode": impl.decode_kernel, "combine": impl.combine_kernel}[job.kind](
-        *job.args)
+    module, getter = BUILDERS[job.kind]
+    return getattr(importlib.import_module(module), getter)(*job.args, **dict(job.kwargs))
 
 
 def _compile(job: Job) -> tuple[Job, float]:
@@ -173,26 +208,43 @@ def _compile(job: Job) -> tuple[Job, float]:
 
 @dataclass(frozen=True)
 class Lowered:
-    """The outcome of lowering one job's kernel: the generated device source (where it lowered), or the error."""
+    """The outcome of lowering one job's kernel: the generated device source (where it lowered), or the error;
+    ``checked_only``: the target's rules were checked on its TIR (:func:`._tilelang.check_portable`) but the
+    installed TileLang cannot lower for the target (a MUSA target without tilelang-musa), so nothing was
+    lowered."""
 
     job: Job
     name: str  # the file stem its source is written under: <kind>-<digest of its compile key>
     source: Optional[str] = None
     error: Optional[str] = None
     seconds: float = 0.0
+    checked_only: bool = False
+
+
+def can_lower_for(target) -> bool:
+    """Whether the installed TileLang lowers for ``target``: any CUDA target; a MUSA one only with tilelang-musa."""
+    from .platform import parse_target, tilelang_supports_musa
+
+    return parse_target(target)[0] != "musa" or tilelang_supports_musa()
 
 
 def _lower(job: Job) -> Lowered:
-    """TileLang's lowering of ``job``'s kernel, without a device compiler (see :func:`lower_all`)."""
+    """The target's rules checked on ``job``'s kernel (:func:`._tilelang.check_portable`), then TileLang's lowering
+    of it where the installed TileLang can lower for the target, without a device compiler (see
+    :func:`lower_all`)."""
     from . import _tilelang
 
     t0 = time.perf_counter()
     seen: list = []
+    checked_only = []
 
     def lower(key, build, target, pass_configs):
         seen.append(_tilelang.kernel_digest((key, repr(target)))[:12])
         func = build()
         _tilelang.check_portable(key, func, target)
+        if not can_lower_for(target):
+            checked_only.append(key)
+            return None
         return _tilelang.lower(func, target, pass_configs).source
 
     try:
@@ -202,7 +254,7 @@ def _lower(job: Job) -> Lowered:
     except Exception as e:  # reported per kernel, with its reason
         source, error = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     name = f"{job.kind}-{seen[0] if seen else 'unbuilt'}"
-    return Lowered(job, name, source, error, time.perf_counter() - t0)
+    return Lowered(job, name, source, error, time.perf_counter() - t0, bool(checked_only) and error is None)
 
 
 def lower_all(jobs: Iterable[Job], out_dir: Optional[Path] = None, *, workers: int = 0,
@@ -225,7 +277,8 @@ def lower_all(jobs: Iterable[Job], out_dir: Optional[Path] = None, *, workers: i
             res = fut.result()
             results.append(res)
             if progress:
-                state = "lowered" if res.error is None else f"FAILED: {res.error}"
+                state = ("checked (not lowered)" if res.checked_only else "lowered") if res.error is None \
+                    else f"FAILED: {res.error}"
                 print(f"[{len(results)}/{len(jobs)}] {res.name} {res.job.kind} ({res.seconds:.1f}s) {state}",
                       flush=True)
     order = {j: i for i, j in enumerate(jobs)}
@@ -237,7 +290,9 @@ def lower_all(jobs: Iterable[Job], out_dir: Optional[Path] = None, *, workers: i
         index = []
         for r in results:
             entry = {"name": r.name, "kind": r.job.kind, "job": r.job.describe(), "seconds": round(r.seconds, 2)}
-            if r.source is not None:
+            if r.checked_only:
+                entry["checked_only"] = True
+            elif r.source is not None:
                 (out_dir / f"{r.name}.{ext}").write_text(r.source)
                 entry["file"] = f"{r.name}.{ext}"
             else:

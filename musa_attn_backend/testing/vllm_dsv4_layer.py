@@ -17,6 +17,7 @@ left out of the reference, as vLLM leaves it out: it changes only the FP8 roundi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,7 +34,9 @@ STEPS = [  # (requests, start positions, query lengths)
 TOPK = 16
 
 
-def main(out_path: str, device: str = "cpu") -> None:
+def main(out_path: str, device: str = "cpu", trace: str = "") -> None:
+    """``trace``: comma-separated compile targets (a CPU run only): the kernels the layer's TileLang paths ask for on
+    each (:func:`musa_attn_backend.testing.kernel_trace.tracing`) go into the report's ``kernels``."""
     if device == "cpu":
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -41,6 +44,7 @@ def main(out_path: str, device: str = "cpu") -> None:
     import torch
 
     from musa_attn_backend.testing import vllm_dsv4 as fx
+    from musa_attn_backend.testing.kernel_trace import tracing
 
     if device != "cpu":
         fx.skip_v4_package_init()
@@ -48,7 +52,6 @@ def main(out_path: str, device: str = "cpu") -> None:
     import dsv4_reference as ref_mod
     from tiny_dsv4 import CONFIG
     from vllm.config import set_current_vllm_config
-    from vllm.forward_context import set_forward_context
     from vllm.utils.torch_utils import set_default_torch_dtype
     from musa_attn_backend.vllm.dsv4 import MusaDeepseekV4Attention, MusaV4MetadataBuilder
 
@@ -82,25 +85,14 @@ def main(out_path: str, device: str = "cpu") -> None:
         outs = {i: {r: torch.full((n, config["hidden_size"]), float("nan")) for r, n in lens.items()}
                 for i in layers}
         chosen = {i: {r: torch.full((n, TOPK), -9, dtype=torch.int32) for r, n in lens.items()} for i in layers}
-        for reqs, starts, qlens in STEPS:
-            cms, pos = sched.step(reqs, starts, qlens, dev)
-            md = {}
-            for (spec, names, _), b, cm in zip(caches.groups, builders, cms):
-                built = b.build(0, cm)
-                md.update({n: built for n in names})
-            h = torch.cat([xs[r][s:s + n] for r, s, n in zip(reqs, starts, qlens)]).to(dev)
-            for i, layer in layers.items():
-                with set_forward_context(md, vc):
-                    y = layer(pos, h).float().cpu()
-                at = 0
-                for r, s, n in zip(reqs, starts, qlens):
-                    outs[i][r][s:s + n] = y[at:at + n]
-                    if layer.compress_ratio == 4:
-                        chosen[i][r][s:s + n] = topk_buf[at:at + n].cpu()
-                    at += n
+        traced = tracing(trace.split(",")) if trace else contextlib.nullcontext()
+        with traced as kernels:
+            run_steps(sched, caches, builders, layers, vc, xs, outs, chosen, topk_buf, dev)
 
     ref_mod.hadamard = lambda x: x  # vLLM's indexer rotates neither queries nor keys
     report = {"device": device, "layers": {}}
+    if trace:
+        report["kernels"] = {t: [repr(k) for k in kernels.unique(t)] for t in kernels.keys}
     for i in layers:
         rows = []
         for r in lens:
@@ -136,6 +128,30 @@ def main(out_path: str, device: str = "cpu") -> None:
             rows.append(row)
         report["layers"][str(i)] = rows
     Path(out_path).write_text(json.dumps(report, indent=1))
+
+
+def run_steps(sched, caches, builders, layers, vc, xs, outs, chosen, topk_buf, dev) -> None:
+    """The :data:`STEPS` through every layer: each layer's output rows into ``outs``, the C4 layers' top-k choices
+    into ``chosen``."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    for reqs, starts, qlens in STEPS:
+        cms, pos = sched.step(reqs, starts, qlens, dev)
+        md = {}
+        for (spec, names, _), b, cm in zip(caches.groups, builders, cms):
+            built = b.build(0, cm)
+            md.update({n: built for n in names})
+        h = torch.cat([xs[r][s:s + n] for r, s, n in zip(reqs, starts, qlens)]).to(dev)
+        for i, layer in layers.items():
+            with set_forward_context(md, vc):
+                y = layer(pos, h).float().cpu()
+            at = 0
+            for r, s, n in zip(reqs, starts, qlens):
+                outs[i][r][s:s + n] = y[at:at + n]
+                if layer.compress_ratio == 4:
+                    chosen[i][r][s:s + n] = topk_buf[at:at + n].cpu()
+                at += n
 
 
 def load(layer, w: dict, i: int, dev) -> None:

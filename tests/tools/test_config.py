@@ -14,11 +14,11 @@ from musa_attn_backend import cli, config, tuning, warmup
 from musa_attn_backend.kernels.attention import tilelang_impl as ti
 
 ENV_NAMES = ["MUSA_ATTN_SPLIT_MIXED", "MUSA_ATTN_PINGPONG_GATHER", "MUSA_ATTN_PDL", "MUSA_ATTN_TMA_CHUNKS",
-             "MUSA_ATTN_CHUNKED_COMBINE", "MUSA_ATTN_NEW_KV_PREFILL", "MUSA_ATTN_SHARED_P", "MUSA_ATTN_TARGET",
-             "MUSA_ATTN_CACHE_DIR",
+             "MUSA_ATTN_CHUNKED_COMBINE", "MUSA_ATTN_NEW_KV_PREFILL", "MUSA_ATTN_SHARED_P", "MUSA_ATTN_MUSA_FORMS",
+             "MUSA_ATTN_TARGET", "MUSA_ATTN_CACHE_DIR",
              "MUSA_ATTN_POISON", "MUSA_ATTN_VLLM_CUDA_GRAPHS", "MUSA_ATTN_MOE", "MUSA_ATTN_COMMIT"]
 KERNEL_SWITCHES = ["MUSA_ATTN_PINGPONG_GATHER", "MUSA_ATTN_PDL", "MUSA_ATTN_TMA_CHUNKS", "MUSA_ATTN_CHUNKED_COMBINE",
-                   "MUSA_ATTN_NEW_KV_PREFILL", "MUSA_ATTN_SHARED_P"]
+                   "MUSA_ATTN_NEW_KV_PREFILL", "MUSA_ATTN_SHARED_P", "MUSA_ATTN_MUSA_FORMS"]
 
 
 def test_every_switch_is_declared_once_with_its_default():

@@ -146,31 +146,54 @@ def test_warmup_lower_only_for_sm90a_writes_every_source(tmp_path):
     assert not any((tmp_path / "cache").rglob("*.done")) and not any((tmp_path / "cache").rglob("*.cubin"))
 
 
-def test_warmup_lower_only_names_each_kernel_that_does_not_lower(tmp_path):
-    """A target the installed TileLang cannot lower for (MUSA, with this CUDA-only TileLang): exit 1, every
-    kernel named with its reason."""
-    res = _lower_only(tmp_path, "mp_31")
-    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "0 of 7 kernels lowered" in res.stdout and "7 did not" in res.stdout
-    failures = [line for line in res.stderr.splitlines() if "does not lower:" in line]
-    assert len(failures) == 7 and {f.split()[2].split("-")[0] for f in failures} == {
-        "prefill", "decode", "combine", "write_kv"}
-    assert res.stderr.count("    ") >= 7  # a reason under each
+def test_warmup_lower_only_checks_musa_rules_without_a_musa_tilelang(tmp_path):
+    """A target the installed TileLang cannot lower for (MUSA, with this CUDA-only TileLang): every kernel's TIR is
+    checked against the target's rules (:mod:`musa_attn_backend.kernels._tir`) and the run says that nothing was
+    lowered; exit 0 when all pass, nothing written but the index."""
+    out = tmp_path / "src"
+    res = _lower_only(tmp_path, "mp_31", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "7 of 7 kernels passed the target's rules" in res.stdout and "not lowered" in res.stdout
+    import json
+
+    index = json.loads((out / "index.json").read_text())
+    assert len(index["kernels"]) == 7 and all(k.get("checked_only") and "file" not in k for k in index["kernels"])
+    assert sorted(p.name for p in out.iterdir()) == ["index.json"]
+
+
+def _register_p_spec():
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    lay = (2 * 128, 2 * 128, 128)
+    return ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
+
+
+def _pingpong():
+    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+
+    return ti.PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=True, pingpong=True)
 
 
 def test_lower_only_reports_a_register_operand_for_musa(use_settings):
     """The lowering-only check refuses, before lowering, a program whose P V product reads P from registers on a
-    MUSA target (the ping-pong prefill forced on it), and says why."""
-    from musa_attn_backend.kernels.attention import tilelang_impl as ti
+    MUSA target (the ping-pong prefill forced on it), and says why; a kernel within the rules is checked only
+    (no MUSA TileLang here), with no error and no source."""
+    use_settings(target="mp_31")
+    res = warmup._lower(warmup.Job("prefill", (_register_p_spec(), True, 128, None, _pingpong())))
+    assert res.source is None and "keeps P in registers" in res.error and not res.checked_only
+    res = warmup._lower(warmup.Job("combine", (_register_p_spec(),)))
+    assert res.source is None and res.error is None and res.checked_only and res.name.startswith("combine-")
+
+
+def test_lower_only_names_the_rule_a_program_breaks(use_settings, monkeypatch):
+    """A program that breaks an MP31 rule (the sparse MQA program with one K/V tile for both GEMMs, as it was
+    before MUSA's form) is reported by ``--lower-only`` with the rule's flag."""
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl as dti
 
     use_settings(target="mp_31")
-    lay = (2 * 128, 2 * 128, 128)
-    spec = ti.AttnSpec(8, 2, 128, 128, "bfloat16", "bfloat16", k_layout=lay, v_layout=lay)
-    cfg = ti.PrefillConfig(block_M=128, block_N=128, num_stages=2, threads=384, tma=True, pingpong=True)
-    res = warmup._lower(warmup.Job("prefill", (spec, True, 128, None, cfg)))
-    assert res.source is None and "keeps P in registers" in res.error
-    res = warmup._lower(warmup.Job("combine", (spec,)))  # no GEMM: lowering is what fails here (no MUSA TileLang)
-    assert res.source is None and res.error and res.name.startswith("combine-")
+    monkeypatch.setattr(dti, "portable_form", lambda target=None: {"block_N": 64, "separate_v": False})
+    res = warmup._lower(warmup.Job("dsv4_sparse_mqa", (64, True, True, False, "bfloat16")))
+    assert res.error and "is read B MN-major and K-major" in res.error and "gemm_tile_two_majors" in res.error
 
 
 def test_warmup_says_when_no_tiling_fits(monkeypatch, capsys):

@@ -4,8 +4,8 @@
 import functools
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, request_rows, rows_tensor, slot_buffer,
-                        slot_row, visible)
+from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, qk_product, request_rows, rows_tensor,
+                        slot_buffer, slot_row, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -14,7 +14,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                  k_layout: tuple, v_layout: tuple,
                  block_M: int = 64, block_N: int = 64, num_stages: int = 2, threads: int = 128,
                  slot_tiles: int = SLOT_TILES, full_runs: bool = False, pdl: bool = False,
-                 shared_p: bool = False):
+                 shared_p: bool = False, d_parts: tuple = ()):
     """Split-KV decode (and short causal queries, up to ``max_q`` tokens per request, e.g. speculative verify).
 
     One block per (KV split, KV head, request); its rows are the ``max_q x G`` (token, query head) pairs that
@@ -27,7 +27,8 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     memory traffic). ``pdl`` (split only): trigger the dependent launch of the combine kernel (programmatic
     dependent launch) as the block starts, so the combine's launch overlaps this kernel's last wave.
     ``shared_p``: the probabilities go through a shared tile to the ``P V`` product (targets whose GEMMs take
-    no register A operand; the 16-row tiling always does), else they stay in registers.
+    no register A operand; the 16-row tiling always does), else they stay in registers. ``d_parts``: the head
+    dim cut in two, as in :func:`.prefill_kernel.build_prefill`.
     """
     G = Hq // Hkv
     rows = max_q * G
@@ -49,8 +50,10 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     shared_p = shared_p or small
     O_shape = (SPLITS, NT, Hq, DV) if split else (NT, Hq, DV)
     L_shape = (SPLITS, NT, Hq) if split else (NT, Hq)
+    D1 = d_parts[0] if d_parts else D  # the first part of the head dim; D - D1 the second (0: not cut)
+    assert sum(d_parts or (D,)) == D and len(d_parts) <= 2, d_parts
     alloc_state, resolve_slots, load_kv, softmax_step, pv_product, finish_rows = attention_macros(
-        BM, BN, D, DV, k_layout[2], v_layout[2], is_fp8, q_dtype, slot_tiles)
+        BM, BN, D, DV, k_layout[2], v_layout[2], is_fp8, q_dtype, slot_tiles, D1=D1)
 
     @T.macro
     def tile_step(tiles, state, n0, prefix, sk, window, logit_scale, softcap, scale_log2):
@@ -58,7 +61,7 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
         tiles)."""
         acc_s = state.acc_s
         T.clear(acc_s)
-        T.gemm(tiles.Q_s, tiles.K_s, acc_s, transpose_B=True, policy=policy)
+        qk_product(tiles, acc_s, policy)
         for r, j in T.Parallel(BM, BN):
             acc_s[r, j] = T.if_then_else(
                 visible(n0 + j, prefix + r // G, sk, window, True, has_window),
@@ -90,15 +93,18 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
         with T.Kernel(num_splits, Hkv, B, threads=threads) as (bs, bh, bb):
             if pdl:
                 T.pdl_trigger()
-            Q_s = T.alloc_shared([BM, D], q_dtype)
+            Q_s = T.alloc_shared([BM, D1], q_dtype)
             P_s = T.alloc_shared([BM, BN], q_dtype) if shared_p else None
-            K_s = T.alloc_shared([BN, D], q_dtype)
+            K_s = T.alloc_shared([BN, D1], q_dtype)
             V_s = T.alloc_shared([BN, DV], q_dtype)
-            K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
+            K8_s = T.alloc_shared([BN, D1], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
+            Q2_s = T.alloc_shared([BM, D - D1], q_dtype) if D1 < D else None
+            K2_s = T.alloc_shared([BN, D - D1], q_dtype) if D1 < D else None
+            K82_s = T.alloc_shared([BN, D - D1], kv_dtype) if is_fp8 and D1 < D else None
             slot_s = slot_buffer(slot_tiles * BN) if slot_tiles > 0 else None
             state = alloc_state()
-            tiles = Tiles(Q_s, K_s, V_s, K8_s, V8_s, P_s)
+            tiles = Tiles(Q_s, K_s, V_s, K8_s, V8_s, P_s, Q2_s, K2_s, K82_s)
 
             b = bb
             kvh = bh
@@ -114,9 +120,13 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
             n_iters = T.max(T.min(per_split, n_total - it_lo), 0)
 
             # row r: token r // G of this request, query head kvh * G + r % G
-            for r, d in T.Parallel(BM, D):
+            for r, d in T.Parallel(BM, D1):
                 Q_s[r, d] = T.if_then_else(T.And(r < rows, r // G < qlen), Q[q0 + r // G, kvh * G + r % G, d],
                                            T.Cast(q_dtype, 0))
+            if D1 < D:
+                for r, d in T.Parallel(BM, D - D1):
+                    Q2_s[r, d] = T.if_then_else(T.And(r < rows, r // G < qlen),
+                                                Q[q0 + r // G, kvh * G + r % G, D1 + d], T.Cast(q_dtype, 0))
             T.fill(state.acc_o, 0)
             T.fill(state.l_i, 0)
             T.fill(state.m_i, NEG_INF)

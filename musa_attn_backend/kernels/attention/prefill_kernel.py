@@ -4,8 +4,8 @@ gathers or whole-tile copies (conventions: :mod:`.tl_common`)."""
 import functools
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, page_row, query_tile_macro, rows_tensor,
-                        slot_buffer, visible)
+from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, page_row, qk_product, query_tile_macro,
+                        rows_tensor, slot_buffer, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -13,7 +13,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                   has_window: bool, has_softcap: bool, has_sinks: bool, is_fp8: bool,
                   k_layout: tuple, v_layout: tuple,
                   block_M: int = 128, block_N: int = 128, num_stages: int = 2, threads: int = 256,
-                  tma: bool = False, ragged: bool = False, shared_p: bool = False):
+                  tma: bool = False, ragged: bool = False, shared_p: bool = False, d_parts: tuple = ()):
     """Varlen prefill/extend: one block per (query tile of one request, query head).
 
     ``k_layout``/``v_layout`` = (width, row stride, head stride) of the cache row views.
@@ -33,7 +33,8 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     The causal / window / sequence-end mask is the initial value of the QK accumulator, and only tiles that
     cross a boundary compute it; the others start from zero. ``shared_p``: the probabilities go through a
     shared tile to the ``P V`` product (targets whose GEMMs take no register A operand), else they stay in
-    registers.
+    registers. ``d_parts``: the head dim cut into two widths (:func:`.tl_common.head_parts`), each part's Q and K
+    in tiles of their own and ``Q K^T`` one GEMM a part (targets whose GEMM layouts refuse the whole width).
     """
     G = Hq // Hkv
     BM, BN = block_M, block_N
@@ -43,13 +44,15 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     MP = T.dynamic("max_pages")
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
+    D1 = d_parts[0] if d_parts else D  # the first part of the head dim; D - D1 the second (0: not cut)
+    assert sum(d_parts or (D,)) == D and len(d_parts) <= 2, d_parts
     assert not tma or (not is_fp8 and not has_window), "TMA tiles: bf16/fp16 caches without a window"
     assert not ragged or tma, "ragged: TMA tiles"
     # Only with a window can a row see no key of a whole tile (otherwise key 0, in the first tile, is
     # visible to every row), so only then does the softmax guard against an all-masked row.
     guard_empty = has_window
     alloc_state, resolve_slots, load_kv, softmax_step, pv_product, finish_rows = attention_macros(
-        BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype)
+        BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, D1=D1)
     query_tile = query_tile_macro(G, BM, causal)
 
     def _tile_crosses(n0, qpos0, sk, window):
@@ -68,7 +71,10 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     def load_tma(KC, VC, tiles, page_table, b, n0, page_size, kvh, q0):
         # whole tiles only: TileLang 0.1.15 lowers a block copy into a slice of a shared tile without TMA
         T.copy(KC[tile_row(page_table, b, n0, page_size, q0):tile_row(page_table, b, n0, page_size, q0) + BN,
-                  kvh * HS_K:kvh * HS_K + D], tiles.K_s)
+                  kvh * HS_K:kvh * HS_K + D1], tiles.K_s)
+        if D1 < D:
+            T.copy(KC[tile_row(page_table, b, n0, page_size, q0):tile_row(page_table, b, n0, page_size, q0) + BN,
+                      kvh * HS_K + D1:kvh * HS_K + D], tiles.K2_s)
         T.copy(VC[tile_row(page_table, b, n0, page_size, q0):tile_row(page_table, b, n0, page_size, q0) + BN,
                   kvh * HS_V:kvh * HS_V + DV], tiles.V_s)
 
@@ -78,7 +84,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
         crosses = _tile_crosses(n0, qpos0, sk, window)
         if has_softcap:
             T.clear(acc_s)
-            T.gemm(tiles.Q_s, tiles.K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            qk_product(tiles, acc_s, T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(BM, BN):
                 acc_s[i, j] = T.if_then_else(
                     T.Or(T.Not(crosses), visible(n0 + j, qpos0 + i, sk, window, causal, has_window)),
@@ -90,7 +96,7 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                                                  0, NEG_INF)
             else:
                 T.clear(acc_s)
-            T.gemm(tiles.Q_s, tiles.K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            qk_product(tiles, acc_s, T.GemmWarpPolicy.FullRow)
 
     @T.prim_func
     def prefill(
@@ -112,15 +118,18 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
         LSE: T.Tensor((NT, Hq), "float32"),
     ):
         with T.Kernel(T.ceildiv(max_seqlen_q, BM), Hq, B, threads=threads) as (bx, by, bz):
-            Q_s = T.alloc_shared([BM, D], q_dtype)
-            K_s = T.alloc_shared([BN, D], q_dtype)
+            Q_s = T.alloc_shared([BM, D1], q_dtype)
+            K_s = T.alloc_shared([BN, D1], q_dtype)
             V_s = T.alloc_shared([BN, DV], q_dtype)
-            K8_s = T.alloc_shared([BN, D], kv_dtype) if is_fp8 else None
+            K8_s = T.alloc_shared([BN, D1], kv_dtype) if is_fp8 else None
             V8_s = T.alloc_shared([BN, DV], kv_dtype) if is_fp8 else None
             P_s = T.alloc_shared([BM, BN], q_dtype) if shared_p else None
+            Q2_s = T.alloc_shared([BM, D - D1], q_dtype) if D1 < D else None
+            K2_s = T.alloc_shared([BN, D - D1], q_dtype) if D1 < D else None
+            K82_s = T.alloc_shared([BN, D - D1], kv_dtype) if is_fp8 and D1 < D else None
             slot_s = None if tma else slot_buffer(SLOT_TILES * BN)
             state = alloc_state()
-            tiles = Tiles(Q_s, K_s, V_s, K8_s, V8_s, P_s)
+            tiles = Tiles(Q_s, K_s, V_s, K8_s, V8_s, P_s, Q2_s, K2_s, K82_s)
 
             t = query_tile(cu_seqlens_q, seqlens_k, max_seqlen_q, bx, by, bz)
             b, h, kvh, q0, qlen, sk, prefix, m0 = t.b, t.h, t.kvh, t.q0, t.qlen, t.sk, t.prefix, t.m0
@@ -132,8 +141,11 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
             n_lo = kv_lo // BN
             n_iters = T.if_then_else(m0 < qlen, T.max(T.ceildiv(kv_hi, BN) - n_lo, 0), 0)
 
-            for i, d in T.Parallel(BM, D):
+            for i, d in T.Parallel(BM, D1):
                 Q_s[i, d] = T.if_then_else(m0 + i < qlen, Q[q0 + m0 + i, h, d], T.Cast(q_dtype, 0))
+            if D1 < D:
+                for i, d in T.Parallel(BM, D - D1):
+                    Q2_s[i, d] = T.if_then_else(m0 + i < qlen, Q[q0 + m0 + i, h, D1 + d], T.Cast(q_dtype, 0))
             T.fill(state.acc_o, 0)
             T.fill(state.l_i, 0)
             T.fill(state.m_i, NEG_INF)

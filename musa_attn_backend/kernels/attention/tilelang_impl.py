@@ -28,7 +28,7 @@ from .combine_kernel import build_combine
 from .decode_kernel import build_decode
 from .prefill_kernel import build_prefill
 from .prefill_pingpong_kernel import build_prefill_pingpong
-from .tl_common import SLOT_TILES
+from .tl_common import GEMM_EXTENT_CHUNK, SLOT_TILES, head_parts
 
 SUPPORTED_Q_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -68,6 +68,7 @@ def clear_plan_caches() -> None:
     for cached in _plan_caches:
         cached.cache_clear()
     _kernels.clear()
+    _supported.clear()
 
 
 on_change(clear_plan_caches)
@@ -126,7 +127,25 @@ def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     for name, dim in (("head_dim", d), ("v head_dim", dv)):
         check(dim % 16 == 0 and 16 <= dim <= MAX_HEAD_DIM,
               f"{op}: {name} must be a multiple of 16 in [16, {MAX_HEAD_DIM}] (64, 96, 128, 256, ...), got {dim}")
+    check_v_head_dim(op, dv)
     _supported.add((q.dtype, d, dv))
+
+
+def check_v_head_dim(op: str, dv: int, target=None) -> None:
+    """Refuse a value head dim the ``P V`` GEMM of ``target`` (None: this platform's) cannot take whole: on a
+    target without ``platform.gemm_any_extent`` (MUSA) the V tile's contiguous extent must be at most 128 or a
+    multiple of 128. (The query/key head dim is cut into such parts instead: :func:`.tl_common.head_parts`.)"""
+    check(features_of(target)["gemm_any_extent"] or dv <= GEMM_EXTENT_CHUNK or dv % GEMM_EXTENT_CHUNK == 0,
+          lambda: f"{op}: v head_dim {dv} is not supported on this target (its GEMMs take a 16-bit operand whose "
+                  f"contiguous extent is at most {GEMM_EXTENT_CHUNK} or a multiple of {GEMM_EXTENT_CHUNK}: v head "
+                  f"dims 16-128 or 256)")
+
+
+def _d_parts(d: int, target) -> tuple:
+    """The build argument cutting head dim ``d`` for ``target``'s GEMMs (empty: not cut; see
+    :func:`.tl_common.head_parts`)."""
+    parts = head_parts(d, not features_of(target)["gemm_any_extent"])
+    return parts if len(parts) > 1 else ()
     # cache layout checks: cache_rows, called before any launch
 
 
@@ -374,11 +393,14 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
             spec.k_layout, spec.v_layout, cfg.block_N, cfg.num_stages, gather=not cfg.tma, tma_rows=cfg.tma_rows,
             ragged=ragged), target=target, pass_configs=pc)
     shared_p = _shared_p(target)
+    check_v_head_dim("prefill_kernel", spec.dv, target)
+    d_parts = _d_parts(spec.d, target)
     return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ())
-                          + (("shared_p",) if shared_p else ()), lambda: build_prefill(
+                          + (("shared_p",) if shared_p else ()) + ((("d_parts", d_parts),) if d_parts else ()),
+                          lambda: build_prefill(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, causal, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, spec.k_layout, spec.v_layout,
-        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma, ragged, shared_p), target=target)
+        cfg.block_M, cfg.block_N, cfg.num_stages, cfg.threads, cfg.tma, ragged, shared_p, d_parts), target=target)
 
 
 @_planned
@@ -433,12 +455,15 @@ def _shared_p(target) -> bool:
 def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
     pdl = split and _pdl(target)
     shared_p = _shared_p(target)
+    check_v_head_dim("decode_kernel", spec.dv, target)
+    d_parts = _d_parts(spec.d, target)
     return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ())
-                          + (("shared_p",) if shared_p else ()), lambda: build_decode(
+                          + (("shared_p",) if shared_p else ()) + ((("d_parts", d_parts),) if d_parts else ()),
+                          lambda: build_decode(
         spec.hq, spec.hkv, spec.d, spec.dv, spec.q_dtype, spec.kv_dtype, dcfg.max_q, spec.has_window,
         spec.has_softcap, spec.has_sinks, spec.is_fp8, split, spec.k_layout, spec.v_layout,
         dcfg.block_M, dcfg.block_N, dcfg.num_stages, dcfg.threads, dcfg.slot_tiles, dcfg.full_runs, pdl,
-        shared_p), target=target)
+        shared_p, d_parts), target=target)
 
 
 @_kernel_handle

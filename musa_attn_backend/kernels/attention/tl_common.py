@@ -34,6 +34,17 @@ from ..._tilelang import tl_lang as T
 LOG2E = 1.4426950408889634
 ACC = "float32"
 SLOT_TILES = 8  # tiles whose cache rows are resolved together before each pipelined run
+GEMM_EXTENT_CHUNK = 128  # the contiguous extents MUSA's GEMM layouts take: at most this, or multiples of it
+
+
+def head_parts(d: int, split: bool) -> tuple:
+    """The widths the ``Q K^T`` GEMMs cut a head dim ``d`` into: ``(d,)``, or with ``split`` (a target without
+    ``platform.gemm_any_extent``: MUSA) ``(lead, d - lead)`` where ``d`` is over :data:`GEMM_EXTENT_CHUNK` and no
+    multiple of it (192 -> 128 + 64), so that every operand's contiguous extent is one the target takes."""
+    if not split or d <= GEMM_EXTENT_CHUNK or d % GEMM_EXTENT_CHUNK == 0:
+        return (d,)
+    lead = d // GEMM_EXTENT_CHUNK * GEMM_EXTENT_CHUNK
+    return (lead, d - lead)
 
 
 def rows_tensor(width: int, row_stride: int, dtype: str, name: str):
@@ -75,7 +86,8 @@ class Tiles:
     """A block's shared-memory tiles: the query tile, one key and one value tile in the query dtype, their FP8
     staging tiles (FP8 caches) and the P tile (else None): where the target's GEMMs take no A operand from
     registers (``platform.gemm_a_in_registers`` false) and in the decode's 16-row tiling, the probabilities
-    go through it to the ``P V`` product."""
+    go through it to the ``P V`` product. With a head dim cut in two (:func:`head_parts`), ``Q_s`` / ``K_s`` /
+    ``K8_s`` hold its first part and ``Q2_s`` / ``K2_s`` / ``K82_s`` the rest (else None)."""
 
     Q_s: Any
     K_s: Any
@@ -83,6 +95,17 @@ class Tiles:
     K8_s: Any = None
     V8_s: Any = None
     P_s: Any = None
+    Q2_s: Any = None
+    K2_s: Any = None
+    K82_s: Any = None
+
+
+@T.macro
+def qk_product(tiles, acc_s, policy):
+    """``acc_s += Q K^T`` over the tiles' head dim: one GEMM, or one a part (:func:`head_parts`)."""
+    T.gemm(tiles.Q_s, tiles.K_s, acc_s, transpose_B=True, policy=policy)
+    if tiles.K2_s is not None:
+        T.gemm(tiles.Q2_s, tiles.K2_s, acc_s, transpose_B=True, policy=policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +186,12 @@ class AttentionMacros(NamedTuple):
     finish_rows: Any
 
 
-def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT_TILES) -> AttentionMacros:
+def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT_TILES,
+                     D1=None) -> AttentionMacros:
     """Tile loads and the online-softmax step shared by the prefill and decode programs (``BM`` x ``BN`` score
-    tiles, head dims ``D`` / ``DV``, head strides ``HS_K`` / ``HS_V`` of the cache rows)."""
+    tiles, head dims ``D`` / ``DV``, head strides ``HS_K`` / ``HS_V`` of the cache rows; ``D1``: the width of the
+    head dim's first part where the K tiles are cut in two, :func:`head_parts`)."""
+    D1 = D1 or D
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
@@ -196,17 +222,23 @@ def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT
         stage that commits two)."""
         K_dst = tiles.K8_s if is_fp8 else tiles.K_s
         V_dst = tiles.V8_s if is_fp8 else tiles.V_s
-        if D == DV:
+        if D == DV and D1 == D:
             for j, d in T.Parallel(BN, D):
                 K_dst[j, d] = KC[row(j), kvh * HS_K + d]
                 V_dst[j, d] = VC[row(j), kvh * HS_V + d]
         else:
-            for j, d in T.Parallel(BN, D):
+            for j, d in T.Parallel(BN, D1):
                 K_dst[j, d] = KC[row(j), kvh * HS_K + d]
+            if D1 < D:
+                K2_dst = tiles.K82_s if is_fp8 else tiles.K2_s
+                for j, d in T.Parallel(BN, D - D1):
+                    K2_dst[j, d] = KC[row(j), kvh * HS_K + D1 + d]
             for j, d in T.Parallel(BN, DV):
                 V_dst[j, d] = VC[row(j), kvh * HS_V + d]
         if is_fp8:
             T.copy(tiles.K8_s, tiles.K_s)
+            if D1 < D:
+                T.copy(tiles.K82_s, tiles.K2_s)
             T.copy(tiles.V8_s, tiles.V_s)
 
     @T.macro

@@ -9,7 +9,9 @@ token's index list: the main set's tiles first, then the extra set's. An entry p
 negative, or at or past its cache's slot count is invalid: its row is zero-filled without a read (its offsets
 point below the buffer, where the copies' bounds checks stop them) and its score masked. The raw bytes go to
 shared staging tiles, then each row is dequantised into a bf16 shared tile (``e4m3 * 2^(exponent - 127)``, exact
-in bf16), which serves as both K and V.
+in bf16), which serves as both K and V; with ``separate_v`` the row goes to a K tile and a V tile of its own, as a
+target that lays a shared GEMM operand out by its majorness needs (``platform.gemm_tile_two_majors`` false: MUSA):
+``Q K^T`` reads K with the 512 values contiguous (K-major), ``P V`` reads V with them as its N side (MN-major).
 
 The softmax runs in base 2 (``scale_log2 = sm_scale * log2(e)``). Unsplit, the block writes the final output
 (the sink in the denominator) and the natural-log LSE without the sink; split, it writes a partial output
@@ -31,12 +33,14 @@ INVALID16 = -(1 << 26)  # the offsets of an invalid entry: below the buffer
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str = "bfloat16",
                      block_H: int = 64, block_N: int = 64, threads: int = 256, shared_p: bool = True,
-                     fp8_convert: bool = True):
+                     fp8_convert: bool = True, separate_v: bool = False):
     """Sparse MQA for ``H`` query heads (any count: blocks of ``block_H``, rows past ``H`` padded inside).
     ``shared_p``: the probabilities go through a shared tile to the ``P V`` product (where the target's GEMMs
     take no register A operand), else they stay in registers. ``fp8_convert``: the e4m3 bytes become values
     through the target's FP8 conversion; without one (``platform.fp8`` false: MP22) they are decoded from their
-    sign, exponent and mantissa fields by integer arithmetic."""
+    sign, exponent and mantissa fields by integer arithmetic. ``separate_v``: K and V in tiles of their own (see
+    the module docstring; two 64-row tiles beside the query tile need more shared memory than MUSA's 192 KB, so
+    that form takes 32-row tiles)."""
     BH, BN, D = block_H, block_N, L.D
     NT = T.dynamic("num_tokens")
     K1 = T.dynamic("topk")
@@ -78,18 +82,25 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             scale_at_s[j] = T.if_then_else(ok, page * stride16 * 2 + rows * (L.DATA_BYTES // 8) + row, INVALID16)
 
     @T.macro
-    def gather(KV_s, K8_s, S8_s, base_s, scale_at_s, C8, CH, CS):
-        """The tile's rows into ``KV_s``: the raw bytes copied (16-byte copies; invalid rows zero-filled), then
-        the nope values dequantised in shared memory (``e4m3 * 2^(exponent - 127)``; a zero-filled row stays
-        zero)."""
+    def gather(KV_s, V_s, K8_s, S8_s, base_s, scale_at_s, C8, CH, CS):
+        """The tile's rows into ``KV_s`` (and ``V_s`` with ``separate_v``): the raw bytes copied (16-byte copies;
+        invalid rows zero-filled), then the nope values dequantised in shared memory (``e4m3 * 2^(exponent -
+        127)``; a zero-filled row stays zero)."""
         for j, d in T.Parallel(BN, L.D_NOPE):
             K8_s[j, d] = C8[base_s[j] + d // 16, d % 16]
         for j, d in T.Parallel(BN, L.D_ROPE):
             KV_s[j, L.D_NOPE + d] = CH[base_s[j] + ROPE16 + d // 8, d % 8]
+        if separate_v:
+            for j, d in T.Parallel(BN, L.D_ROPE):
+                V_s[j, L.D_NOPE + d] = CH[base_s[j] + ROPE16 + d // 8, d % 8]
         for j, g in T.Parallel(BN, L.SCALE_BYTES):
             S8_s[j, g] = CS[scale_at_s[j], g]
         for j, d in T.Parallel(BN, L.D_NOPE):
             KV_s[j, d] = T.Cast(q_dtype, e4m3_value(K8_s[j, d]) * T.exp2(T.Cast(ACC, S8_s[j, d // L.TILE]) - 127.0))
+        if separate_v:
+            for j, d in T.Parallel(BN, L.D_NOPE):
+                V_s[j, d] = T.Cast(q_dtype,
+                                   e4m3_value(K8_s[j, d]) * T.exp2(T.Cast(ACC, S8_s[j, d // L.TILE]) - 127.0))
 
     @T.prim_func
     def sparse_mqa(
@@ -119,6 +130,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
         with T.Kernel(num_splits, head_blocks, NT, threads=threads) as (bs, bh, bt):
             Q_s = T.alloc_shared([BH, D], q_dtype)
             KV_s = T.alloc_shared([BN, D], q_dtype)
+            V_s = T.alloc_shared([BN, D], q_dtype) if separate_v else KV_s
             P_s = T.alloc_shared([BH, BN], q_dtype) if shared_p else None
             K8_s = T.alloc_shared([BN, L.D_NOPE], nope_dtype)
             S8_s = T.alloc_shared([BN, L.SCALE_BYTES], "uint8")
@@ -126,7 +138,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             scale_at_s = T.alloc_shared([BN], "int64", scope="shared")
             ok_s = T.alloc_shared([BN], "int32", scope="shared")
             state = alloc_state()
-            tiles = Tiles(Q_s, KV_s, KV_s, None, None, P_s)
+            tiles = Tiles(Q_s, KV_s, V_s, None, None, P_s)
             t = bt
             h0 = bh * BH
             scale_log2 = sm_scale * LOG2E
@@ -143,10 +155,10 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
                 g = it_lo + it
                 if g < n1:
                     resolve(base_s, scale_at_s, ok_s, I1, L1, t, g * BN, K1, slots1, rows1, stride1)
-                    gather(KV_s, K8_s, S8_s, base_s, scale_at_s, C8, CH, CS)
+                    gather(KV_s, V_s, K8_s, S8_s, base_s, scale_at_s, C8, CH, CS)
                 else:
                     resolve(base_s, scale_at_s, ok_s, I2, L2, t, (g - n1) * BN, K2, slots2, rows2, stride2)
-                    gather(KV_s, K8_s, S8_s, base_s, scale_at_s, X8, XH, XS)
+                    gather(KV_s, V_s, K8_s, S8_s, base_s, scale_at_s, X8, XH, XS)
                 acc_s = state.acc_s
                 T.clear(acc_s)
                 T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)

@@ -68,6 +68,21 @@ def sparse_mqa_program(target=None) -> str:
     return "warp_specialized" if f["warp_specialized"] and f["gemm_a_in_registers"] and f["fp8"] else "portable"
 
 
+def portable_form(target=None) -> dict:
+    """The portable program's tiles on ``target`` (None: this platform's): one K/V tile of ``BLOCK_N`` rows where a
+    shared tile may be read in both majornesses (``platform.gemm_tile_two_majors``), else a K and a V tile of 32
+    rows each (MUSA: two tiles of 64 rows would not fit beside the query tile)."""
+    if features_of(target)["gemm_tile_two_majors"]:
+        return {"block_N": BLOCK_N, "separate_v": False}
+    return {"block_N": 32, "separate_v": True}
+
+
+def sparse_mqa_block_n(target=None, program: Optional[str] = None) -> int:
+    """The key tile of the sparse MQA program ``target`` runs (``program``: as :func:`sparse_mqa_kernel`)."""
+    program = program or sparse_mqa_program(target)
+    return BLOCK_N if program == "warp_specialized" else portable_form(target)["block_N"]
+
+
 def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None,
                       program: Optional[str] = None, producer: str = "rows"):
     """The compiled sparse MQA program (``program``: one of :data:`PROGRAMS`, default
@@ -97,9 +112,12 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
     # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
     fp8_convert = _fp8_convert(target)
-    key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N, shared_p, fp8_convert)
-    return compile_cached(key, lambda: build_sparse_mqa(H, has_extra, has_sink, split, q_dtype, BLOCK_H, BLOCK_N,
-                                                        256, shared_p, fp8_convert), target=target)
+    form = portable_form(target)
+    key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, BLOCK_H, form["block_N"], shared_p,
+           fp8_convert) + (("separate_v",) if form["separate_v"] else ())
+    return compile_cached(key, lambda: build_sparse_mqa(H, has_extra, has_sink, split, q_dtype, BLOCK_H,
+                                                        form["block_N"], 256, shared_p, fp8_convert,
+                                                        form["separate_v"]), target=target)
 
 
 def _fp8_convert(target) -> bool:
@@ -160,7 +178,8 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
     if T == 0:
         return (out, lse) if return_lse else out
-    tiles = math.ceil(i1.shape[1] / BLOCK_N) + math.ceil(i2.shape[1] / BLOCK_N)
+    bn = sparse_mqa_block_n(program=program)
+    tiles = math.ceil(i1.shape[1] / bn) + math.ceil(i2.shape[1] / bn)
     splits = num_splits_for(T, H, tiles, get_platform().sm_count or 132)
     args = (q, *main_views, i1, l1, *extra_views, i2, l2, sinks, float(sm_scale), *main_geo, *extra_geo, splits)
     if splits == 1:

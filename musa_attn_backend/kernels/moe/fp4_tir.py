@@ -152,20 +152,30 @@ def fp8_mma_step(block_n: int, block_m: int, spans: int, threads: int, scale_dty
     scale's span, ``s``) one FP8 GEMM of that slice of ``B_s`` and of the token tile ``A_s [block_m, 32 * spans]``
     into ``part [block_n, block_m]``, added to ``acc`` times the weight rows' scales (column ``kk * spans + s`` of
     the staged ``SB_s``: UE8M0 bytes or float32 values) and the token rows' (column ``(k + s) / 4`` of ``SA_s``;
-    ``k`` counts spans of 32). More spans a step: fewer barriers and longer loads per row, more shared memory."""
+    ``k`` counts spans of 32). More spans a step: fewer barriers and longer loads per row, more shared memory. With
+    more than one span the GEMMs read slices of the tiles, which MUSA's GEMMs do not take (they read a whole
+    tile at offset 0: ``platform.gemm_tile_slices``): one span there."""
     convert = convert_words_e4m3(block_n, spans * SPAN_WORDS, threads)
+
+    @T.macro
+    def span(B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc, s, B_span, A_span):
+        """Span ``s``: its scales, the GEMM of the tiles' span ``B_span`` x ``A_span``, the rescale."""
+        for i in T.Parallel(block_n):
+            sb[i] = pow2(SB_s[i, kk * spans + s]) if scale_dtype == "uint8" else SB_s[i, kk * spans + s]
+        for j in T.Parallel(block_m):
+            sa[j] = SA_s[j, (k + s) // 4]
+        T.gemm(B_span, A_span, part, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(block_n, block_m):
+            acc[i, j] += part[i, j] * (sb[i] * sa[j])
 
     @T.macro
     def step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc):
         convert(Bw_s, B_s)
-        for s in T.unroll(spans):
-            for i in T.Parallel(block_n):
-                sb[i] = pow2(SB_s[i, kk * spans + s]) if scale_dtype == "uint8" else SB_s[i, kk * spans + s]
-            for j in T.Parallel(block_m):
-                sa[j] = SA_s[j, (k + s) // 4]
-            T.gemm(B_s[:, s * SPAN:(s + 1) * SPAN], A_s[:, s * SPAN:(s + 1) * SPAN], part, transpose_B=True,
-                   clear_accum=True)
-            for i, j in T.Parallel(block_n, block_m):
-                acc[i, j] += part[i, j] * (sb[i] * sa[j])
+        if spans == 1:  # the whole tiles: what MUSA's GEMMs take (platform.gemm_tile_slices)
+            span(B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc, 0, B_s, A_s)
+        else:
+            for s in T.unroll(spans):
+                span(B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc, s, B_s[:, s * SPAN:(s + 1) * SPAN],
+                     A_s[:, s * SPAN:(s + 1) * SPAN])
 
     return step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..._tilelang import compile_cached, tl
+from ...platform import features_of
 from .combine_kernel import build_combine_experts
 from .contiguous_fp4_fp8_kernel import build_grouped_gemm_contiguous_fp4_fp8
 from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
@@ -67,7 +68,10 @@ def contiguous_kernel(N: int, K: int, target=None, **tiling):
 
 
 def masked_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp8_masked", build_grouped_gemm_masked, MASKED, (N, K), target, tiling)
+    # 256 threads where the target prints no float vector wider than 8 lanes (MUSA: platform.wide_float_vectors):
+    # with 128, its vectoriser makes the rescale of the accumulator by the rows' scales 16 lanes wide
+    forms = {} if features_of(target)["wide_float_vectors"] else {"threads": 256}
+    return _kernel("moe_fp8_masked", build_grouped_gemm_masked, MASKED, (N, K), target, {**forms, **tiling})
 
 
 def _fp4_kernel(name: str, build, tiling_default: dict, build_fp8, tiling_fp8: dict, args: tuple, target,
@@ -79,8 +83,10 @@ def _fp4_kernel(name: str, build, tiling_default: dict, build_fp8, tiling_fp8: d
     if packing not in FP4_PACKINGS:
         raise ValueError(f"{name}: packing must be one of {FP4_PACKINGS}, got {packing!r}")
     if packing == "fp8":
+        # one span a step where the target's GEMMs read whole tiles only (MUSA: platform.gemm_tile_slices)
+        forms = {} if features_of(target)["gemm_tile_slices"] else {"spans": 1}
         return _kernel(f"{name}_fp8", build_fp8, tiling_fp8, args, target,
-                       {k: v for k, v in tiling.items() if k != "packing"}, _fp4_pass_configs())
+                       {**forms, **{k: v for k, v in tiling.items() if k != "packing"}}, _fp4_pass_configs())
     return _kernel(name, build, tiling_default, args, target, tiling, _fp4_pass_configs())
 
 
