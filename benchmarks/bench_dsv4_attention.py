@@ -7,8 +7,9 @@ bandwidth measured in the same run as the rooflines.
 Rows: decode (B requests of s_q = 1 or 2 query tokens, window 128 + compressed top-K: Flash H 64 + 512, Pro
 H 128 + 1024) and prefill (T tokens, the same index sets). Peers, where they run: SGLang's Triton FP8 sparse
 decode (``triton_fp8_attention_fwd``) and its TileLang V4 kernel (``dpsk_v4_fp8_attention_fwd``; what fails to
-import or build is recorded under ``peer_errors``), and the torch path. ``portable_ms``: the portable program
-(what MUSA runs) on the same inputs. FLOPs = 2 * H * K * (512 + 512) per token (valid entries), bytes = q +
+import or build is recorded under ``peer_errors``), and the torch path. ``portable_ms``: the portable program on
+the same inputs; ``musa_form_ms``: the program MUSA runs, in MUSA's form (``MUSA_ATTN_MUSA_FORMS``: K and V tiles
+of their own, 32 rows; docs/musa.md). FLOPs = 2 * H * K * (512 + 512) per token (valid entries), bytes = q +
 out + K * 584 + indices.
 """
 
@@ -104,8 +105,12 @@ def _compile(job):
     """One kernel of :func:`precompile` (in a worker process: it lands in the kernel cache on disk)."""
     from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
 
+    from musa_attn_backend import config
+
     kind, args, kwargs = job
-    getattr(ti, kind)(*args, **kwargs)
+    kwargs = dict(kwargs)
+    with config.override(musa_forms=kwargs.pop("musa_forms", False)):
+        getattr(ti, kind)(*args, **kwargs)
     return job
 
 
@@ -120,6 +125,7 @@ def precompile(configs, producers, portable: bool, tilings: str, workers: int = 
     ws = ti.sparse_mqa_program() != "portable"
     variants = [dict(program=ti.sparse_mqa_program(), producer=ti.WS_PRODUCER)]
     variants += [dict(program="portable")] if ws and portable else []
+    variants += [dict(program="portable", musa_forms=True)] if portable else []
     variants += [dict(program="warp_specialized", producer=p) for p in producers if ws]
     jobs = [("sparse_mqa_kernel", (CONFIGS[c][0], True, True, split, "bfloat16"), v)
             for c in configs for split in (False, True) for v in variants]
@@ -203,6 +209,11 @@ def main(argv=None):
             extra = {"program": program, "producer": tilelang_impl.WS_PRODUCER}
             if program != "portable" and not args.no_portable:
                 extra["portable_ms"] = bench_ms(lambda: ours("portable"))
+            if not args.no_portable:
+                from musa_attn_backend import config
+
+                with config.override(musa_forms=True):
+                    extra["musa_form_ms"] = bench_ms(lambda: ours("portable"))
             for producer in producers if program != "portable" else ():
                 extra[f"{producer}_producer_ms"] = bench_ms(lambda p=producer: ours(program, p))
             peers = {}

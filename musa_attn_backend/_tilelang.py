@@ -33,6 +33,9 @@ _TORCH_TO_TL = {
 
 _lock = threading.Lock()
 _kernels: dict[Hashable, Any] = {}
+# the compile keys this process compiled with no cached build on disk (its marker missing): the kernels a warm
+# cache did not hold, which a server compiles on its hot path (the warmup completeness test reads it)
+cold_compiles: list = []
 # (key, build, target, pass_configs) -> result, in place of compiling (see intercepting)
 Handler = Callable[[Hashable, Callable[[], Any], Any, Optional[dict]], Any]
 _handler: Optional[Handler] = None
@@ -79,10 +82,12 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
             root = cache_dir(create=True) / "kernels"
             root.mkdir(exist_ok=True)
             with FileLock(str(root / f"{digest}.lock")):
+                marker = root / f"{digest}.done"
+                if not marker.exists():
+                    cold_compiles.append(key)
                 func = build()
                 check_portable(key, func, target)
                 kernel = tl.compile(func, target=target, pass_configs=pass_configs)
-                marker = root / f"{digest}.done"
                 if not marker.exists():
                     tmp = root / f".{digest}.{os.getpid()}.tmp"
                     tmp.write_text(repr(full_key) + "\n")

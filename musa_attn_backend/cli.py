@@ -3,7 +3,10 @@
     musa-attn doctor [--json] [--require sglang,vllm]   what is installed, found and usable here
     musa-attn demo [--device cpu|cuda|musa] [--dtype bf16|fp16|fp32] [--impl auto|tilelang|reference]
     musa-attn warmup --model-config config.json [--tp N] [--engine sglang|vllm] [--target sm_90a]
+                     [--experts fp8|fp4]   a DeepSeek-V4 config: every V4, indexer, compressor, model-side and
+                                           MoE kernel that engine launches for it
     musa-attn warmup ... --target mp_31 --lower-only [--out DIR]   lowering only: does every kernel lower there
+                                           (and keep MUSA's rules, checked on its TIR everywhere)
     musa-attn bench [--quick] [--ops prefill,decode] [--out DIR]   (GPU; from a source checkout)
 """
 
@@ -183,8 +186,13 @@ def print_report(info: dict, problems: list[str]) -> None:
         ("target features", ", ".join(n for n in FEATURES if p.get(n)) or "none"),
     ]
     if target:
+        from .kernels._tir import RULES
+
         rows.append(("P V operand", "registers" if p.get("gemm_a_in_registers") else
                      "shared memory (this target's GEMMs read A from shared memory only, or MUSA_ATTN_SHARED_P=1)"))
+        rules = [what for flag, (what, _) in RULES.items() if not p.get(flag)]
+        rows.append(("lowering rules", "; ".join(rules) + " (checked on every program before it compiles)"
+                     if rules else "none (the target has every capability)"))
     rows += [
         ("tile-kernels", info["tile_kernels"] or "not installed"),
         ("nvcc", info["nvcc"] or "not found"),
@@ -212,6 +220,9 @@ def print_report(info: dict, problems: list[str]) -> None:
             print(f"  - {prob}")
     else:
         print("\nstatus: OK")
+    print("\nwarm the kernel cache before serving: musa-attn warmup --model-config <config.json> --engine "
+          "sglang|vllm --tp N (a DeepSeek-V4 config plans its V4 kernels; add --experts fp4 for an MXFP4 "
+          "checkpoint)")
 
 
 def _print_settings(rows: list[dict]) -> None:

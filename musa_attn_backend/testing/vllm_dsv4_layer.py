@@ -93,6 +93,10 @@ def main(out_path: str, device: str = "cpu", trace: str = "") -> None:
     report = {"device": device, "layers": {}}
     if trace:
         report["kernels"] = {t: [repr(k) for k in kernels.unique(t)] for t in kernels.keys}
+    from musa_attn_backend import _tilelang
+
+    # on a GPU: the kernels this run compiled that the kernel cache did not hold (after a warmup: none)
+    report["cold_compiles"] = [repr(k) for k in _tilelang.cold_compiles]
     for i in layers:
         rows = []
         for r in lens:

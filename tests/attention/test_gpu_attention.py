@@ -61,6 +61,21 @@ def test_extend_ragged_all_page_sizes(gpu_device, page_size):
     _compare(b, 32, 8, 128, torch.bfloat16, gpu_device)
 
 
+@pytest.mark.parametrize("musa_forms", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("mode", ["extend", "decode", "decode_split", "verify"])
+def test_head_dim_192_with_v_128(gpu_device, use_settings, mode, fp8, musa_forms):
+    """q/k 192, v 128 (DeepSeek's MLA shapes without absorption), and MUSA's form of it: the head dim cut into
+    GEMMs of 128 and 64 (``MUSA_ATTN_MUSA_FORMS``: docs/musa.md)."""
+    use_settings(musa_forms=musa_forms)
+    kw = {"extend": dict(batch_size=3, max_seq_len=600, prefix_lens=[0, 33, 300], query_lens=[200, 1, 77]),
+          "decode": dict(batch_size=6, max_seq_len=900, query_lens=[1] * 6),
+          "decode_split": dict(batch_size=2, max_seq_len=9000, query_lens=[1, 1]),
+          "verify": dict(batch_size=4, max_seq_len=700, query_lens=[3] * 4)}[mode]
+    b = _batch(192, gpu_device, page_size=16, **kw)
+    _compare(b, 16, 4, 192, torch.bfloat16, gpu_device, dv=128, fp8=fp8)
+
+
 @pytest.mark.parametrize("d", [64, 96, 256])
 def test_prefill_head_dims(gpu_device, d):
     b = _batch(d, gpu_device, batch_size=3, page_size=16, max_seq_len=400, prefix_lens=[0, 0, 77],

@@ -13,48 +13,14 @@ import dataclasses
 
 import pytest
 
-from musa_attn_backend import _tilelang, config, platform, warmup
+from musa_attn_backend import _tilelang, config, platform
 from musa_attn_backend.kernels._tir import gemm_operands, register_a_gemms
+from musa_attn_backend.testing import mp31
 from musa_attn_backend.kernels.attention import tilelang_impl as ti
-
-# (q heads, kv heads, head dim, v head dim, window, softcap, sinks): GQA 8/2/4, MHA, MQA; head dims 64-256
-MODELS = [
-    (32, 8, 128, 128, False, False, False),
-    (8, 8, 64, 64, True, False, True),
-    (16, 1, 256, 256, False, True, False),
-    (16, 4, 192, 128, False, False, False),
-    (64, 8, 64, 64, True, False, True),  # gpt-oss-like: sinks, windows, 8 heads a KV head
-]
-PAGES = [("sglang", 1), ("sglang", 64), ("vllm", 16), ("vllm", 128), ("sglang", 256)]
-
 
 def collect_programs(target: str, shared_p: bool = False) -> dict:
     """``{key: (prim_func, compile target)}`` of every kernel the launchers build for ``target``."""
-    programs = {}
-
-    def capture(key, build, tgt, pass_configs):
-        if repr(key) not in programs:
-            programs[repr(key)] = (build(), tgt)
-
-    with config.override(target=target, shared_p=shared_p), _tilelang.intercepting(capture):
-        for hq, hkv, d, dv, window, softcap, sinks in MODELS:
-            for kv in (None, "fp8"):
-                for engine, page in PAGES:
-                    model = warmup.ModelAttention(hq, hkv, d, dv, has_window=window, has_softcap=softcap,
-                                                  has_sinks=sinks)
-                    for spec_tokens in (0, 1, 3, 7):  # decode tilings for 1, 2, 4 and 8 tokens a request
-                        for job in warmup.plan(model, engine=engine, kv_dtype=kv, speculative_tokens=spec_tokens,
-                                               page_size=page):
-                            warmup._build(job)
-                    # every prefill tiling the tuner may record, causal or not, for each window choice
-                    for job in warmup.plan(model, engine=engine, kv_dtype=kv, page_size=page):
-                        if job.kind != "prefill" or len(job.args) > 3:
-                            continue
-                        spec = job.args[0]
-                        for cfg in ti.prefill_candidates(d, dv, spec.is_fp8, page, spec.has_window):
-                            for causal in (True, False):
-                                ti.prefill_kernel(spec, causal, page, cfg=cfg)
-    return programs
+    return mp31.dense_programs(target, shared_p)
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +30,19 @@ def mp31_programs():
 
 def test_musa_programs_read_gemm_operands_from_shared_memory(mp31_programs):
     """No GEMM of any program chosen for MP31 reads A from registers; each attention program has its two
-    products (Q K^T, P V) with both operands in shared memory and the accumulator in registers."""
+    products (Q K^T, P V; Q K^T as two GEMMs where the head dim is cut, 192 = 128 + 64) with both operands in
+    shared memory and the accumulator in registers."""
     attention = {k: f for k, (f, _) in mp31_programs.items() if k.startswith("('prefill'") or k.startswith("('decode'")}
     assert len(attention) >= 60, f"too few programs collected ({len(attention)}): is the plan empty?"
     for key, func in attention.items():
         bad = register_a_gemms(func)
         assert not bad, f"{key}: GEMM reads A from registers on MUSA: {bad}"
         ops = gemm_operands(func)
-        assert len(ops) == 2, f"{key}: expected Q K^T and P V, found {ops}"
+        assert len(ops) == (3 if "d_parts" in key else 2), f"{key}: expected Q K^T and P V, found {ops}"
         assert all(g.a_scope.startswith("shared") and g.b_scope.startswith("shared") for g in ops), (key, ops)
         assert all(g.c_scope == "local.fragment" for g in ops), (key, ops)
-        assert ops[1].a == "P_s", f"{key}: P V reads {ops[1].a}"
+        assert ops[-1].a == "P_s", f"{key}: P V reads {ops[-1].a}"
+        assert "d_parts" in key or ", d=192," not in key, f"{key}: head dim 192 not cut for MP31"
 
 
 def test_musa_choice_has_no_hopper_only_program(mp31_programs):

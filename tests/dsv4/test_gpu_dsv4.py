@@ -52,16 +52,21 @@ CASES = [
     (128, 1, (4, 256, 0), 128, (30, 64, 0), 1024, True),  # Pro decode, one token: many splits
     (8, 16384, (80, 256, 0), 128, None, 0, True),  # a 16k-token prefill
 ]
-PROGRAMS = ("warp_specialized", "warp_specialized:async", "portable")  # program[:producer]
+# program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
+# MUSA_ATTN_MUSA_FORMS, docs/musa.md)
+PROGRAMS = ("warp_specialized", "warp_specialized:async", "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)
-def program(request, monkeypatch):
-    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), and each
-    producer of the warp-specialised one."""
+def program(request, monkeypatch, use_settings):
+    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), each producer of
+    the warp-specialised one, and the portable one in MUSA's form."""
     from musa_attn_backend.kernels.dsv4 import tilelang_impl
 
     name, _, producer = request.param.partition(":")
+    if producer == "musa":
+        use_settings(musa_forms=True)
+        producer = ""
     monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: name)
     monkeypatch.setattr(tilelang_impl, "WS_PRODUCER", producer or "rows")
     return request.param

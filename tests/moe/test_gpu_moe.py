@@ -120,9 +120,11 @@ def test_contiguous_malformed_layout_gives_nan_rows(gpu_device):
     close(out, ref, (layout >= 0) & ~nan_r, mag)
 
 
+@pytest.mark.parametrize("musa_forms", [False, True])  # MUSA's form: 256 threads (docs/musa.md)
 @pytest.mark.parametrize("shape,E,max_m,counts", [("small", 8, 5, "random"), ("flash_gate_up", 256, 64, "decode"),
                                                   ("flash_down", 256, 128, "random"), ("pro_gate_up", 16, 200, "big")])
-def test_masked_matches_reference(gpu_device, shape, E, max_m, counts):
+def test_masked_matches_reference(gpu_device, use_settings, shape, E, max_m, counts, musa_forms):
+    use_settings(musa_forms=musa_forms)
     N, K = SHAPES[shape]
     b, sb = weights(E, N, K, gpu_device, seed=1)
     g = torch.Generator().manual_seed(E)
@@ -193,6 +195,7 @@ FP4_FORMS = [("bytes", 1), ("words", 1), ("fp8", 1), ("fp8", 2), ("fp8", 4)]
 @pytest.mark.parametrize("scales", ["ue8m0", "float32"])
 @pytest.mark.parametrize("packing,spans", FP4_FORMS)
 def test_masked_fp4_matches_reference(gpu_device, shape, E, max_m, scales, packing, spans, monkeypatch):
+    # spans 1 is MUSA's form (whole tiles as GEMM operands: docs/musa.md)
     """FP4 (MXFP4) experts converted in the kernel: the same bound as FP8 (the conversion is exact); the scales as
     UE8M0 bytes or as float32 powers of two (SGLang's storage); every conversion form (``packing``: to bf16 by
     bytes or words, or to e4m3 for FP8 tensor cores, 32, 64 or 128 values of K a step: ``spans``)."""

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
+TRACE_TARGETS = ("sm_90a", "mp_31")  # the kernels the layer's TileLang paths ask for on each (report["kernels"])
 
 
 def _env():
@@ -34,7 +35,8 @@ def _env():
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_v4_layer") / "report.json"
-    run = subprocess.run([sys.executable, "-m", "musa_attn_backend.testing.vllm_dsv4_layer", str(out), "cpu"],
+    run = subprocess.run([sys.executable, "-m", "musa_attn_backend.testing.vllm_dsv4_layer", str(out), "cpu",
+                          ",".join(TRACE_TARGETS)],
                          capture_output=True, text=True, env=_env(), timeout=900, cwd=ROOT)
     assert run.returncode == 0 and out.exists(), run.stderr[-4000:]
     return json.loads(out.read_text())
@@ -48,6 +50,34 @@ def test_layer_matches_the_reference_forward(report):
         for row in rows:
             assert row["finite"], (name, row)
             assert row["mean_err"] < 0.03 and row["max_err"] < 0.4, (name, row)
+
+
+@pytest.mark.parametrize("target", TRACE_TARGETS)
+def test_the_warmup_plan_holds_every_kernel_the_layer_asks_for(report, target):
+    """``musa-attn warmup`` for vLLM is complete: every kernel the V4 layer's steps asked for (chunked prefill,
+    mixed, decode, verify; all four layer kinds), recorded by the CPU trace, is in the plan of the layer's model
+    (the tiny V4 with the driver's top-k) on ``target``; the plan of another model lacks some."""
+    from musa_attn_backend import _tilelang, config, warmup, warmup_dsv4
+    from musa_attn_backend.testing.vllm_dsv4_layer import TOPK
+
+    sys.path.insert(0, str(ROOT / "integration_tests"))
+    from tiny_dsv4 import CONFIG
+
+    def plan_keys(cfg):
+        keys = []
+        with config.override(target=target), _tilelang.intercepting(lambda k, b, t, p: keys.append(repr(k))):
+            for job in warmup_dsv4.plan(warmup_dsv4.from_hf_config(cfg), engine="vllm",
+                                        target_kind="musa" if target.startswith("mp") else "cuda"):
+                warmup._build(job)
+        return set(keys)
+
+    want = set(report["kernels"][target])
+    kinds = {k.split("'")[1] for k in want}
+    assert {"dsv4_sparse_mqa", "dsv4_write_kv", "dsv4_compress_rows", "dsv4_save_state", "dsv4_indexer_q",
+            "dsv4_paged_indexer_logits", "dsv4_indexer_topk", "dsv4_norm_rope", "dsv4_attention_slots"} <= kinds
+    missing = want - plan_keys(dict(CONFIG, index_topk=TOPK))
+    assert not missing, f"kernels vLLM's V4 layer asks for that the warmup plan lacks on {target}: {missing}"
+    assert want - plan_keys(dict(CONFIG, index_topk=2 * TOPK))
 
 
 def test_indexer_chooses_the_references_rows(report):

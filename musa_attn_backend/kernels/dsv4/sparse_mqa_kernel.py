@@ -130,7 +130,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
         with T.Kernel(num_splits, head_blocks, NT, threads=threads) as (bs, bh, bt):
             Q_s = T.alloc_shared([BH, D], q_dtype)
             KV_s = T.alloc_shared([BN, D], q_dtype)
-            V_s = T.alloc_shared([BN, D], q_dtype) if separate_v else KV_s
+            V_s = T.alloc_shared([BN, D], q_dtype) if separate_v else None
             P_s = T.alloc_shared([BH, BN], q_dtype) if shared_p else None
             K8_s = T.alloc_shared([BN, L.D_NOPE], nope_dtype)
             S8_s = T.alloc_shared([BN, L.SCALE_BYTES], "uint8")
@@ -138,7 +138,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
             scale_at_s = T.alloc_shared([BN], "int64", scope="shared")
             ok_s = T.alloc_shared([BN], "int32", scope="shared")
             state = alloc_state()
-            tiles = Tiles(Q_s, KV_s, V_s, None, None, P_s)
+            tiles = Tiles(Q_s, KV_s, V_s if separate_v else KV_s, None, None, P_s)
             t = bt
             h0 = bh * BH
             scale_log2 = sm_scale * LOG2E
