@@ -64,7 +64,7 @@ def warp_partition(policy: str, M: int, N: int, warps: int) -> Optional[tuple[in
 def sqmma_shape(M: int, N: int, K: int, threads: int, policy: str, a_dtype: str) -> Optional[SqmmaShape]:
     """The partition and instruction tilelang-musa gives a GEMM of shared A and B (``a_dtype``: ``fp8``, ``16bit``
     or ``tf32``) in a block of ``threads``, or None where it takes no SQMMA instruction (another GEMM path)."""
-    if threads % (4 * WARP):
+    if threads <= 0 or threads % (4 * WARP):
         return None
     part = warp_partition(policy, M, N, threads // WARP)
     if part is None:

@@ -102,7 +102,13 @@ def _tir_of(func) -> Any:
 
 
 def _const(tir, x):
-    """``x`` as an int where it is a constant expression, else ``x``."""
+    """``x`` as an int where it is a constant expression (after simplification), else ``x``."""
+    if isinstance(x, int):
+        return x
+    if not isinstance(x, tir.IntImm) and isinstance(x, tir.PrimExpr):
+        from tilelang import tvm
+
+        x = tvm.arith.Analyzer().simplify(x)
     return int(x.value) if isinstance(x, tir.IntImm) else x
 
 
@@ -166,7 +172,8 @@ def register_a_gemms(func) -> list[GemmOperands]:
 
 
 def block_threads(func) -> Optional[int]:
-    """The threads of the program's blocks (its ``threadIdx.x`` extent), where constant."""
+    """The threads of the program's blocks (its ``threadIdx.x`` extent), where constant: a thread-bound loop
+    (TileLang 0.1.12) or a ``thread_extent`` attribute (later versions)."""
     tir = _tir_of(func)
     found = []
 
@@ -174,6 +181,9 @@ def block_threads(func) -> Optional[int]:
         if isinstance(node, tir.For) and node.thread_binding is not None and \
                 node.thread_binding.thread_tag == "threadIdx.x":
             found.append(_const(tir, node.extent))
+        elif isinstance(node, tir.AttrStmt) and node.attr_key == "thread_extent" and \
+                getattr(node.node, "thread_tag", None) == "threadIdx.x":
+            found.append(_const(tir, node.value))
 
     tir.stmt_functor.post_order_visit(func.body, visit)
     return found[0] if found and isinstance(found[0], int) else None
