@@ -7,22 +7,7 @@ set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache}
-# The device cannot pip-install the checkout, so the engines would not find our entry points: write the
-# package's dist-info (metadata + entry_points.txt from pyproject.toml) onto the path.
-ep=/tmp/musa_attn_ep
-python3 - "$ep" <<'PY'
-import pathlib, sys, tomllib
-proj = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
-d = pathlib.Path(sys.argv[1]) / f"musa_attn_backend-{proj.get('version', '0.0.0')}.dist-info"
-d.mkdir(parents=True, exist_ok=True)
-(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: musa-attn-backend\nVersion: {proj.get('version', '0.0.0')}\n")
-lines = []
-for group, eps in proj.get("entry-points", {}).items():
-    lines.append(f"[{group}]")
-    lines += [f"{k} = {v}" for k, v in eps.items()]
-(d / "entry_points.txt").write_text("\n".join(lines) + "\n")
-PY
-export PYTHONPATH=$ep:$PYTHONPATH
+source "$(dirname "$0")/device_entry_points.sh"  # our entry points, for the engines' plugin loaders
 what=${1:-help}; shift || true
 python3 -c "import torch, tilelang; print('torch', torch.__version__, 'tilelang', tilelang.__version__, torch.cuda.get_device_name())"
 # One test family per call: each family's GPU tests fit one 600 s device call. -v logs each test's outcome as it

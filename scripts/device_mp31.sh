@@ -10,20 +10,7 @@ set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache}
-ep=/tmp/musa_attn_ep  # the package's entry points, for the engines' plugin loaders (as device_check.sh)
-python3 - "$ep" <<'PY'
-import pathlib, sys, tomllib
-proj = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
-d = pathlib.Path(sys.argv[1]) / f"musa_attn_backend-{proj.get('version', '0.0.0')}.dist-info"
-d.mkdir(parents=True, exist_ok=True)
-(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: musa-attn-backend\nVersion: {proj.get('version', '0.0.0')}\n")
-lines = []
-for group, eps in proj.get("entry-points", {}).items():
-    lines.append(f"[{group}]")
-    lines += [f"{k} = {v}" for k, v in eps.items()]
-(d / "entry_points.txt").write_text("\n".join(lines) + "\n")
-PY
-export PYTHONPATH=$ep:$PYTHONPATH
+source "$(dirname "$0")/device_entry_points.sh"  # our entry points, for the engines' plugin loaders
 case "${1:-}" in
   forms)  # the MoE tests in fewer processes: their V4-shape references take GiBs each
     python3 -m pytest -m gpu -v -n "${JOBS:-12}" -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
