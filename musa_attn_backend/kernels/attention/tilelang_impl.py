@@ -129,6 +129,7 @@ def check_tilelang_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
               f"{op}: {name} must be a multiple of 16 in [16, {MAX_HEAD_DIM}] (64, 96, 128, 256, ...), got {dim}")
     check_v_head_dim(op, dv)
     _supported.add((q.dtype, d, dv))
+    # cache layout checks: cache_rows, called before any launch
 
 
 def check_v_head_dim(op: str, dv: int, target=None) -> None:
@@ -146,7 +147,6 @@ def _d_parts(d: int, target) -> tuple:
     :func:`.tl_common.head_parts`)."""
     parts = head_parts(d, not features_of(target)["gemm_any_extent"])
     return parts if len(parts) > 1 else ()
-    # cache layout checks: cache_rows, called before any launch
 
 
 def _stages(is_fp8: bool) -> int:

@@ -30,11 +30,13 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from ..._tilelang import tl_lang as T
+from .._tir import CHUNK_BYTES
 
 LOG2E = 1.4426950408889634
 ACC = "float32"
 SLOT_TILES = 8  # tiles whose cache rows are resolved together before each pipelined run
-GEMM_EXTENT_CHUNK = 128  # the contiguous extents MUSA's GEMM layouts take: at most this, or multiples of it
+# the 16-bit row width MUSA's GEMM layouts take: at most this many elements, or multiples of it
+GEMM_EXTENT_CHUNK = CHUNK_BYTES // 2
 
 
 def head_parts(d: int, split: bool) -> tuple:

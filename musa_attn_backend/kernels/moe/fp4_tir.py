@@ -158,7 +158,7 @@ def fp8_mma_step(block_n: int, block_m: int, spans: int, threads: int, scale_dty
     convert = convert_words_e4m3(block_n, spans * SPAN_WORDS, threads)
 
     @T.macro
-    def span(B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc, s, B_span, A_span):
+    def span(SB_s, SA_s, kk, k, sb, sa, part, acc, s, B_span, A_span):
         """Span ``s``: its scales, the GEMM of the tiles' span ``B_span`` x ``A_span``, the rescale."""
         for i in T.Parallel(block_n):
             sb[i] = pow2(SB_s[i, kk * spans + s]) if scale_dtype == "uint8" else SB_s[i, kk * spans + s]
@@ -172,10 +172,10 @@ def fp8_mma_step(block_n: int, block_m: int, spans: int, threads: int, scale_dty
     def step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc):
         convert(Bw_s, B_s)
         if spans == 1:  # the whole tiles: what MUSA's GEMMs take (platform.gemm_tile_slices)
-            span(B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc, 0, B_s, A_s)
+            span(SB_s, SA_s, kk, k, sb, sa, part, acc, 0, B_s, A_s)
         else:
             for s in T.unroll(spans):
-                span(B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc, s, B_s[:, s * SPAN:(s + 1) * SPAN],
+                span(SB_s, SA_s, kk, k, sb, sa, part, acc, s, B_s[:, s * SPAN:(s + 1) * SPAN],
                      A_s[:, s * SPAN:(s + 1) * SPAN])
 
     return step
