@@ -173,7 +173,8 @@ def register_a_gemms(func) -> list[GemmOperands]:
 
 def block_threads(func) -> Optional[int]:
     """The threads of the program's blocks (its ``threadIdx.x`` extent), where constant: a thread-bound loop
-    (TileLang 0.1.12) or a ``thread_extent`` attribute (later versions)."""
+    (TileLang 0.1.12), the root block's ``tl.launch_threads`` annotation (0.1.15) or a ``thread_extent``
+    attribute."""
     tir = _tir_of(func)
     found = []
 
@@ -184,6 +185,10 @@ def block_threads(func) -> Optional[int]:
         elif isinstance(node, tir.AttrStmt) and node.attr_key == "thread_extent" and \
                 getattr(node.node, "thread_tag", None) == "threadIdx.x":
             found.append(_const(tir, node.value))
+        else:
+            launch = (getattr(node, "annotations", None) or {}).get("tl.launch_threads")
+            if launch is not None:
+                found.append(_const(tir, launch[0]))
 
     tir.stmt_functor.post_order_visit(func.body, visit)
     return found[0] if found and isinstance(found[0], int) else None

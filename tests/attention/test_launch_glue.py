@@ -170,3 +170,23 @@ def test_mixed_split_launches_match_signatures(rec, use_settings, max_len, expec
     q = torch.randn(b.num_tokens, 8, 64).bfloat16()
     attn_impl.paged_attention_tilelang(q, kc, vc, dataclasses.replace(b.meta(), num_decodes=3))
     assert rec.calls == expect
+
+
+def test_gathers_that_copy_in_two_loops_a_stage_get_one_stage(use_settings):
+    """Row gathers whose stage copies K and V in more than one loop (head dims 192 / 128, or 192 cut in two for
+    MUSA) are built with one pipeline stage: TileLang 0.1.15 does not generate them pipelined. Equal head dims and
+    whole-tile (TMA) copies keep their stages."""
+    from musa_attn_backend import _tilelang
+
+    keys = []
+    use_settings(target="sm_90a")
+    with _tilelang.intercepting(lambda key, build, tgt, pc: keys.append(key)):
+        for d, dv in ((192, 128), (128, 128)):
+            spec = attn_impl.AttnSpec(16, 4, d, dv, "bfloat16", "bfloat16", k_layout=(4 * d, 4 * d, d),
+                                      v_layout=(4 * dv, 4 * dv, dv))
+            attn_impl.decode_kernel(spec, attn_impl.decode_config(1, 4), False)
+            gather = attn_impl.PrefillConfig(block_M=128, block_N=64, num_stages=2, threads=256)
+            attn_impl.prefill_kernel(spec, True, 16, cfg=gather)
+            attn_impl.prefill_kernel(spec, True, 64, cfg=attn_impl.PrefillConfig(128, 64, 2, 256, tma=True))
+    stages = [k[3].num_stages for k in keys]
+    assert stages == [1, 1, 2, 2, 2, 2], stages

@@ -142,6 +142,16 @@ def check_v_head_dim(op: str, dv: int, target=None) -> None:
                   f"dims 16-128 or 256)")
 
 
+def _one_copy_stage(cfg, spec: "AttnSpec", d_parts: tuple, gathers: bool):
+    """``cfg`` with one pipeline stage where its row gathers copy K and V in more than one loop a stage (head dims
+    D != DV, or D cut in two): TileLang 0.1.15 mis-counts the cp.async groups of a pipelined stage that commits
+    more than one, and does not generate the program ("Downcast from tirx.Sub to ir.IntImm"); the single-loop
+    stages (D == DV) and whole-tile copies are unaffected. Else ``cfg`` itself."""
+    if gathers and cfg.num_stages > 1 and (spec.d != spec.dv or d_parts):
+        return dataclasses.replace(cfg, num_stages=1)
+    return cfg
+
+
 def _d_parts(d: int, target) -> tuple:
     """The build argument cutting head dim ``d`` for ``target``'s GEMMs (empty: not cut; see
     :func:`.tl_common.head_parts`)."""
@@ -395,6 +405,7 @@ def prefill_kernel(spec: AttnSpec, causal: bool, page_size: int = 1, target=None
     shared_p = _shared_p(target)
     check_v_head_dim("prefill_kernel", spec.dv, target)
     d_parts = _d_parts(spec.d, target)
+    cfg = _one_copy_stage(cfg, spec, d_parts, gathers=not cfg.tma)
     return compile_cached(("prefill", spec, causal, cfg) + (("ragged",) if ragged else ())
                           + (("shared_p",) if shared_p else ()) + ((("d_parts", d_parts),) if d_parts else ()),
                           lambda: build_prefill(
@@ -457,6 +468,7 @@ def decode_kernel(spec: AttnSpec, dcfg: DecodeConfig, split: bool, target=None):
     shared_p = _shared_p(target)
     check_v_head_dim("decode_kernel", spec.dv, target)
     d_parts = _d_parts(spec.d, target)
+    dcfg = _one_copy_stage(dcfg, spec, d_parts, gathers=True)
     return compile_cached(("decode", spec, split, dcfg) + (("pdl",) if pdl else ())
                           + (("shared_p",) if shared_p else ()) + ((("d_parts", d_parts),) if d_parts else ()),
                           lambda: build_decode(
