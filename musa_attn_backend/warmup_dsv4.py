@@ -190,8 +190,8 @@ def _sglang_model_side(model: V4Model, engine_owned_only: bool) -> list[Job]:
         jobs += [Job("dsv4_norm_rope", (L.D, h, bf16, bf16, "plain", True, False)),
                  Job("dsv4_norm_rope", (L.D_ROPE, h, bf16, bf16, "none", False, True)),
                  Job("dsv4_norm_rope", (L.D_ROPE, h, bf16, bf16, "none", False, False))]
-    jobs += [Job("dsv4_norm_rope", (L.D_ROPE, 1, bf16, bf16, "none", False, False)),
-             Job("dsv4_norm_rope", (L.D, 1, bf16, bf16, "weight", True, False))]
+    jobs += [Job("dsv4_norm_rope", (L.D_ROPE, 1, bf16, bf16, "none", False, inverse)) for inverse in (False, True)]
+    jobs.append(Job("dsv4_norm_rope", (L.D, 1, bf16, bf16, "weight", True, False)))
     widths = {model.moe_intermediate * model.shared_experts // model.tp, model.moe_intermediate}
     jobs += [Job("dsv4_silu_mul_clamp", (i, bf16)) for i in sorted(w for w in widths if w > 0)]
     n, H = model.hc_mult, model.hidden
