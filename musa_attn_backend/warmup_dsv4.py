@@ -25,8 +25,10 @@ What each engine launches, per rank (``tp``):
   :data:`.kernels.moe.layer.MASKED_MAX_TOKENS` tokens, contiguous above, with each tiling the layout's size
   selects), for the checkpoint's expert format (FP8 block scales, or MXFP4 with UE8M0 or float32 scales).
 
-The plan is checked complete against what the engines' paths ask for (``tests/tools/test_warmup_dsv4.py``, from
-the SGLang kit's V4 cases and vLLM's V4 layer).
+The plan is checked complete against what the engines' paths ask for: on a CPU, the kernels SGLang's V4 kit cases
+and vLLM's V4 layer ask for, traced (``tests/sglang/test_sglang_dsv4_warmup_plan.py``,
+``tests/vllm/test_vllm_dsv4_layer.py``); on a GPU, nothing compiles after a warmup
+(``tests/dsv4/test_gpu_dsv4_warmup.py``). SGLang's model-side kernels are not driven by those cases.
 """
 
 from __future__ import annotations
