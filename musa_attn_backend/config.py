@@ -72,6 +72,11 @@ SWITCHES: tuple[Switch, ...] = (
            "GEMM tile, GEMM tile rows of at most 256 bytes or multiples of 256, whole tiles as GEMM operands, "
            "float vectors of at most 8 lanes: platform.LOWERING_FLAGS off), as the programs MUSA would choose: "
            "to run and measure MUSA's programs on CUDA (0: only where the target needs them)"),
+    Switch("dsv4_program", "MUSA_ATTN_DSV4_PROGRAM", "text", "auto", True,
+           "the DeepSeek-V4 sparse attention program: auto (warp_specialized where the target has warp "
+           "specialisation, register GEMM operands and FP8, else portable), scheduled (FlashMLA's division of the "
+           "work on a per-batch plan; awaits its first GPU run), warp_specialized or portable; a program the target "
+           "cannot run is refused, never replaced"),
     Switch("target", "MUSA_ATTN_TARGET", "text", None, True,
            "compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
            "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)"),
@@ -91,7 +96,8 @@ SWITCHES: tuple[Switch, ...] = (
            "the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)"),
 )
 BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
-CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off")}  # text switches with a fixed set of values
+CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"),
+                                       "dsv4_program": ("auto", "scheduled", "warp_specialized", "portable")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -109,6 +115,7 @@ class Settings:
     new_kv_prefill: bool = True
     shared_p: bool = False
     musa_forms: bool = False
+    dsv4_program: str = "auto"
     target: Optional[str] = None
     cache_dir: Optional[Path] = None
     poison: bool = False

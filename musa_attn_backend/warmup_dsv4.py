@@ -121,14 +121,17 @@ def _index_tiles(model: V4Model, ratio: int, block_n: int) -> int:
 
 
 def _attention(model: V4Model, engine: str) -> list[Job]:
-    from .kernels.dsv4.tilelang_impl import sparse_mqa_block_n
+    from .kernels.dsv4.tilelang_impl import sparse_mqa_block_n, sparse_mqa_program
 
     H = attention_heads(model, engine)
     jobs = []
+    scheduled = sparse_mqa_program() == "scheduled"
     for ratio in model.ratios:
         extra = ratio > 0
         jobs.append(Job("dsv4_sparse_mqa", (H, extra, True, False, "bfloat16")))
-        if _index_tiles(model, ratio, sparse_mqa_block_n()) >= 4:  # num_splits_for splits from 4 tiles on
+        if scheduled:  # one program, split or not, and its combine, launched every time
+            jobs.append(Job("dsv4_sparse_combine", (H, True, "bfloat16")))
+        elif _index_tiles(model, ratio, sparse_mqa_block_n()) >= 4:  # num_splits_for splits from 4 tiles on
             jobs += [Job("dsv4_sparse_mqa", (H, extra, True, True, "bfloat16")),
                      Job("dsv4_combine", (H, True, "bfloat16"))]
     jobs.append(Job("dsv4_write_kv", ("bfloat16",)))

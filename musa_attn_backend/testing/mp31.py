@@ -33,7 +33,8 @@ DENSE_PAGES = [("sglang", 1), ("sglang", 64), ("vllm", 16), ("vllm", 128), ("sgl
 FAMILIES = [
     ("('prefill'", "dense attention"), ("('decode'", "dense attention"), ("('combine'", "dense attention"),
     ("('write_kv'", "dense attention"),
-    ("('dsv4_sparse_mqa'", "V4 sparse attention"), ("('dsv4_combine'", "V4 sparse attention"),
+    ("('dsv4_sparse_mqa", "V4 sparse attention"), ("('dsv4_combine'", "V4 sparse attention"),
+    ("('dsv4_sparse_combine'", "V4 sparse attention"),
     ("('dsv4_write", "V4 cache writers"),
     ("('dsv4_indexer", "V4 indexer and top-k"), ("('dsv4_paged_indexer", "V4 indexer and top-k"),
     ("('dsv4_compress", "V4 compressors"), ("('dsv4_save_state'", "V4 compressors"),

@@ -51,10 +51,13 @@ CASES = [
     (24, 9, (8, 256, 0), 100, (40, 64, 0), 70, True),  # K1/K2 not multiples of 64, odd heads
     (128, 1, (4, 256, 0), 128, (30, 64, 0), 1024, True),  # Pro decode, one token: many splits
     (8, 16384, (80, 256, 0), 128, None, 0, True),  # a 16k-token prefill
+    # FlashMLA's sinks: +inf (output 0, LSE of the keys alone) and -inf in some heads, split at a small batch
+    (64, 4, (8, 256, 0), 128, (40, 64, 0), 512, "inf"),
+    (128, 3, (20, 64, 93888), 128, (60, 2, 93888), 1024, "inf"),
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("warp_specialized", "warp_specialized:async", "portable", "portable:musa")
+PROGRAMS = ("scheduled", "warp_specialized", "warp_specialized:async", "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)
@@ -88,6 +91,9 @@ def check_case(dev, heads, T, swa, K1, extra, K2, with_sink):
     g = torch.Generator().manual_seed(7)
     q = torch.randn(T, heads, 512, generator=g).to(torch.bfloat16).to(dev)
     sink = torch.randn(heads, generator=g).to(dev) if with_sink else None
+    if with_sink == "inf":
+        sink[::3] = float("inf")
+        sink[1::3] = float("-inf")
     ref, ref_lse = dsv4.sparse_mqa(q, cache, idx, lens, sink=sink, return_lse=True, impl="reference", **kw)
     out = torch.full_like(q, float("nan"))
     got, lse = dsv4.sparse_mqa(q, cache, idx, lens, sink=sink, return_lse=True, out=out, impl="tilelang", **kw)
@@ -209,3 +215,42 @@ def test_flash_mla_with_kvcache_matches_reference(gpu_device, program, s_q):
     fin = torch.isfinite(ref_lse)
     assert torch.isposinf(lse[~fin]).all()  # FlashMLA: +inf for a query with no valid entry
     torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4)
+
+
+def test_scheduled_plan_is_reused_across_layers_and_captured_in_a_graph(gpu_device, monkeypatch):
+    """The scheduled program with one plan for several calls (FlashMLA's metadata object, as both engines pass it
+    to every layer), then the plan and the launches captured in a CUDA graph and replayed over new index values
+    and lengths of the same shapes: every result equal to the reference of its inputs."""
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+
+    monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: "scheduled")
+    dev = gpu_device
+    B, H = 6, 64
+    cache, slots = filled_cache(8, 256, dev, seed=13)
+    xcache, xslots = filled_cache(40, 64, dev, seed=14)
+    q = torch.randn(B, H, 512, device=dev).to(torch.bfloat16)
+    sink = torch.randn(H, device=dev)
+    idx, lens = make_indices(slots, B, 128, 8 * 256, seed=15, device=dev)
+    xidx, xlens = make_indices(xslots, B, 512, 40 * 64, seed=16, device=dev)
+    plan = dsv4.sparse_mqa_plan(q, idx, lens, xidx, xlens)
+    kw = dict(extra_cache=xcache, extra_indices=xidx, extra_lengths=xlens, sink=sink, return_lse=True)
+    ref = dsv4.sparse_mqa(q, cache, idx, lens, impl="reference", **kw)
+    for _ in range(2):  # two "layers" on one plan
+        got = dsv4.sparse_mqa(q, cache, idx, lens, plan=plan, impl="tilelang", **kw)
+        torch.testing.assert_close(got[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+    out = torch.empty_like(q)
+    dsv4.sparse_mqa(q, cache, idx, lens, out=out, impl="tilelang", **kw)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p = dsv4.sparse_mqa_plan(q, idx, lens, xidx, xlens)
+        res = dsv4.sparse_mqa(q, cache, idx, lens, out=out, plan=p, impl="tilelang", **kw)
+    for seed in (17, 18):
+        nidx, nlens = make_indices(slots, B, 128, 8 * 256, seed=seed, device=dev)
+        nx, nxl = make_indices(xslots, B, 512, 40 * 64, seed=seed + 100, device=dev)
+        nxl[seed % B] = 0  # a token whose compressed set is empty
+        idx.copy_(nidx), lens.copy_(nlens), xidx.copy_(nx), xlens.copy_(nxl)
+        graph.replay()
+        want, want_lse = dsv4.sparse_mqa(q, cache, idx, lens, impl="reference", **kw)
+        torch.testing.assert_close(res[0].float(), want.float(), atol=2e-2, rtol=2e-2)
+        fin = torch.isfinite(want_lse)
+        torch.testing.assert_close(res[1][fin], want_lse[fin], atol=2e-3, rtol=1e-4)

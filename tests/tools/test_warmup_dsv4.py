@@ -93,6 +93,22 @@ def test_what_depends_on_target_and_settings(use_settings):
     assert {dict(j.kwargs)["packing"] for j in fp4["moe_fp4_contiguous"]} == {"fp8", "words"}
 
 
+def test_scheduled_program_plans_its_kernels_and_the_keys_its_launch_asks_for(use_settings):
+    """MUSA_ATTN_DSV4_PROGRAM=scheduled on CUDA: one program a kind of layer (split or not) and its combine,
+    built under the compile keys the launcher's glue asks for."""
+    use_settings(target="sm_90a", dsv4_program="scheduled")
+    jobs = kinds(wd.plan(wd.from_hf_config(FLASH, tp=8), engine="vllm"))
+    assert {j.args[:2] for j in jobs["dsv4_sparse_mqa"]} == {(8, False), (8, True)}
+    assert "dsv4_combine" not in jobs and [j.args for j in jobs["dsv4_sparse_combine"]] == [(8, True, "bfloat16")]
+    keys = []
+    with _tilelang.intercepting(lambda k, b, t, p: keys.append(k)):
+        for job in jobs["dsv4_sparse_mqa"] + jobs["dsv4_sparse_combine"]:
+            warmup._build(job)
+    assert set(keys) == {("dsv4_sparse_mqa_sched", 8, False, True, "bfloat16"),
+                         ("dsv4_sparse_mqa_sched", 8, True, True, "bfloat16"),
+                         ("dsv4_sparse_combine", 8, True, "bfloat16")}
+
+
 def test_plans_build_for_both_targets_and_keep_musas_rules():
     """Every job of the tiny V4's and V4-Pro's plans builds (the launchers' getters accept its arguments) for
     sm_90a and mp_31, and on mp_31 keeps every rule of MUSA's lowering."""

@@ -51,7 +51,10 @@ def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int 
             else:
                 for s in T.serial(SPLITS):
                     m = T.max(m, L_part[s, t, h])
-            if has_sinks:
+            if has_sinks and sink_in_lse:
+                # the sink is part of the LSE: it takes part in the maximum (the sinks this serves are finite).
+                # Without it (V4), the maximum is over the keys alone, so that the keys' LSE stays finite beside a
+                # sink far above them (+inf included: FlashMLA's "+inf sink makes the output 0")
                 m = T.max(m, sinks[h] * LOG2E)
             total = 0.0
             keys = 0.0

@@ -19,6 +19,7 @@ from . import layout
 from .layout import (D, D_NOPE, D_ROPE, INDEX_D, INDEX_ROW_BYTES, ROW_BYTES, index_page_bytes, new_kv_cache, page_bytes,
                      paged_view)
 from .flash_mla import FlashMLASchedMeta, flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata
+from .schedule import SparseMQAPlan
 from .compressor import compress
 from .slots import attention_slots
 from .indexer import INDEX_HEADS, indexer_logits, indexer_q, indexer_topk, paged_indexer_logits
@@ -29,7 +30,7 @@ __all__ = ["write_kv_v4", "write_index_k", "read_kv_v4", "read_index_k", "sparse
            "new_kv_cache", "page_bytes", "index_page_bytes", "D", "D_NOPE", "D_ROPE", "ROW_BYTES", "INDEX_ROW_BYTES",
            "MAX_HEADS", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "get_mla_metadata", "FlashMLASchedMeta",
            "indexer_logits", "paged_indexer_logits", "indexer_topk", "indexer_q", "compress", "INDEX_HEADS",
-           "norm_rope_write_kv_v4", "attention_slots"]
+           "norm_rope_write_kv_v4", "attention_slots", "sparse_mqa_plan", "SparseMQAPlan"]
 
 MAX_HEADS = 128
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -146,7 +147,7 @@ def _check_index_set(op: str, q, name: str, cache_name: str, cache, indices, len
 
 
 def check_sparse_mqa_args(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
-                          extra_lengths=None, sink=None, sm_scale=None, out=None) -> None:
+                          extra_lengths=None, sink=None, sm_scale=None, out=None, plan=None) -> None:
     op = "sparse_mqa"
     check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] == D,
           lambda: f"{op}: q must be [num_tokens, num_heads, {D}], got {tuple(getattr(q, 'shape', ()))}")
@@ -169,13 +170,18 @@ def check_sparse_mqa_args(q, cache, indices, lengths=None, *, extra_cache=None, 
               and out.is_contiguous(), lambda: f"{op}: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor")
     check_same_device(op, q=q, cache=cache, indices=indices, lengths=lengths, extra_cache=extra_cache,
                       extra_indices=extra_indices, extra_lengths=extra_lengths, sink=sink, out=out)
+    if plan is not None:
+        check(isinstance(plan, SparseMQAPlan), lambda: f"{op}: plan must come from sparse_mqa_plan, got "
+                                                      f"{type(plan).__name__}")
+        k2 = extra_indices.shape[1] if extra_indices is not None else 0
+        plan.check_matches(op, q.shape[0], indices.shape[1], k2, q.device)
 
 
 def sparse_mqa(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
                *, extra_cache: Optional[torch.Tensor] = None, extra_indices: Optional[torch.Tensor] = None,
                extra_lengths: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None,
                sm_scale: Optional[float] = None, out: Optional[torch.Tensor] = None, return_lse: bool = False,
-               impl: str = "auto"):
+               plan: Optional[SparseMQAPlan] = None, impl: str = "auto"):
     """Sparse multi-query attention of DeepSeek-V4, decode and prefill alike.
 
     Query token ``t`` (``q [T, H, 512]``) attends to the rows of ``cache`` at ``indices[t, :K1]`` (physical slots
@@ -188,9 +194,13 @@ def sparse_mqa(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, leng
     (written into ``out`` if given) and, with ``return_lse``, ``lse [T, H]`` float32: the natural-log
     ``log(sum_j e^{s_j})``, sink excluded (FlashMLA's convention); a token with no valid entry gets ``o = 0``,
     ``lse = -inf``.
+
+    ``plan``: the work plan of the scheduled program (``MUSA_ATTN_DSV4_PROGRAM=scheduled``), from
+    :func:`sparse_mqa_plan` for this batch's shapes and lengths, so that layers of one kind share it (made per
+    call when None; checked against the call's shapes, ignored by the other programs and the reference).
     """
     check_sparse_mqa_args(q, cache, indices, lengths, extra_cache=extra_cache, extra_indices=extra_indices,
-                          extra_lengths=extra_lengths, sink=sink, sm_scale=sm_scale, out=out)
+                          extra_lengths=extra_lengths, sink=sink, sm_scale=sm_scale, out=out, plan=plan)
     which = resolve_impl(impl, q.device, "sparse_mqa")
     kwargs = dict(extra_cache=extra_cache, extra_indices=extra_indices, extra_lengths=extra_lengths, sink=sink,
                   sm_scale=D ** -0.5 if sm_scale is None else float(sm_scale), out=out, return_lse=return_lse)
@@ -198,4 +208,25 @@ def sparse_mqa(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, leng
         return sparse_mqa_reference(q, cache, indices, lengths, **kwargs)
     from .tilelang_impl import sparse_mqa_tilelang
 
-    return sparse_mqa_tilelang(q, cache, indices, lengths, **kwargs)
+    return sparse_mqa_tilelang(q, cache, indices, lengths, plan=plan, **kwargs)
+
+
+def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+                    extra_indices: Optional[torch.Tensor] = None,
+                    extra_lengths: Optional[torch.Tensor] = None) -> SparseMQAPlan:
+    """The scheduled program's work plan (:mod:`.schedule`) for :func:`sparse_mqa` calls of these shapes and
+    lengths (the tensors' values are read on the device; nothing synchronises): make it once per batch and pass it
+    to every layer whose index lists have these lengths."""
+    op = "sparse_mqa_plan"
+    check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] >= 1,
+          lambda: f"{op}: q must be [num_tokens >= 1, num_heads, {D}], got {tuple(getattr(q, 'shape', ()))}")
+    for name, idx, lens in (("indices", indices, lengths), ("extra_indices", extra_indices, extra_lengths)):
+        if idx is None:
+            check(lens is None, lambda: f"{op}: {name} lengths without {name}")
+            continue
+        check(isinstance(idx, torch.Tensor) and idx.dim() == 2 and idx.shape[0] == q.shape[0],
+              lambda: f"{op}: {name} must be [{q.shape[0]}, topk]")
+    from .tilelang_impl import sparse_mqa_plan as make
+
+    return make(q, indices, lengths, extra_indices if extra_indices is not None and extra_indices.shape[1] else None,
+                extra_lengths if extra_indices is not None and extra_indices.shape[1] else None)

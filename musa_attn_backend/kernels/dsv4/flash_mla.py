@@ -18,16 +18,21 @@ import torch
 
 from .._common import check
 from . import layout as L
+from .schedule import SparseMQAPlan
 
 
 @dataclasses.dataclass
 class FlashMLASchedMeta:
-    """Stands in for FlashMLA's scheduler metadata: this package plans each launch itself, so it carries nothing
-    but what the caller set."""
+    """Stands in for FlashMLA's scheduler metadata, with FlashMLA's contract: the first
+    :func:`flash_mla_with_kvcache` call that receives it records the call's shapes (``config``) and, where the
+    scheduled program runs, makes its work plan (``tile_scheduler_metadata``: a
+    :class:`~.schedule.SparseMQAPlan`); later calls with it must have the same shapes (refused otherwise) and
+    the same length values (the caller's promise, as with FlashMLA: nothing is read back to check it), and reuse
+    the plan. Make one per batch (and kind of layer) with :func:`get_mla_metadata`."""
 
     have_initialized: bool = False
     config: Optional[object] = None
-    tile_scheduler_metadata: Optional[torch.Tensor] = None
+    tile_scheduler_metadata: Optional[object] = None
     num_splits: Optional[torch.Tensor] = None
 
 
@@ -60,7 +65,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     ``(B,)``: the leftmost entries of every query of request ``b`` that count. Returns ``(out [B, s_q, H, 512],
     lse [B, H, s_q])`` (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored
     (sparse mode reads neither), as FlashMLA does."""
-    from . import sparse_mqa
+    from . import check_sparse_mqa_args
+    from .._common import resolve_impl
 
     op = "flash_mla_with_kvcache"
     check(indices is not None, f"{op}: only sparse attention is supported (pass indices); dense mode is not")
@@ -83,16 +89,51 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     # FlashMLA takes the cache as uint8 or as its float8_e4m3fn view (SGLang's pool hands out the latter)
     k_cache, extra_k_cache = (c.view(torch.uint8) if isinstance(c, torch.Tensor) and c.dtype == torch.float8_e4m3fn
                               else c for c in (k_cache, extra_k_cache))
+    check(tile_scheduler_metadata is None or isinstance(tile_scheduler_metadata, FlashMLASchedMeta),
+          lambda: f"{op}: tile_scheduler_metadata must come from get_mla_metadata (or be None), got "
+                  f"{type(tile_scheduler_metadata).__name__}")
     T = b * s_q
-    res, lse = sparse_mqa(
-        q.reshape(T, h, L.D), k_cache, indices.reshape(T, indices.shape[2]),
-        _per_token(topk_length, b, s_q, "topk_length", op), extra_cache=extra_k_cache,
-        extra_indices=(None if extra_indices_in_kvcache is None
-                       else extra_indices_in_kvcache.reshape(T, extra_indices_in_kvcache.shape[2])),
-        extra_lengths=_per_token(extra_topk_length, b, s_q, "extra_topk_length", op), sink=attn_sink,
-        sm_scale=softmax_scale, out=None if out is None else out.view(T, h, L.D), return_lse=True, impl=impl)
-    lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))  # one launch: -inf -> +inf
+    qt = q.reshape(T, h, L.D)
+    it = indices.reshape(T, indices.shape[2])
+    xt = None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.reshape(
+        T, extra_indices_in_kvcache.shape[2])
+    lengths = _per_token(topk_length, b, s_q, "topk_length", op)
+    xlengths = _per_token(extra_topk_length, b, s_q, "extra_topk_length", op)
+    scale = L.D ** -0.5 if softmax_scale is None else softmax_scale
+    ot = None if out is None else out.view(T, h, L.D)
+    check_sparse_mqa_args(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
+                          extra_lengths=xlengths, sink=attn_sink, sm_scale=scale, out=ot)
+    if resolve_impl(impl, q.device, op) == "reference" or T == 0:
+        from .reference import sparse_mqa_reference
+
+        res, lse = sparse_mqa_reference(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
+                                        extra_lengths=xlengths, sink=attn_sink, sm_scale=float(scale), out=ot,
+                                        return_lse=True)
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # FlashMLA's LSE of a query with no valid entry
+    else:
+        from .tilelang_impl import sparse_mqa_plan, sparse_mqa_program, sparse_mqa_tilelang
+
+        plan = None
+        if sparse_mqa_program() == "scheduled":
+            plan = _sched_plan(tile_scheduler_metadata, op, (b, s_q, h, it.shape[1], 0 if xt is None else xt.shape[1]),
+                               lambda: sparse_mqa_plan(qt, it, lengths, xt, xlengths))
+        res, lse = sparse_mqa_tilelang(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
+                                       extra_lengths=xlengths, sink=attn_sink, sm_scale=float(scale), out=ot,
+                                       return_lse=True, plan=plan, empty_lse_inf=True)
     return res.view(b, s_q, h, L.D), lse.view(b, s_q, h).transpose(1, 2)
+
+
+def _sched_plan(meta: Optional[FlashMLASchedMeta], op: str, config: tuple, make):
+    """The plan ``meta`` holds for calls of ``config`` (batch, s_q, heads, topk, extra topk), made by ``make`` on
+    the first call (each call makes its own when ``meta`` is None)."""
+    if meta is None:
+        return make()
+    if not meta.have_initialized or not isinstance(meta.tile_scheduler_metadata, SparseMQAPlan):
+        meta.have_initialized, meta.config, meta.tile_scheduler_metadata = True, config, make()
+    check(meta.config == config,
+          lambda: f"{op}: tile_scheduler_metadata was made for (batch, s_q, heads, topk, extra_topk) = "
+                  f"{meta.config}, this call has {config}; make one per batch with get_mla_metadata")
+    return meta.tile_scheduler_metadata
 
 
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,

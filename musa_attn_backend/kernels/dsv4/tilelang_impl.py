@@ -31,15 +31,26 @@ def _unit_views(flat: torch.Tensor):
     return nope.view(n16, 16), flat[:n16 * 16].view(torch.bfloat16).view(n16, 8), flat[:n8 * 8].view(n8, 8)
 
 
+def _word_views(flat: torch.Tensor):
+    """The scheduled program's views of a cache's bytes: ``[n16, 4]`` and ``[n8, 2]`` int32 words (its 16-byte
+    and 8-byte units)."""
+    n16, n8 = flat.numel() // 16, flat.numel() // 8
+    return flat[:n16 * 16].view(torch.int32).view(n16, 4), flat[:n8 * 8].view(torch.int32).view(n8, 2)
+
+
 def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8_e4m3fn, torch.bfloat16, None),
-                units: bool = False):
-    """Views of ``dtypes`` (None: the uint8 bytes; ``units``: :func:`_unit_views`) from the cache's first byte
-    to its last page's end, and (rows, page stride in 16-byte units, slots)."""
+                units: bool = False, words: bool = False):
+    """Views of ``dtypes`` (None: the uint8 bytes; ``units``: :func:`_unit_views`; ``words``: :func:`_word_views`)
+    from the cache's first byte to its last page's end, and (rows, page stride in 16-byte units, slots)."""
+    if words:
+        units = False
+        dtypes = "words"
     if pages.num_pages == 0:
         buf = _EMPTY.get(device)
         if buf is None:
             buf = _EMPTY[device] = torch.zeros(16, dtype=torch.uint8, device=device)
-        views = _unit_views(buf) if units else tuple(buf if d is None else buf.view(d) for d in dtypes)
+        views = _unit_views(buf) if units else (_word_views(buf) if dtypes == "words"
+                                                else tuple(buf if d is None else buf.view(d) for d in dtypes))
         return views, (max(pages.rows, 1), 1, 0)
     p = pages.pages
     stride = p.stride(0) if pages.num_pages > 1 else L.page_bytes(pages.rows)
@@ -48,24 +59,35 @@ def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8
                   f"(pointer {p.data_ptr() % 16} bytes past one, stride {stride})")
     nbytes = (pages.num_pages - 1) * stride + p.shape[1]  # even: rows of 584 bytes, pages 16-byte aligned
     flat = p.as_strided((nbytes,), (1,))  # the programs address it with 64-bit offsets: any size
-    views = _unit_views(flat) if units else tuple(flat if d is None else flat.view(d) for d in dtypes)
+    views = _unit_views(flat) if units else (_word_views(flat) if dtypes == "words"
+                                             else tuple(flat if d is None else flat.view(d) for d in dtypes))
     return views, (pages.rows, stride // 16, pages.num_slots)
 
 
-PROGRAMS = ("warp_specialized", "portable")
+PROGRAMS = ("scheduled", "warp_specialized", "portable")
+# the programs that need warp specialisation, GEMMs reading A from registers and an FP8 conversion
+HOPPER_PROGRAMS = ("scheduled", "warp_specialized")
 # the warp-specialised program's producer (see build_sparse_mqa_ws): "rows" is the one measured on the H200;
-# "async" (cp.async copies, widened in place) is built and awaits its first GPU run
+# "async" (cp.async copies, widened in place) is a measured miss kept for comparison
 WS_PRODUCER = "rows"
 WS_PRODUCERS = ("rows", "async")
 
 
-def sparse_mqa_program(target=None) -> str:
-    """Which sparse MQA program ``target`` (None: this platform's) runs: ``warp_specialized``
-    (:mod:`.sparse_mqa_ws_kernel`: a dequantising producer warp group, P in registers) where the target has warp
-    specialisation, GEMMs that read A from registers and an FP8 conversion; else ``portable``
-    (:mod:`.sparse_mqa_kernel`)."""
+def _hopper_capable(target=None) -> bool:
     f = features_of(target)
-    return "warp_specialized" if f["warp_specialized"] and f["gemm_a_in_registers"] and f["fp8"] else "portable"
+    return bool(f["warp_specialized"] and f["gemm_a_in_registers"] and f["fp8"])
+
+
+def sparse_mqa_program(target=None) -> str:
+    """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
+    ``auto`` is ``warp_specialized`` (:mod:`.sparse_mqa_ws_kernel`: a dequantising producer warp group, P in
+    registers) where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion,
+    else ``portable`` (:mod:`.sparse_mqa_kernel`); ``scheduled`` is :mod:`.sparse_mqa_sched_kernel` (a per-batch
+    plan, FlashMLA's division of the work). A named program the target cannot run is refused when it is built."""
+    chosen = settings().dsv4_program
+    if chosen != "auto":
+        return chosen
+    return "warp_specialized" if _hopper_capable(target) else "portable"
 
 
 def portable_form(target=None) -> dict:
@@ -89,22 +111,13 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
     :func:`sparse_mqa_program`; ``producer``: the warp-specialised program's, see
     :func:`.sparse_mqa_ws_kernel.build_sparse_mqa_ws`)."""
     program = program or sparse_mqa_program(target)
-    check(program in PROGRAMS, lambda: f"sparse_mqa: program must be one of {PROGRAMS}, got {program!r}")
-    check(program == "portable" or sparse_mqa_program(target) == program,
-          lambda: f"sparse_mqa: the {program} program needs warp specialisation, GEMMs reading A from registers "
-                  f"and an FP8 conversion, which this target lacks: {features_of(target)}")
+    _check_program(program, target)
+    if program == "scheduled":
+        return sched_kernel(H, has_extra, has_sink, q_dtype, target=target)
     if program == "warp_specialized":
         check(producer in WS_PRODUCERS,
               lambda: f"sparse_mqa: producer must be one of {WS_PRODUCERS}, got {producer!r}")
-        # the program syncs its warp groups itself (named barriers and mbarriers); TileLang's automatic syncs
-        # would put a whole-block barrier inside one warp group's code
-        pc = {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
-              # every read is in bounds by construction (index entries clamped into their rows and guarded by
-              # the length; cache rows read only for a valid slot; output rows guarded), so the per-access
-              # checks would only add instructions to the producer's loads
-              tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
-              # the score exchange's XOR-swizzled columns are a permutation: no two threads write one word
-              **_no_race_check()}
+        pc = _ws_pass_configs()
         key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, program, BLOCK_N, producer)
         return compile_cached(key, lambda: build_sparse_mqa_ws(H, has_extra, has_sink, split, q_dtype, BLOCK_N,
                                                                producer=producer),
@@ -118,6 +131,44 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
     return compile_cached(key, lambda: build_sparse_mqa(H, has_extra, has_sink, split, q_dtype, BLOCK_H,
                                                         form["block_N"], 256, shared_p, fp8_convert,
                                                         form["separate_v"]), target=target)
+
+
+def _check_program(program: str, target=None) -> None:
+    check(program in PROGRAMS, lambda: f"sparse_mqa: program must be one of {PROGRAMS}, got {program!r} "
+                                       f"(MUSA_ATTN_DSV4_PROGRAM or the program argument)")
+    check(program not in HOPPER_PROGRAMS or _hopper_capable(target),
+          lambda: f"sparse_mqa: the {program} program needs warp specialisation, GEMMs reading A from registers "
+                  f"and an FP8 conversion, which this target lacks: {features_of(target)}")
+
+
+def _ws_pass_configs() -> dict:
+    """The warp-specialised programs sync their warp groups themselves (named barriers and mbarriers); TileLang's
+    automatic syncs would put a whole-block barrier inside one warp group's code. Every read is in bounds by
+    construction (index entries clamped into their rows and guarded by the length; cache rows read only for a
+    valid slot; output rows guarded), so the per-access checks would only add instructions to the producer's
+    loads. Rows a fragment holds in several threads are stored by each (the same value), and the score exchange's
+    XOR-swizzled columns are a permutation: the race check is off."""
+    return {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+            tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True, **_no_race_check()}
+
+
+def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
+    """The compiled scheduled sparse MQA program (:mod:`.sparse_mqa_sched_kernel`)."""
+    from .sparse_mqa_sched_kernel import build_sparse_mqa_sched
+
+    _check_program("scheduled", target)
+    check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
+    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype)
+    return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype),
+                          target=target, pass_configs=_ws_pass_configs())
+
+
+def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
+    """The compiled merge of the scheduled program's split tokens (:mod:`.sparse_combine_kernel`)."""
+    from .sparse_combine_kernel import build_sparse_combine
+
+    return compile_cached(("dsv4_sparse_combine", H, has_sink, q_dtype),
+                          lambda: build_sparse_combine(H, has_sink, q_dtype), target=target)
 
 
 def _fp8_convert(target) -> bool:
@@ -148,16 +199,80 @@ def _lengths(lengths: Optional[torch.Tensor], T: int, K: int, device) -> torch.T
     return lengths.to(torch.int32).contiguous()
 
 
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    # MUSA_ATTN_POISON (a debug aid the tests turn on): NaN, so an element no kernel writes shows up
+    if settings().poison:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths=None, extra_indices=None, extra_lengths=None):
+    """The scheduled program's plan (:mod:`.schedule`) of a :func:`sparse_mqa` call's shapes and lengths, over one
+    wave of this GPU's SMs."""
+    from .schedule import default_parts, plan_sparse_mqa
+
+    T, H = q.shape[0], q.shape[1]
+    K2 = 0 if extra_indices is None else extra_indices.shape[1]
+    return plan_sparse_mqa(T, indices.shape[1], lengths, K2, extra_lengths if K2 else None,
+                           parts=default_parts(H, get_platform().sm_count or 132), device=q.device)
+
+
+def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
+                          plan, lengths, extra_lengths, empty_lse_inf, op):
+    """Launch the scheduled program and its combine (:mod:`.sparse_mqa_sched_kernel`)."""
+    T, H, _ = q.shape
+    dev = q.device
+    K2 = i2.shape[1] if has_extra else 0
+    if plan is None:
+        plan = sparse_mqa_plan(q, i1, lengths, i2 if has_extra else None, extra_lengths if has_extra else None)
+    plan.check_matches(op, T, i1.shape[1], K2, dev)
+    main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache", words=True)
+    if has_extra:
+        extra_views, extra_geo = _flat_views(L.kv_pages(extra_cache, "extra_cache", op=op), dev, op, "extra_cache",
+                                             words=True)
+    else:
+        extra_views, extra_geo = main_views, (1, 1, 0)
+    o_part = _alloc((plan.num_partials, H, L.D), torch.float32, dev)
+    l_part = _alloc((plan.num_partials, H), torch.float32, dev)
+    empty = float("inf") if empty_lse_inf else float("-inf")
+    sched_kernel(H, has_extra, has_sink, "bfloat16")(
+        q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
+        plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
+    sched_combine_kernel(H, has_sink, "bfloat16")(plan.combine, plan.split_row, o_part, l_part, sinks, empty, out,
+                                                  lse)
+
+
 def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
                         extra_lengths=None, sink=None, sm_scale=L.D ** -0.5, out=None, return_lse=False,
-                        program: Optional[str] = None):
+                        program: Optional[str] = None, plan=None, empty_lse_inf: bool = False):
     """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.sparse_mqa` (arguments checked there;
-    ``program``: see :func:`sparse_mqa_kernel`)."""
+    ``program``: see :func:`sparse_mqa_kernel`; ``plan``: the scheduled program's, made here when None, ignored
+    by the other programs; ``empty_lse_inf``: a token with no valid entry gets LSE ``+inf`` (FlashMLA's
+    convention) rather than ``-inf``)."""
     op = "sparse_mqa(impl='tilelang')"
     check(q.dtype == torch.bfloat16, lambda: f"{op}: q must be bfloat16 (the kernels' dtype), got {q.dtype}")
     T, H, _ = q.shape
     dev = q.device
     q = q.contiguous()
+    program = program or sparse_mqa_program()
+    if program == "scheduled":
+        has_extra = extra_cache is not None and extra_indices.shape[1] > 0
+        i1 = indices.contiguous()
+        l1 = _lengths(lengths, T, i1.shape[1], dev)
+        if has_extra:
+            i2 = extra_indices.contiguous()
+            l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
+        else:
+            i2 = torch.empty(T, 0, dtype=torch.int32, device=dev)
+            l2 = torch.zeros(T, dtype=torch.int32, device=dev)
+        has_sink = sink is not None
+        sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
+        out = _alloc(q.shape, q.dtype, dev) if out is None else out
+        lse = _alloc((T, H), torch.float32, dev)
+        if T:
+            _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out,
+                                  lse, plan, lengths, extra_lengths, empty_lse_inf, op)
+        return (out, lse) if return_lse else out
     main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache", units=True)
     has_extra = extra_cache is not None and extra_indices.shape[1] > 0
     if has_extra:
@@ -191,6 +306,8 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
         sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype), program=program,
                           producer=WS_PRODUCER)(*args, o_part, l_part)
         combine_kernel(H, has_sink, tl_dtype(q.dtype))(o_part, l_part, sinks, out, lse)
+    if empty_lse_inf:
+        lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,217 @@
+"""The scheduled sparse MQA program on the CPU: its plan (every key tile visited once, by the part the docstring
+says, pieces and partial rows consistent, the combine list complete) on random and degenerate batches, the
+conversion of e4m3 bytes to bf16 by bit moves (bit for bit against torch's e4m3 over every byte and every scale
+exponent), the launch glue against the programs' signatures, the program choice, FlashMLA's scheduler-metadata
+contract, and real sm_90a builds with nvcc (the warp groups' register split, the GEMM forms, shared memory)."""
+
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend import _tilelang
+from musa_attn_backend.kernels import dsv4
+from musa_attn_backend.kernels.dsv4 import flash_mla, schedule
+from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+from musa_attn_backend.kernels.dsv4.sparse_mqa_sched_kernel import TWO_POW_120, nope_bytes_to_bf16
+from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
+
+from test_dsv4_build import SignatureCheck, _batch
+
+
+def _tiles(T, K1, l1, K2, l2):
+    n = (l1.clamp(0, K1) + 63) // 64 if l1 is not None else torch.full((T,), (K1 + 63) // 64)
+    if K2:
+        n = n + ((l2.clamp(0, K2) + 63) // 64 if l2 is not None else (K2 + 63) // 64)
+    return n.clamp_min(1)
+
+
+def check_plan(plan, T, n):
+    """Every tile ``(t, j)`` visited by exactly one part, in the part the line cut puts it; pieces contiguous;
+    partial rows distinct and within the buffers; the combine list exactly the split tokens, in order."""
+    assert plan.tiles.tolist() == n.tolist()
+    owner = {}
+    for p, pieces in enumerate(schedule.visits(plan)):
+        for t, a, b in pieces:
+            assert 0 <= a < b <= n[t], (p, t, a, b)
+            for j in range(a, b):
+                assert (t, j) not in owner
+                owner[(t, j)] = p
+    assert len(owner) == int(n.sum())
+    first, split_row, comb = plan.first_part.tolist(), plan.split_row.tolist(), plan.combine.tolist()
+    rows, listed = set(), []
+    for t in range(T):
+        parts = sorted({owner[(t, j)] for j in range(int(n[t]))})
+        assert parts == list(range(parts[0], parts[-1] + 1)) and parts[0] == first[t]
+        if len(parts) == 1:
+            assert split_row[t] == -1
+            continue
+        listed.append([t, len(parts)])
+        for p in parts:
+            r = split_row[t] + p - first[t]
+            assert 0 <= r < plan.num_partials and r not in rows
+            rows.add(r)
+    assert comb[:len(listed)] == listed and all(c[0] == -1 for c in comb[len(listed):])
+    assert len(listed) <= plan.parts - 1 or plan.parts == 1 and not listed
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_visits_every_tile_once(seed):
+    rng = random.Random(seed)
+    T = rng.choice([1, 2, 3, 4, 7, 31, 64, 128, 300])
+    K1 = rng.choice([0, 1, 64, 100, 128, 640])
+    K2 = rng.choice([0, 64, 70, 512, 2048])
+    parts = rng.choice([1, 2, 3, 5, 66, 132])
+    g = torch.Generator().manual_seed(seed)
+    l1 = torch.randint(-3, K1 + 5, (T,), generator=g, dtype=torch.int32) if rng.random() < 0.7 else None
+    l2 = torch.randint(-3, K2 + 5, (T,), generator=g) if K2 and rng.random() < 0.7 else None
+    plan = schedule.plan_sparse_mqa(T, K1, l1, K2, l2, parts=parts)
+    check_plan(plan, T, _tiles(T, K1, l1, K2, l2))
+
+
+@pytest.mark.parametrize("T,lengths,parts", [
+    (1, [0], 132),  # no valid entry: still one tile (the output and LSE are written)
+    (1, [2048], 132),  # decode B 1: the token's 32 tiles over 32 parts, the rest idle
+    (4, [640] * 4, 132),
+    (128, [640] * 128, 132),  # decode B 128: about one token a part
+    (300, None, 1),  # one part does everything
+])
+def test_plan_of_typical_batches(T, lengths, parts):
+    l1 = None if lengths is None else torch.tensor(lengths, dtype=torch.int32)
+    plan = schedule.plan_sparse_mqa(T, 2048, l1, parts=parts)
+    n = _tiles(T, 2048, l1, 0, None)
+    check_plan(plan, T, n)
+    visits = schedule.visits(plan)
+    busy = sum(1 for pieces in visits if pieces)
+    per = -(-(int(n.sum()) + schedule.OVERHEAD_TILES * T) // parts)  # places a part
+    assert max(sum(b - a for _, a, b in pieces) for pieces in visits) <= per
+    if T == 1 and lengths == [2048]:
+        assert busy == 32 and plan.combine[0].tolist() == [0, 32]
+    if T == 128:  # 15 places a token, 15 a part (1920 over 132 parts): one whole token a part, none split
+        assert busy == 128 and max(len(pieces) for pieces in visits) == 1 and (plan.split_row == -1).all()
+
+
+def test_plan_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="tokens must be a positive int"):
+        schedule.plan_sparse_mqa(0, 64, parts=4)
+    with pytest.raises(ValueError, match="lengths must be an integer tensor of 3 entries"):
+        schedule.plan_sparse_mqa(3, 64, torch.zeros(2, dtype=torch.int32), parts=4)
+    with pytest.raises(ValueError, match="extra_lengths without an extra set"):
+        schedule.plan_sparse_mqa(3, 64, None, 0, torch.zeros(3, dtype=torch.int32), parts=4)
+    plan = schedule.plan_sparse_mqa(3, 64, parts=4)
+    with pytest.raises(ValueError, match="the plan was made for 3 tokens and index lists of 64 \\+ 0 entries"):
+        plan.check_matches("op", 3, 128, 0, "cpu")
+
+
+def _byte_perm(x, y, sel):
+    """A model of CUDA's ``__byte_perm``: result byte ``i`` is byte ``sel >> 4i & 7`` of ``y:x``."""
+    b = [(x >> (8 * i)) & 255 for i in range(4)] + [(y >> (8 * i)) & 255 for i in range(4)]
+    return sum(b[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def test_e4m3_bytes_become_bf16_by_bit_moves_bit_for_bit():
+    """The producer's conversion (the selectors of the program's own function, run on a model of the byte
+    permute), then ``x 2^120`` and ``x 2^(e - 127)`` in bf16, equals torch's e4m3 value times ``2^(e - 127)``
+    rounded to bf16, bit for bit, over every byte and scale exponent (-0.0 included); NaN bytes (no writer makes
+    them) decode to 480 times the scale."""
+    words = []
+    for i in range(0, 256, 4):
+        w = i | (i + 1) << 8 | (i + 2) << 16 | (i + 3) << 24
+        lo, hi = nope_bytes_to_bf16(w, _byte_perm)
+        words += [lo & 0xFFFFFFFF, hi & 0xFFFFFFFF]
+    got = torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.bfloat16)
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    nan = torch.isnan(e4m3)
+    assert torch.equal(got.float()[~nan], e4m3[~nan] * 2.0 ** -120)
+    two120 = torch.tensor([TWO_POW_120], dtype=torch.int16).view(torch.bfloat16)
+    for e in range(255):
+        fac = torch.tensor([0x40 if e == 0 else e * 128], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        scaled = (got * two120) * fac
+        want = (e4m3 * 2.0 ** (e - 127)).to(torch.bfloat16)
+        assert torch.equal(scaled[~nan].view(torch.int16), want[~nan].view(torch.int16)), e
+    assert torch.equal(((got * two120)[nan]).float().abs(), torch.full((2,), 480.0))
+
+
+@pytest.mark.parametrize("T", [2, 400])
+def test_scheduled_launch_glue_matches_the_programs(use_settings, T):
+    """Both launches (the program and its combine) get arguments matching their parameters, with a plan made
+    per call or passed in, and the shapes a plan was made for are enforced."""
+    use_settings(target="sm_90a", dsv4_program="scheduled")
+    kernels = {}
+
+    def capture(key, build, target, pass_configs):
+        return kernels.setdefault(key[0], SignatureCheck(build()))
+
+    q, cache, idx, extra, xidx = _batch(T)
+    lens = torch.full((T,), 100, dtype=torch.int32)
+    with _tilelang.intercepting(capture):
+        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, lens, extra_cache=extra, extra_indices=xidx,
+                                          sink=torch.zeros(64), return_lse=True)
+        plan = dsv4.sparse_mqa_plan(q, idx, lens, xidx, None)
+        ti.sparse_mqa_tilelang(q, cache, idx, lens, extra_cache=extra, extra_indices=xidx, plan=plan)
+        with pytest.raises(ValueError, match="the plan was made for"):
+            ti.sparse_mqa_tilelang(q, cache, idx[:, :64].contiguous(), lens, extra_cache=extra, extra_indices=xidx,
+                                   plan=plan)
+    assert out.shape == q.shape and lse.shape == (T, 64)
+    assert set(kernels) == {"dsv4_sparse_mqa_sched", "dsv4_sparse_combine"}
+    assert all(len(k.calls) == 2 for k in kernels.values())
+    assert plan.parts == schedule.default_parts(64, 132) and plan.num_partials == 2 * (plan.parts - 1)
+
+
+def test_program_choice_follows_the_setting_and_refuses_what_the_target_cannot_run(use_settings):
+    use_settings(target="sm_90a")
+    assert ti.sparse_mqa_program() == "warp_specialized"  # auto: the measured program until the new one has run
+    use_settings(dsv4_program="scheduled")
+    assert ti.sparse_mqa_program() == "scheduled"
+    use_settings(target="mp_31")
+    with pytest.raises(ValueError, match="the scheduled program needs warp specialisation"):
+        ti.sparse_mqa_kernel(64, True, True, False, "bfloat16")
+    use_settings(dsv4_program="auto")
+    assert ti.sparse_mqa_program() == "portable"
+
+
+def test_flash_mla_sched_meta_keeps_one_plan_per_batch():
+    """FlashMLA's contract: the first call records its shapes and makes the plan, later ones reuse it and a call
+    of other shapes is refused."""
+    meta, _ = dsv4.get_mla_metadata()
+    made = []
+
+    def make():
+        made.append(object())
+        return schedule.plan_sparse_mqa(2, 64, parts=4)
+
+    a = flash_mla._sched_plan(meta, "op", (2, 1, 64, 64, 0), make)
+    b = flash_mla._sched_plan(meta, "op", (2, 1, 64, 64, 0), make)
+    assert a is b and len(made) == 1 and meta.have_initialized
+    with pytest.raises(ValueError, match="tile_scheduler_metadata was made for"):
+        flash_mla._sched_plan(meta, "op", (3, 1, 64, 64, 0), make)
+    assert flash_mla._sched_plan(None, "op", (3, 1, 64, 64, 0), make) is not a
+
+
+NVCC = nvcc_path()
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+@pytest.mark.parametrize("H,extra", [(64, True), (128, True), (8, False)])
+def test_scheduled_program_compiles_for_sm90a(use_settings, H, extra):
+    """The three warp groups and their register split, Q K^T as two GEMMs from shared memory, O's halves with P
+    from registers (group 0) and from shared memory (group 1), the byte permutes of the conversion, the query rows
+    by predicated cp.async; the combine builds."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    use_settings(dsv4_program="scheduled")
+    src = ti.sched_kernel(H, extra, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert "warpgroup_reg_alloc<192>" in src and "warpgroup_reg_dealloc<160>" in src
+    assert "warpgroup_reg_dealloc<152>" in src
+    assert src.count("tl::wgmma_ss<") == 3 and src.count("tl::wgmma_rs<") == 1
+    assert "__byte_perm" in src and "cp_async_gs_conditional<16>" in src
+    assert "__syncthreads" not in src.split("warpgroup_reg_alloc")[1]  # no block-wide barrier in a group's code
+    comb = ti.sched_combine_kernel(H, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert "__global__" in comb
+
+
+def test_scheduled_program_fits_hopper_shared_memory():
+    """The query block, two 64-row stages, P and the small arrays: within sm_90's 227 KB."""
+    from musa_attn_backend.kernels.dsv4.sparse_mqa_sched_kernel import build_sparse_mqa_sched
+
+    lowered = _tilelang.lower(build_sparse_mqa_sched(128, True, True), HOPPER, ti._ws_pass_configs())
+    assert 190 * 1024 < lowered.shared_bytes <= 227 * 1024
