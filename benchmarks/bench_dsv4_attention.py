@@ -1,6 +1,7 @@
-"""DeepSeek-V4 sparse MQA benchmark: ours (TileLang, FP8 caches read directly) against a torch path (gather +
-dequantise + matmul + softmax, the reference op run on the GPU), one run, with the bf16 matmul rate and copy
-bandwidth measured in the same run as the rooflines.
+"""DeepSeek-V4 sparse MQA benchmark: ours (TileLang, FP8 caches read directly) against FlashMLA (the build vLLM's
+wheel ships, staged as ``flashmla_peer`` by ``../shared/device/prepare.sh --peers``), SGLang's kernels and a torch
+path (gather + dequantise + matmul + softmax, the reference op run on the GPU), one run, with the bf16 matmul
+rate and copy bandwidth measured in the same run as the rooflines.
 
     python benchmarks/bench_dsv4_attention.py [--quick] [--out benchmarks/results]
 
@@ -11,6 +12,14 @@ import or build is recorded under ``peer_errors``), and the torch path. ``portab
 the same inputs; ``musa_form_ms``: the program MUSA runs, in MUSA's form (``MUSA_ATTN_MUSA_FORMS``: K and V tiles
 of their own, 32 rows; docs/musa.md). FLOPs = 2 * H * K * (512 + 512) per token (valid entries), bytes = q +
 out + K * 584 + indices.
+
+FlashMLA, where ``flashmla_peer`` imports: decode (``flashmla_ms`` under a CUDA graph, ``flashmla_eager_ms``
+eager, its scheduler metadata made once and reused, as the engines reuse it across layers; ours likewise with one
+plan, ``plan_ms`` its cost) on the same FP8 caches and indices, with ``flashmla_max_abs_diff`` between the two
+outputs; prefill through its bf16-workspace kernel (``flashmla_prefill_ms``: the kernel alone, on a workspace of
+every row of both caches; ``workspace_floor_ms``: the copy-rate time of the bf16 rows an engine must build before
+it, which ours does not need). ``--programs`` times each named sparse MQA program on every row (``<program>_ms``,
+``<program>_eager_ms``); ``ours_ms`` is the first.
 """
 
 from __future__ import annotations
@@ -101,6 +110,38 @@ def engine_peers(errors: dict) -> dict:
     return peers
 
 
+def flashmla_peer(errors: dict):
+    """FlashMLA's compiled ops (``flashmla_peer.ops``), or None with the reason in ``errors``."""
+    try:
+        import flashmla_peer
+
+        return flashmla_peer.ops
+    except Exception as e:  # noqa: BLE001 - not staged on this machine: recorded, the run goes on
+        errors["flashmla"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return None
+
+
+def flashmla_decode(ops, q4, swa, i14, c4, i24, sink, out4):
+    """A callable running FlashMLA's sparse decode on these inputs, its scheduler metadata made by a first call
+    and reused."""
+    scale = 512 ** -0.5
+    res = ops.sparse_decode_fwd(q4, swa.unsqueeze(2), i14, None, sink, None, None, c4.unsqueeze(2), i24, None, 512,
+                                scale, out4, False)
+    meta, splits = res[2], res[3]
+    return lambda: ops.sparse_decode_fwd(q4, swa.unsqueeze(2), i14, None, sink, meta, splits, c4.unsqueeze(2), i24,
+                                         None, 512, scale, out4, False)
+
+
+def flashmla_prefill(ops, q, swa, i1, c4, i2, sink):
+    """A callable running FlashMLA's sparse prefill over a bf16 workspace holding every row of both caches
+    (window rows first), with the index lists rebased into it; and the workspace's row count."""
+    rows = [dsv4.read_kv_v4(c, torch.arange(c.shape[0] * c.shape[1], device=c.device)) for c in (swa, c4)]
+    kv = torch.cat(rows).unsqueeze(1).contiguous()
+    idx = torch.cat([i1, i2 + rows[0].shape[0]], dim=1).unsqueeze(1).contiguous()
+    out = torch.empty_like(q)
+    return (lambda: ops.sparse_prefill_fwd(q, kv, idx, 512 ** -0.5, 512, sink, None, out)), kv.shape[0]
+
+
 def _compile(job):
     """One kernel of :func:`precompile` (in a worker process: it lands in the kernel cache on disk)."""
     from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
@@ -114,7 +155,7 @@ def _compile(job):
     return job
 
 
-def precompile(configs, producers, portable: bool, tilings: str, workers: int = 8) -> None:
+def precompile(configs, producers, portable: bool, tilings: str, workers: int = 8, programs=()) -> None:
     """Compile every kernel the run launches in parallel worker processes first (TileLang compiles one at a time
     per process; the run then loads them from the kernel cache), reporting failures without stopping."""
     import multiprocessing
@@ -124,12 +165,15 @@ def precompile(configs, producers, portable: bool, tilings: str, workers: int = 
 
     ws = ti.sparse_mqa_program() != "portable"
     variants = [dict(program=ti.sparse_mqa_program(), producer=ti.WS_PRODUCER)]
+    variants += [dict(program=p) for p in programs if p != ti.sparse_mqa_program()]
     variants += [dict(program="portable")] if ws and portable else []
     variants += [dict(program="portable", musa_forms=True)] if portable else []
     variants += [dict(program="warp_specialized", producer=p) for p in producers if ws]
     jobs = [("sparse_mqa_kernel", (CONFIGS[c][0], True, True, split, "bfloat16"), v)
             for c in configs for split in (False, True) for v in variants]
     jobs += [("combine_kernel", (CONFIGS[c][0], True, "bfloat16"), {}) for c in configs]
+    if "scheduled" in programs or ti.sparse_mqa_program() == "scheduled":
+        jobs += [("sched_combine_kernel", (CONFIGS[c][0], True, "bfloat16"), {}) for c in configs]
     extra = [tuple(int(v) for v in t.split(":")) for t in tilings.split(",") if t]
     jobs += [(k, ("bfloat16",), {"tiling": t}) for k in ("write_kv_v4_kernel", "write_index_k_kernel")
              for t in [None] + extra]
@@ -164,18 +208,24 @@ def main(argv=None):
     ap.add_argument("--no-precompile", action="store_true", help="compile each kernel at its first launch instead")
     ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
                                                           "tokens-per-block:threads, comma-separated (e.g. 16:256)")
+    ap.add_argument("--programs", default="scheduled",
+                    help="also time these sparse MQA programs (comma-separated: scheduled, warp_specialized, "
+                         "portable); ours_ms is the default program's")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     from musa_attn_backend.kernels.dsv4 import tilelang_impl
 
     producers = [p for p in args.producers.split(",") if p]
+    programs = [p for p in args.programs.split(",") if p]
     if not args.no_precompile:
-        precompile(args.configs.split(","), producers, not args.no_portable, args.writer_tilings)
+        precompile(args.configs.split(","), producers, not args.no_portable, args.writer_tilings,
+                   programs=programs)
     ceilings = measure_ceilings()
     ceilings["fp8_matmul_tflops"] = fp8_matmul_tflops()
     print("ceilings", ceilings, flush=True)
     errors: dict = {}
     peer_fns = engine_peers(errors)
+    fm = flashmla_peer(errors)
     ctx = 65536
     swa, c4 = caches(ctx)
     n_swa, n_c4 = swa.shape[0] * 256, c4.shape[0] * 64
@@ -197,16 +247,48 @@ def main(argv=None):
             sink = torch.randn(H, device="cuda", generator=g)
             out = torch.empty_like(q)
 
+            plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
+
             def ours(prog=program, producer=tilelang_impl.WS_PRODUCER):
                 tilelang_impl.WS_PRODUCER, saved = producer, tilelang_impl.WS_PRODUCER
                 try:
                     tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink,
-                                                      out=out, program=prog)
+                                                      out=out, program=prog, plan=plan)
                 finally:
                     tilelang_impl.WS_PRODUCER = saved
 
             ms = bench_ms(ours)
             extra = {"program": program, "producer": tilelang_impl.WS_PRODUCER}
+            ours_out = out.clone()
+            for prog in programs:
+                if prog != program:
+                    try:
+                        extra[f"{prog}_ms"] = bench_ms(lambda p=prog: ours(p))
+                        extra[f"{prog}_eager_ms"] = bench_ms(lambda p=prog: ours(p), graph=False)
+                        extra[f"{prog}_max_abs_diff"] = (out.float() - ours_out.float()).abs().max().item()
+                    except Exception as e:  # noqa: BLE001 - a program that fails is recorded, the run goes on
+                        errors.setdefault(prog, f"{type(e).__name__}: {str(e)[:300]}")
+            extra["eager_ms"] = bench_ms(ours, graph=False)
+            extra["plan_ms"] = bench_ms(lambda: dsv4.sparse_mqa_plan(q, i1, None, i2, None))
+            if fm is not None:
+                try:
+                    if op == "decode":
+                        out4 = torch.empty(B, s_q, H, 512, device="cuda", dtype=torch.bfloat16)
+                        fn = flashmla_decode(fm, q.view(B, s_q, H, 512), swa, i1.view(B, s_q, 128), c4,
+                                             i2.view(B, s_q, K), sink, out4)
+                        extra["flashmla_ms"] = bench_ms(fn)
+                        extra["flashmla_eager_ms"] = bench_ms(fn, graph=False)
+                        extra["flashmla_max_abs_diff"] = (out4.view(T, H, 512).float()
+                                                          - ours_out.float()).abs().max().item()
+                    else:
+                        fn, ws_rows = flashmla_prefill(fm, q, swa, i1, c4, i2, sink)
+                        extra["flashmla_prefill_ms"] = bench_ms(fn, graph=False, rep=10)
+                        ws_bytes = T * (K + 128) * (L.ROW_BYTES + 512 * 2)  # read the FP8 rows, write bf16 rows
+                        extra["workspace_floor_ms"] = ws_bytes / ceilings["copy_tbps"] / 1e9
+                        extra["flashmla_max_abs_diff"] = (fn()[0].float() - ours_out.float()).abs().max().item()
+                        del fn
+                except Exception as e:  # noqa: BLE001 - a FlashMLA failure is recorded, the run goes on
+                    errors.setdefault("flashmla", f"{type(e).__name__}: {str(e)[:300]}")
             if program != "portable" and not args.no_portable:
                 extra["portable_ms"] = bench_ms(lambda: ours("portable"))
             if not args.no_portable:
@@ -217,6 +299,10 @@ def main(argv=None):
             for producer in producers if program != "portable" else ():
                 extra[f"{producer}_producer_ms"] = bench_ms(lambda p=producer: ours(program, p))
             peers = {}
+            if "flashmla_ms" in extra:
+                peers["flashmla"] = extra["flashmla_ms"]
+            elif "flashmla_prefill_ms" in extra:
+                peers["flashmla"] = extra["flashmla_prefill_ms"]
             if T <= 4096:
                 for name, fn in list(peer_fns.items()):
                     q4, i14, i24 = q.view(B, s_q, H, 512), i1.view(B, s_q, 128), i2.view(B, s_q, K)

@@ -10,12 +10,14 @@ decode divides it, in a program of our own.
   ones. Per key tile it fills a stage of the ``num_stages`` ring: four lanes per cache row, two rows per thread,
   lane ``q`` of a row loading the row's 16-byte units ``q, q + 4, ..., q + 24`` (the 448 FP8 nope bytes) and
   ``28 + q, 32 + q`` (the 64 bf16 RoPE values), so that eight rows' 64 contiguous bytes make one warp load. All
-  eighteen loads and the rows' scale bytes are in flight before the stage is waited for. Each nope byte becomes
-  bf16 by integer moves: the magnitude ``eeeemmm`` shifted into the bf16 exponent and mantissa fields and the sign
-  into its bit, which is the value times ``2^-120`` exactly (subnormals included; two byte permutes, a
-  multiply-add and two masks per four bytes, nothing on the conversion pipe); then ``x 2^120`` and ``x 2^(e -
-  127)`` for the tile's UE8M0 exponent ``e``, two packed bf16 multiplies, exact but for the final rounding of a
-  result below bf16's normal range, as the reference rounds it. An invalid entry (past its length, negative, at or
+  eighteen loads and the rows' scale bytes are in flight before the stage is waited for; the next tile's indices
+  are read meanwhile, and a piece's query copies are waited for only once its first tile's loads are out. Each
+  nope byte becomes bf16 by integer moves: the magnitude ``eeeemmm`` shifted into the bf16 exponent and mantissa
+  fields and the sign into its bit, which is the value times ``2^-120`` exactly (subnormals included; byte
+  permutes, a multiply-add and masks, nothing on the conversion pipe); then ``x 2^120`` and ``x 2^(e - 127)`` for
+  the tile's UE8M0 exponent ``e``, two packed bf16 multiplies, exact but for the final rounding of a
+  result below bf16's normal range, as the reference rounds it (an e4m3 NaN byte, which no writer stores,
+  decodes to 480 times the scale instead of NaN). An invalid entry (past its length, negative, at or
   past its cache's slot count) is not read: its row is zeros and its flag in ``ok_s`` is 0.
 - Warp group 0, the scores group (192 registers): per tile ``S = Q K^T`` over all 512 dims (two GEMMs from
   shared memory, one per column half), the invalid entries masked, the online softmax, P in bf16 to shared memory
@@ -96,7 +98,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     @T.macro
     def load_q(Q, Ql_s, Qr_s, t, h0, p):
         """The token's 64 query rows into shared memory: 16-byte ``cp.async`` copies, rows past ``H`` zero-filled
-        without a read; committed and waited for here."""
+        without a read; committed here, waited for once the first key tile's loads are in flight."""
         for i in T.unroll(BH * D // 8 // PRODUCER):
             u = i * PRODUCER + p
             h = u // (D // 8)
@@ -109,7 +111,6 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                 T.ptx_cp_async(T.access_ptr(Qr_s[h, (c - HD // 8) * 8], "w", 8),
                                T.access_ptr(Q[t, T.min(h0 + h, H - 1), c * 8], "r", 8), 8, ok)
         T.ptx_commit_group()
-        T.ptx_wait_group(0)
 
     @T.macro
     def entry(dst, r, gi, n1, e_in_tile, t, I1, L1, I2, L2):
@@ -361,6 +362,8 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                 raw = T.alloc_local([ROWS, LOADS * 4], "int32")
                 sw = T.alloc_local([ROWS, 2], "int32")
                 idx = T.alloc_local([ROWS], "int32")
+                nidx = T.alloc_local([ROWS], "int32")
+                ok = T.alloc_local([ROWS], "int32")
                 outw = T.alloc_local([8], "int32")
                 fac = T.alloc_local([2], "uint16")
                 kp = T.alloc_var("int32")
@@ -373,24 +376,31 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                     if pc > 0:
                         T.mbarrier_wait_parity(q_free, (pc - 1) & 1)
                     load_q(Q, Ql_s, Qr_s, t, h0, p)
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(q_full)
+                    for r in T.unroll(ROWS):
+                        entry(nidx, r, jb, n1, base_row + r * 32, t, I1, L1, I2, L2)
                     for j in T.serial(jb, je):
                         st = kp % NS
                         for r in T.unroll(ROWS):
-                            entry(idx, r, j, n1, base_row + r * 32, t, I1, L1, I2, L2)
+                            idx[r] = nidx[r]
                         for r in T.unroll(ROWS):
                             if j < n1:
+                                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
                                 load_row(raw, sw, r, idx[r], q, CW, CS, rows1, stride1, slots1)
                             else:
+                                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
                                 load_row(raw, sw, r, idx[r], q, XW, XS, rows2, stride2, slots2)
+                        if j + 1 < je:  # the next tile's indices, read while this one's rows arrive
+                            for r in T.unroll(ROWS):
+                                entry(nidx, r, j + 1, n1, base_row + r * 32, t, I1, L1, I2, L2)
+                        if j == jb:  # the query rows' copies, issued before this tile's loads, have landed
+                            T.ptx_wait_group(0)
+                            T.fence_proxy_async()
+                            T.mbarrier_arrive(q_full)
                         T.mbarrier_wait_parity(empty[st], ((kp // NS) & 1) ^ 1)
                         for r in T.unroll(ROWS):
                             store_row(Kl_s, Kr_s, st, base_row + r * 32, raw, sw, r, q, outw, fac)
                             if q == 0:
-                                slots = T.if_then_else(j < n1, slots1, slots2)
-                                ok_s[st, base_row + r * 32] = T.if_then_else(
-                                    T.And(idx[r] >= 0, idx[r] < slots), 1, 0)
+                                ok_s[st, base_row + r * 32] = ok[r]
                         T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
                         T.mbarrier_arrive(full[st])
                         kp = kp + 1
