@@ -6,8 +6,9 @@ that keeps its metadata, index translation and CUDA-graph logic and runs this pa
   (FlashMLA's signature over :func:`..kernels.dsv4.sparse_mqa`: TileLang on a GPU, the reference on a CPU). Prefill
   takes the same call (SGLang's sparse-prefill route, a bf16 workspace through FlashMLA's prefill kernel and three
   Triton kernels, is off), so both read the FP8 caches directly.
-- Metadata: SGLang's builders run unchanged except for the steps that call FlashMLA's planner (our kernels plan
-  their own launches: the planner's object is ``None``), Triton index kernels (torch ports in
+- Metadata: SGLang's builders run unchanged except for the steps that call FlashMLA's planner (its object is our
+  :class:`..kernels.dsv4.FlashMLASchedMeta`, which keeps the scheduled program's plan per batch and kind of
+  layer), Triton index kernels (torch ports in
   :mod:`..metadata.sglang_dsv4`, graph-safe) and the JIT compressor planner (our compressors read SGLang's state
   rings through a table instead). These are module functions of SGLang's backend with no method seam; they are
   rebound once per process to dispatchers that serve SGLang's original unless this backend was built in the
@@ -66,7 +67,9 @@ def install_seams() -> None:
     """Rebind SGLang's module-level metadata steps (idempotent)."""
     if _state["installed"]:
         return
-    _ours_or_theirs("_create_flashmla_metadata", lambda: None)
+    # our FlashMLA scheduler metadata: SGLang makes one per batch and kind of layer, and fresh ones before a CUDA
+    # graph capture, so the scheduled program plans once per batch (inside the graph) and every layer reuses it
+    _ours_or_theirs("_create_flashmla_metadata", lambda: dsv4.get_mla_metadata()[0])
     _ours_or_theirs("_init_compression_metadata_triton", sglang_dsv4.init_compression_metadata)
     _ours_or_theirs("fill_all_compressed_indices", sglang_dsv4.fill_all_compressed_indices)
     _ours_or_theirs("create_paged_compressor_data", lambda *a, **k: None)

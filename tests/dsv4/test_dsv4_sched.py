@@ -215,3 +215,17 @@ def test_scheduled_program_fits_hopper_shared_memory():
 
     lowered = _tilelang.lower(build_sparse_mqa_sched(128, True, True), HOPPER, ti._ws_pass_configs())
     assert 190 * 1024 < lowered.shared_bytes <= 227 * 1024
+
+
+def test_plans_without_lengths_are_kept_per_shape(use_settings):
+    """A call without lengths (vLLM's layer) plans once per shape; lengths make a plan per call (their values are
+    the batch's, read on the device)."""
+    use_settings(target="sm_90a")
+    q, cache, idx, extra, xidx = _batch(5)
+    a = ti.sparse_mqa_plan(q, idx, None, xidx, None)
+    assert ti.sparse_mqa_plan(q, idx, None, xidx, None) is a
+    assert ti.sparse_mqa_plan(q, idx[:, :64], None, xidx, None) is not a
+    lens = torch.full((5,), 7, dtype=torch.int32)
+    assert ti.sparse_mqa_plan(q, idx, lens, xidx, None) is not ti.sparse_mqa_plan(q, idx, lens, xidx, None)
+    use_settings(target="sm_90a", poison=True)  # a settings change empties the kept plans
+    assert ti.sparse_mqa_plan(q, idx, None, xidx, None) is not a

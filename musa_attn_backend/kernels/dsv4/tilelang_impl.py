@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..._tilelang import compile_cached, tl, tl_dtype
-from ...config import settings
+from ...config import on_change, settings
 from ...platform import features_of, get_platform
 from .._common import check
 from ..attention.combine_kernel import build_combine
@@ -208,13 +208,30 @@ def _alloc(shape, dtype, device) -> torch.Tensor:
 
 def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths=None, extra_indices=None, extra_lengths=None):
     """The scheduled program's plan (:mod:`.schedule`) of a :func:`sparse_mqa` call's shapes and lengths, over one
-    wave of this GPU's SMs."""
+    wave of this GPU's SMs. Without lengths the plan depends on the shapes alone: it is made once per shape and
+    kept (vLLM's layer passes its index lists without lengths, -1 marking the entries that do not count)."""
     from .schedule import default_parts, plan_sparse_mqa
 
     T, H = q.shape[0], q.shape[1]
     K2 = 0 if extra_indices is None else extra_indices.shape[1]
-    return plan_sparse_mqa(T, indices.shape[1], lengths, K2, extra_lengths if K2 else None,
-                           parts=default_parts(H, get_platform().sm_count or 132), device=q.device)
+    parts = default_parts(H, get_platform().sm_count or 132)
+    if lengths is None and (extra_lengths is None or not K2):
+        key = (T, indices.shape[1], K2, parts, q.device)
+        plan = _SHAPE_PLANS.pop(key, None)
+        if plan is None:
+            plan = plan_sparse_mqa(T, indices.shape[1], None, K2, None, parts=parts, device=q.device)
+        _SHAPE_PLANS[key] = plan  # most recently used last
+        while len(_SHAPE_PLANS) > _SHAPE_PLANS_KEPT:
+            _SHAPE_PLANS.pop(next(iter(_SHAPE_PLANS)))
+        return plan
+    return plan_sparse_mqa(T, indices.shape[1], lengths, K2, extra_lengths if K2 else None, parts=parts,
+                           device=q.device)
+
+
+# plans of calls without lengths, by (tokens, topk, extra topk, parts, device): the least recently used dropped
+_SHAPE_PLANS: dict = {}
+_SHAPE_PLANS_KEPT = 256
+on_change(_SHAPE_PLANS.clear)
 
 
 def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
