@@ -64,6 +64,7 @@ NOT_BATCH_OPS = {
     "dsv4.index_page_bytes": "a size in bytes",
     "dsv4.get_mla_metadata": "FlashMLA's planner stand-in: ignores its arguments, returns an empty plan",
     "dsv4.FlashMLASchedMeta": "the planner's result type: no tokens",
+    "dsv4.SparseMQAPlan": "sparse_mqa_plan's result type: no tokens",
     "moe.fused_experts_reference": "fused_experts' float32 formula, the oracle of every fused_experts case",
     "moe.combine_reference": "combine_experts under impl='reference'",
     "moe.quantize_scatter_reference": "quantize_scatter under impl='reference'",
@@ -401,6 +402,24 @@ def _(dev, impl):
 def _(dev, impl):
     (o, lse), _ = _sparse(dev, impl, GRAPH_MAX_BATCH, H=64, bad=(0, 100, 511))
     assert bool(torch.isfinite(o.float()).all())
+
+
+@case("dsv4.sparse_mqa_plan", "zero tokens, all-invalid tokens, 512 tokens: every tile visited once, the plan "
+                              "drives sparse_mqa to the reference's result")
+def _(dev, impl):
+    from ..kernels import dsv4
+    from ..kernels.dsv4 import schedule
+
+    for T, bad in ((0, ()), (5, (0, 1, 2, 3, 4)), (GRAPH_MAX_BATCH, (0, 100, 511))):
+        (o, lse), (q, cache, extra, idx, xidx, lens, xlens, s) = _sparse(dev, impl, T, bad=bad)
+        plan = dsv4.sparse_mqa_plan(q, idx.to(dev), lens.to(dev), xidx.to(dev), xlens.to(dev))
+        assert plan.tokens == T and plan.part_meta.shape == (plan.parts, schedule.META_FIELDS)
+        visits = schedule.visits(plan)
+        assert sum(b - a for pieces in visits for _, a, b in pieces) == int(plan.tiles.sum())
+        o2, lse2 = dsv4.sparse_mqa(q, cache, idx.to(dev), lens.to(dev), extra_cache=extra, extra_indices=xidx.to(dev),
+                                   extra_lengths=xlens.to(dev), sink=s, return_lse=True, plan=plan, impl=impl)
+        _same(o2, o, "sparse_mqa on a plan", **_tol(impl))
+        _same(lse2, lse, "its LSE", **_tol(impl, bf16=False))
 
 
 @case("dsv4.flash_mla_with_kvcache", "zero requests; all-invalid requests (zero rows, lse +inf)")

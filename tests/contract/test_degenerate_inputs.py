@@ -32,3 +32,14 @@ def test_degenerate_inputs_reference(case, use_settings):
 def test_degenerate_inputs_tilelang(case, use_settings, gpu_device):
     use_settings(poison=True)
     case.run(gpu_device, "tilelang")
+
+
+SPARSE_CASES = [c for c in CASES if c.op in ("dsv4.sparse_mqa", "dsv4.sparse_mqa_plan", "dsv4.flash_mla_with_kvcache")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: c.id)
+def test_degenerate_inputs_scheduled_program(case, use_settings, gpu_device):
+    """The V4 sparse attention cases on the scheduled program (MUSA_ATTN_DSV4_PROGRAM=scheduled)."""
+    use_settings(poison=True, dsv4_program="scheduled")
+    case.run(gpu_device, "tilelang")

@@ -218,14 +218,16 @@ def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths: Optional[to
     lengths (the tensors' values are read on the device; nothing synchronises): make it once per batch and pass it
     to every layer whose index lists have these lengths."""
     op = "sparse_mqa_plan"
-    check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] >= 1,
-          lambda: f"{op}: q must be [num_tokens >= 1, num_heads, {D}], got {tuple(getattr(q, 'shape', ()))}")
+    check(isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] == D,
+          lambda: f"{op}: q must be [num_tokens, num_heads, {D}], got {tuple(getattr(q, 'shape', ()))}")
     for name, idx, lens in (("indices", indices, lengths), ("extra_indices", extra_indices, extra_lengths)):
         if idx is None:
             check(lens is None, lambda: f"{op}: {name} lengths without {name}")
             continue
         check(isinstance(idx, torch.Tensor) and idx.dim() == 2 and idx.shape[0] == q.shape[0],
               lambda: f"{op}: {name} must be [{q.shape[0]}, topk]")
+        check(lens is None or (isinstance(lens, torch.Tensor) and lens.dim() == 1 and lens.numel() == q.shape[0]),
+              lambda: f"{op}: the lengths of {name} must be a 1-D tensor of {q.shape[0]} entries")
     from .tilelang_impl import sparse_mqa_plan as make
 
     return make(q, indices, lengths, extra_indices if extra_indices is not None and extra_indices.shape[1] else None,

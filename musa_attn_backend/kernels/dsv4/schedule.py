@@ -88,7 +88,7 @@ def plan_sparse_mqa(tokens: int, topk: int, lengths: Optional[torch.Tensor] = No
     ``extra_topk`` of the extra set; 0: none), ``lengths`` / ``extra_lengths [tokens]`` the counted entries of
     each (None: all), over ``parts`` blocks a head block."""
     op = "plan_sparse_mqa"
-    check(isinstance(tokens, int) and tokens >= 1, lambda: f"{op}: tokens must be a positive int, got {tokens!r}")
+    check(isinstance(tokens, int) and tokens >= 0, lambda: f"{op}: tokens must be an int >= 0, got {tokens!r}")
     check(isinstance(parts, int) and parts >= 1, lambda: f"{op}: parts must be a positive int, got {parts!r}")
     check(isinstance(topk, int) and topk >= 0 and isinstance(extra_topk, int) and extra_topk >= 0,
           lambda: f"{op}: topk and extra_topk must be ints >= 0, got {topk!r}, {extra_topk!r}")
@@ -100,6 +100,13 @@ def plan_sparse_mqa(tokens: int, topk: int, lengths: Optional[torch.Tensor] = No
     if device is None:
         device = lengths.device if lengths is not None else (
             extra_lengths.device if extra_lengths is not None else torch.device("cpu"))
+    if tokens == 0:  # nothing to visit: every part idle, no split token
+        i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
+        meta = i32(parts, META_FIELDS)
+        meta[:, 0] = 1
+        combine = torch.full((parts, 2), -1, dtype=torch.int32, device=device)
+        combine[:, 1] = 0
+        return SparseMQAPlan(0, topk, extra_topk, parts, meta, i32(0), i32(0), i32(0), combine)
     l1 = _lengths(lengths, tokens, topk, device).clamp(0, topk)
     n = (l1 + BLOCK_N - 1) // BLOCK_N
     if extra_topk:

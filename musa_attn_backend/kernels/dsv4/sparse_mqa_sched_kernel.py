@@ -7,11 +7,12 @@ decode divides it, in a program of our own.
 
 - Warp group 2, the producer (152 registers a thread). Per piece it loads the token's 64 query rows into shared
   memory (``cp.async``; rows past ``H`` zero-filled without a read) once the scores group is done with the last
-  ones. Per key tile it fills a stage of the ``num_stages`` ring: four lanes per cache row, two rows per thread,
+  ones (the ``q_free`` barrier). Per key tile it fills a stage of the ``num_stages`` ring: four lanes per cache row, two rows per thread,
   lane ``q`` of a row loading the row's 16-byte units ``q, q + 4, ..., q + 24`` (the 448 FP8 nope bytes) and
   ``28 + q, 32 + q`` (the 64 bf16 RoPE values), so that eight rows' 64 contiguous bytes make one warp load. All
   eighteen loads and the rows' scale bytes are in flight before the stage is waited for; the next tile's indices
-  are read meanwhile, and a piece's query copies are waited for only once its first tile's loads are out. Each
+  (the next piece's first, at a piece's last tile) are read meanwhile, and a piece's query copies are issued once
+  its first tile's loads are out, so the two latencies overlap. Each
   nope byte becomes bf16 by integer moves: the magnitude ``eeeemmm`` shifted into the bf16 exponent and mantissa
   fields and the sign into its bit, which is the value times ``2^-120`` exactly (subnormals included; byte
   permutes, a multiply-add and masks, nothing on the conversion pipe); then ``x 2^120`` and ``x 2^(e - 127)`` for
@@ -368,16 +369,15 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                 fac = T.alloc_local([2], "uint16")
                 kp = T.alloc_var("int32")
                 kp = 0
+                if t0 <= t1:  # the first tile's indices (later pieces': read during the piece before)
+                    for r in T.unroll(ROWS):
+                        entry(nidx, r, j0, T.ceildiv(T.max(T.min(L1[t0], K1), 0), BN), base_row + r * 32, t0, I1,
+                              L1, I2, L2)
                 for t in T.serial(t0, t1 + 1):
                     pc = t - t0
                     jb = T.if_then_else(t == t0, j0, 0)
                     je = T.if_then_else(t == t1, j1, tiles[t])
                     n1 = T.ceildiv(T.max(T.min(L1[t], K1), 0), BN)
-                    if pc > 0:
-                        T.mbarrier_wait_parity(q_free, (pc - 1) & 1)
-                    load_q(Q, Ql_s, Qr_s, t, h0, p)
-                    for r in T.unroll(ROWS):
-                        entry(nidx, r, jb, n1, base_row + r * 32, t, I1, L1, I2, L2)
                     for j in T.serial(jb, je):
                         st = kp % NS
                         for r in T.unroll(ROWS):
@@ -392,7 +392,15 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         if j + 1 < je:  # the next tile's indices, read while this one's rows arrive
                             for r in T.unroll(ROWS):
                                 entry(nidx, r, j + 1, n1, base_row + r * 32, t, I1, L1, I2, L2)
-                        if j == jb:  # the query rows' copies, issued before this tile's loads, have landed
+                        elif t < t1:  # or the next piece's first
+                            for r in T.unroll(ROWS):
+                                entry(nidx, r, 0, T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN), base_row + r * 32,
+                                      t + 1, I1, L1, I2, L2)
+                        if j == jb:  # the query rows, once the scores group is done with the last ones; their
+                            # copies' latency runs beside this tile's loads
+                            if pc > 0:
+                                T.mbarrier_wait_parity(q_free, (pc - 1) & 1)
+                            load_q(Q, Ql_s, Qr_s, t, h0, p)
                             T.ptx_wait_group(0)
                             T.fence_proxy_async()
                             T.mbarrier_arrive(q_full)

@@ -163,6 +163,9 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
                           target=target, pass_configs=_ws_pass_configs())
 
 
+from .sparse_combine_kernel import MAX_GROUPS  # noqa: E402
+
+
 def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     """The compiled merge of the scheduled program's split tokens (:mod:`.sparse_combine_kernel`)."""
     from .sparse_combine_kernel import build_sparse_combine
@@ -255,8 +258,9 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
     sched_kernel(H, has_extra, has_sink, "bfloat16")(
         q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
         plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
-    sched_combine_kernel(H, has_sink, "bfloat16")(plan.combine, plan.split_row, o_part, l_part, sinks, empty, out,
-                                                  lse)
+    groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
+    sched_combine_kernel(H, has_sink, "bfloat16")(plan.combine, plan.split_row, o_part, l_part, sinks, empty, groups,
+                                                  out, lse)
 
 
 def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
