@@ -17,10 +17,24 @@ from dataclasses import dataclass, field
 import torch
 
 
+def cpu_torch_linears() -> None:
+    """On a CPU with AMX tiles, vLLM's linear layers take kernels from its compiled ``_C`` extension, which this
+    package's test install of vLLM (``--no-deps``, pure Python) lacks (``convert_weight_packed``): answer "no AMX"
+    there, so vLLM runs its torch path on any CPU, as on one without AMX."""
+    try:
+        torch.ops._C.convert_weight_packed  # noqa: B018 - present only with vLLM's compiled CPU ops
+    except (AttributeError, RuntimeError):
+        torch.cpu._is_amx_tile_supported = lambda: False
+
+
 def engine_config(config: dict, **overrides):
     """The ``VllmConfig`` of a tiny V4 from ``config`` (written to a temporary model folder): FP8 KV, 256-token
-    blocks, eager, dummy weights; ``overrides`` go to ``EngineArgs``."""
+    blocks, eager, dummy weights; ``overrides`` go to ``EngineArgs``. On a CPU, vLLM's linear layers run their
+    torch path (:func:`cpu_torch_linears`)."""
     from vllm.engine.arg_utils import EngineArgs
+
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        cpu_torch_linears()
 
     model_dir = tempfile.mkdtemp()
     with open(os.path.join(model_dir, "config.json"), "w") as f:

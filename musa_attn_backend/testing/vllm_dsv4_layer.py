@@ -34,9 +34,11 @@ STEPS = [  # (requests, start positions, query lengths)
 TOPK = 16
 
 
-def main(out_path: str, device: str = "cpu", trace: str = "") -> None:
+def main(out_path: str, device: str = "cpu", trace: str = "", block_size: str = "") -> None:
     """``trace``: comma-separated compile targets (a CPU run only): the kernels the layer's TileLang paths ask for on
-    each (:func:`musa_attn_backend.testing.kernel_trace.tracing`) go into the report's ``kernels``."""
+    each (:func:`musa_attn_backend.testing.kernel_trace.tracing`) go into the report's ``kernels``. ``block_size``:
+    ``cache_config.block_size`` forced to this after the engine config is made (MUSA's vLLM forces 64 for V4 models
+    in its platform's config check, after the backend is chosen); the report gets the bound caches' views."""
     if device == "cpu":
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -58,6 +60,8 @@ def main(out_path: str, device: str = "cpu", trace: str = "") -> None:
     config = dict(CONFIG, index_topk=TOPK)
     weights = ref_mod.checkpoint(config, seed=3)
     vc = fx.engine_config(config)
+    if block_size:
+        vc.cache_config.block_size = int(block_size)
     dev = torch.device(device)
     n_layers = config["num_hidden_layers"]
     with set_current_vllm_config(vc):
@@ -75,6 +79,8 @@ def main(out_path: str, device: str = "cpu", trace: str = "") -> None:
                 if hasattr(m, "get_kv_cache_spec") and hasattr(m, "get_attn_backend"):
                     named[m.prefix] = m
         caches = fx.allocate(vc, named, device)
+        views = {n: [list(m.kv_cache.shape), list(m.kv_cache.stride())] for n, m in named.items()}
+        groups = [[spec.block_size, names] for spec, names, _ in caches.groups]
         g = torch.Generator().manual_seed(0)
         caches.buffer.copy_(torch.randint(0, 256, caches.buffer.shape, dtype=torch.uint8, generator=g))
         builders = [MusaV4MetadataBuilder(spec, names, vc, dev) for spec, names, _ in caches.groups]
@@ -90,7 +96,8 @@ def main(out_path: str, device: str = "cpu", trace: str = "") -> None:
             run_steps(sched, caches, builders, layers, vc, xs, outs, chosen, topk_buf, dev)
 
     ref_mod.hadamard = lambda x: x  # vLLM's indexer rotates neither queries nor keys
-    report = {"device": device, "layers": {}}
+    report = {"device": device, "layers": {}, "block_size": vc.cache_config.block_size, "views": views,
+              "groups": groups}
     if trace:
         report["kernels"] = {t: [repr(k) for k in kernels.unique(t)] for t in kernels.keys}
     from musa_attn_backend import _tilelang

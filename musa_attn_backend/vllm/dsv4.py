@@ -34,6 +34,7 @@ Settings the kernels do not serve are refused when the layer is built (:func:`re
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -55,7 +56,12 @@ from ..metadata import vllm_dsv4 as meta
 
 __all__ = ["MusaDeepseekV4Attention", "MusaV4Metadata", "MusaV4MetadataBuilder", "refuse_unsupported"]
 
-BLOCK_TOKENS = 256  # the V4 caches' block: C4 pages of 64 rows, C128 pages of 2, indexer pages of 64
+# The block of the main (C4 / C128) and indexer-key caches, whatever --block-size says: C4 pages of 64 rows, C128
+# pages of 2, indexer pages of 64 (a C128 page needs a multiple of 128 tokens, and vLLM's packed caches cannot split a
+# block into smaller kernel blocks). vLLM's SWA cache keeps its own 64-token blocks and the compressor states their
+# 4 / 8; --block-size (MUSA's vLLM forces 64 for V4, vLLM's default resolves to 256) then only sets the scheduler's
+# granularity, and vLLM's hybrid allocator gives every group its own block size.
+BLOCK_TOKENS = 256
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
 ROPE = 64
 # Indexer logits of one pass, at most: [tokens, compressed rows] float32; longer batches go in token chunks.
@@ -65,17 +71,15 @@ INDEXER_LOGITS_BYTES = 256 << 20
 # --------------------------------------------------------------------------------------------------- refusals
 def refuse_unsupported(vllm_config) -> None:
     """Refuse, naming the setting, a V4 configuration this layer does not serve: a KV cache dtype other than FP8
-    (V4's 584-byte rows), blocks other than 256 tokens, context parallelism, the MXFP4 indexer cache, DSpark
-    drafts, the vision variant, a model dtype other than bf16, head or indexer shapes outside the kernels'."""
+    (V4's 584-byte rows), context parallelism, the MXFP4 indexer cache, DSpark drafts, the vision variant, a model
+    dtype other than bf16, head or indexer shapes outside the kernels'. Any ``--block-size`` is served (see
+    :data:`BLOCK_TOKENS`)."""
     cc, pc, mc = vllm_config.cache_config, vllm_config.parallel_config, vllm_config.model_config
     hf = mc.hf_config
     dtype = str(cc.cache_dtype)
     if dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"tilelang_musa: DeepSeek-V4 runs an FP8 KV cache (V4's 584-byte rows): --kv-cache-dtype "
                          f"must be one of {', '.join(KV_CACHE_DTYPES)}; got {dtype}")
-    if cc.block_size is not None and cc.block_size != BLOCK_TOKENS:
-        raise ValueError(f"tilelang_musa: DeepSeek-V4 needs --block-size {BLOCK_TOKENS} (its caches are laid out in "
-                         f"{BLOCK_TOKENS}-token blocks); got {cc.block_size}")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(pc, name, 1) or 1) > 1:
             raise ValueError(f"tilelang_musa: context parallelism ({name}={getattr(pc, name)}) is not supported for "
@@ -213,6 +217,13 @@ class MusaV4CompressorBackend(CompressorBackend):
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _v4_blocks(spec):
+    """vLLM's spec of a main or indexer-key cache with :data:`BLOCK_TOKENS`-token blocks (None stays None)."""
+    if spec is None or spec.block_size == BLOCK_TOKENS:
+        return spec
+    return dataclasses.replace(spec, block_size=BLOCK_TOKENS)
+
+
 def _batch_metadata(prefix: str) -> Optional[MusaV4Metadata]:
     """The current batch's metadata of the group holding ``prefix``; None in a profile or dummy run."""
     md = get_forward_context().attn_metadata
@@ -324,6 +335,9 @@ class MusaIndexerCache(DeepseekV4IndexerCache):
     def get_attn_backend(self):
         return MusaV4IndexerBackend
 
+    def get_kv_cache_spec(self, vllm_config):
+        return _v4_blocks(super().get_kv_cache_spec(vllm_config))
+
 
 class MusaIndexerOp(torch.nn.Module):
     """Stands where vLLM puts its ``SparseAttnIndexer`` (same constructor): the indexer's scores of each query
@@ -415,10 +429,7 @@ class MusaDeepseekV4Attention(DeepseekV4Attention):
         return MusaDeepseekV4Indexer
 
     def get_kv_cache_spec(self, vllm_config):
-        bs = vllm_config.cache_config.block_size
-        if bs != BLOCK_TOKENS:
-            raise ValueError(f"tilelang_musa: DeepSeek-V4 needs --block-size {BLOCK_TOKENS}; got {bs}")
-        return super().get_kv_cache_spec(vllm_config)
+        return _v4_blocks(super().get_kv_cache_spec(vllm_config))
 
     # --- weights
     def _capture_wo_a_at_load(self) -> None:

@@ -10,6 +10,8 @@
   errors of 0.57-16 (0.57 the smallest: the C128 layer without its compressed rows). The indexer's choices
   (top-16 of up to 84 compressed rows) agree with the reference's own on at least 97% of the rows on average,
   80% at worst (FP8 rounding decides near ties).
+- MUSA's vLLM's block rule (``cache_config.block_size`` forced to 64 after the backend is chosen): the main and
+  indexer-key caches keep 256-token pages, the layer still matches the reference.
 - Settings the layer does not serve are refused when it is built, naming the setting.
 """
 
@@ -32,17 +34,43 @@ def _env():
                 VLLM_TARGET_DEVICE="cpu")
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def _run_layer(tmp_path_factory, *args):
     out = tmp_path_factory.mktemp("vllm_v4_layer") / "report.json"
-    run = subprocess.run([sys.executable, "-m", "musa_attn_backend.testing.vllm_dsv4_layer", str(out), "cpu",
-                          ",".join(TRACE_TARGETS)],
+    run = subprocess.run([sys.executable, "-m", "musa_attn_backend.testing.vllm_dsv4_layer", str(out), "cpu", *args],
                          capture_output=True, text=True, env=_env(), timeout=900, cwd=ROOT)
     assert run.returncode == 0 and out.exists(), run.stderr[-4000:]
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return _run_layer(tmp_path_factory, ",".join(TRACE_TARGETS))
+
+
+@pytest.fixture(scope="module")
+def report_block64(tmp_path_factory):
+    """The same run with MUSA's vLLM's rule applied: ``cache_config.block_size`` forced to 64 after the engine
+    config (its platform's ``check_and_update_config`` does this for every model with ``index_topk``)."""
+    return _run_layer(tmp_path_factory, "", "64")
+
+
 def test_layer_matches_the_reference_forward(report):
+    check_layers(report)
+
+
+def test_layer_serves_musas_64_token_blocks(report_block64):
+    """With --block-size 64 the main and indexer-key caches keep their 256-token pages (C4 64 rows, C128 2,
+    indexer 64), the SWA cache its 64, and the layer still matches the reference."""
+    assert report_block64["block_size"] == 64
+    views = report_block64["views"]
+    assert views["model.layers.1.attn"][0][1:] == [64, 584] and views["model.layers.2.attn"][0][1:] == [2, 584]
+    assert views["model.layers.1.attn.indexer.k_cache"][0][1:] == [64, 132]
+    assert views["model.layers.0.attn.swa_cache"][0][1:] == [64, 584]
+    assert sorted({g[0] for g in report_block64["groups"]}) == [4, 8, 64, 256]
+    check_layers(report_block64)
+
+
+def check_layers(report):
     layers = report["layers"]
     assert sorted(layers) == ["0", "1", "2", "3"]
     for name, rows in layers.items():
@@ -100,7 +128,6 @@ from musa_attn_backend.vllm.dsv4 import MusaDeepseekV4Attention
 cases = {
     "kv bf16": (dict(kv_cache_dtype="bfloat16"), {}),
     "kv e5m2": (dict(kv_cache_dtype="fp8_e5m2"), {}),
-    "block 64": ({}, {}),
     "fp16": (dict(dtype="float16"), {}),
     "index heads": ({}, dict(index_n_heads=8)),
     "topk": ({}, dict(index_topk=4096)),
@@ -112,8 +139,6 @@ for name, (args, conf) in cases.items():
     except Exception as e:  # vLLM refused it itself
         out[name] = "vllm: " + str(e)[:300]
         continue
-    if name == "block 64":  # this CPU platform rounds a V4 block up to 256; CUDA keeps the user's --block-size
-        vc.cache_config.block_size = 64
     with set_current_vllm_config(vc):
         if first:
             fx.init_distributed()
@@ -135,7 +160,6 @@ def test_unsupported_settings_are_refused_by_name(tmp_path):
     lines = [x for x in run.stdout.splitlines() if x.startswith("REFUSALS ")]
     assert run.returncode == 0 and lines, run.stderr[-4000:]
     got = json.loads(lines[-1][len("REFUSALS "):])
-    want = {"kv bf16": "--kv-cache-dtype", "kv e5m2": "--kv-cache-dtype", "block 64": "--block-size 256",
-            "fp16": "--dtype bfloat16", "index heads": "the indexer needs", "topk": "index_topk"}
+    want = {"kv bf16": "--kv-cache-dtype", "kv e5m2": "--kv-cache-dtype", "fp16": "--dtype bfloat16", "index heads": "the indexer needs", "topk": "index_topk"}
     for name, phrase in want.items():
         assert got[name].startswith("tilelang_musa:") and phrase in got[name], (name, got[name])
