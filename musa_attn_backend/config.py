@@ -87,8 +87,9 @@ SWITCHES: tuple[Switch, ...] = (
            "fill outputs and split-KV partials with NaN before the kernels run, so an element no kernel writes "
            "shows up (a debug aid; the tests turn it on)"),
     Switch("vllm_cuda_graphs", "MUSA_ATTN_VLLM_CUDA_GRAPHS", "bool", True, False,
-           "the vLLM builder declares UNIFORM_SINGLE_TOKEN_DECODE and builds pure-decode batches into persistent "
-           "buffers under full CUDA graphs (0: declares NEVER)"),
+           "the vLLM builders declare CUDA-graph support and build decode batches into persistent buffers under "
+           "full CUDA graphs: UNIFORM_SINGLE_TOKEN_DECODE for dense attention, UNIFORM_BATCH for DeepSeek-V4's layer "
+           "(0: both declare NEVER)"),
     Switch("moe", "MUSA_ATTN_MOE", "text", "auto", False,
            "the engines' FP8 and MXFP4 MoE experts run on this package's grouped GEMMs (kernels.moe): auto "
            "(on a MUSA device only), on (also on CUDA), off (the engines' own MoE kernels)"),

@@ -37,13 +37,19 @@ def token_to_req(query_start_loc: torch.Tensor, num_tokens: int, out: Optional[t
     return out[:num_tokens]
 
 
-def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
-    """``int64 [T]``: each query row's position in its request (``-1`` for padding rows)."""
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req: torch.Tensor,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``int64 [T]``: each query row's position in its request (``-1`` for padding rows). Written into ``out[:T]``
+    when given."""
     qsl, seq = query_start_loc.long(), seq_lens.long()
     r = req.long().clamp(min=0)
     t = torch.arange(req.numel(), device=req.device)
     pos = seq[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r])
-    return torch.where(req >= 0, pos, torch.full_like(pos, -1))
+    res = torch.where(req >= 0, pos, torch.full_like(pos, -1))
+    if out is None:
+        return res
+    out[:res.numel()].copy_(res)
+    return out[:res.numel()]
 
 
 def compressed_slot_mapping(positions: torch.Tensor, req: torch.Tensor, slot_mapping: torch.Tensor,

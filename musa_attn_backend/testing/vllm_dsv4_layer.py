@@ -34,11 +34,14 @@ STEPS = [  # (requests, start positions, query lengths)
 TOPK = 16
 
 
-def main(out_path: str, device: str = "cpu", trace: str = "", block_size: str = "") -> None:
+def main(out_path: str, device: str = "cpu", trace: str = "", block_size: str = "", graphs: str = "") -> None:
     """``trace``: comma-separated compile targets (a CPU run only): the kernels the layer's TileLang paths ask for on
     each (:func:`musa_attn_backend.testing.kernel_trace.tracing`) go into the report's ``kernels``. ``block_size``:
     ``cache_config.block_size`` forced to this after the engine config is made (MUSA's vLLM forces 64 for V4 models
-    in its platform's config check, after the backend is chosen); the report gets the bound caches' views."""
+    in its platform's config check, after the backend is chosen); the report gets the bound caches' views.
+    ``graphs`` (a GPU run): after the steps, decode rounds of the three requests captured once in a CUDA graph and
+    replayed over new positions, lengths and block tables, each against an eager run from the same cache state
+    (:func:`graph_rounds`; the report's ``graph_rounds``)."""
     if device == "cpu":
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -93,13 +96,21 @@ def main(out_path: str, device: str = "cpu", trace: str = "", block_size: str = 
         chosen = {i: {r: torch.full((n, TOPK), -9, dtype=torch.int32) for r, n in lens.items()} for i in layers}
         traced = tracing(trace.split(",")) if trace else contextlib.nullcontext()
         with traced as kernels:
-            run_steps(sched, caches, builders, layers, vc, xs, outs, chosen, topk_buf, dev)
+            ptrs = run_steps(sched, caches, builders, layers, vc, xs, outs, chosen, topk_buf, dev)
+        rounds = graph_rounds(sched, caches, builders, layers, vc, config, dev) if graphs else None
 
     ref_mod.hadamard = lambda x: x  # vLLM's indexer rotates neither queries nor keys
     report = {"device": device, "layers": {}, "block_size": vc.cache_config.block_size, "views": views,
-              "groups": groups}
+              "groups": groups,
+              # the builders' CUDA-graph declarations, and whether every step's metadata tensors the builders make
+              # (requests, positions, compressed write slots) lived at the same addresses
+              "cudagraph_support": [type(b).get_cudagraph_support(vc, spec).name
+                                    for b, (spec, _, _) in zip(builders, caches.groups)],
+              "persistent_metadata": all(len(set(p)) == 1 for p in ptrs.values())}
     if trace:
         report["kernels"] = {t: [repr(k) for k in kernels.unique(t)] for t in kernels.keys}
+    if rounds is not None:
+        report["graph_rounds"] = rounds
     from musa_attn_backend import _tilelang
 
     # on a GPU: the kernels this run compiled that the kernel cache did not hold (after a warmup: none)
@@ -141,18 +152,106 @@ def main(out_path: str, device: str = "cpu", trace: str = "", block_size: str = 
     Path(out_path).write_text(json.dumps(report, indent=1))
 
 
+GRAPH_ROUNDS = 4  # decode rounds replayed on one captured graph
+
+
+def graph_rounds(sched, caches, builders, layers, vc, config, dev) -> list:
+    """Decode rounds of requests 0-2 (one query token each, continuing where :data:`STEPS` left them) run through
+    every layer from one CUDA graph, as vLLM's full decode graphs run them: the common metadata in tensors made once
+    (query starts, lengths, each group's block table and slot mapping, positions), the builders writing their
+    metadata into their own buffers, ``max_seq_len`` = ``max_model_len`` at capture. Each round's replay output
+    is compared with an eager run of the same round from the same cache bytes (the cache is restored between the
+    two). Returns per round the largest |replay - eager| over the mean |eager|, and whether both are finite."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    reqs = [0, 1, 2]
+    ends = {r: max(s + n for rs, ss, ns in STEPS for rr, s, n in zip(rs, ss, ns) if rr == r) for r in reqs}
+    B = T = len(reqs)
+    g = torch.Generator().manual_seed(11)
+
+    def common(starts, cms_src, max_seq_len, static=None):
+        """The step's common metadata per group; with ``static``, copied into its tensors (a replay's inputs)."""
+        if static is None:
+            return [dataclass_replace(cm, max_seq_len=max_seq_len) for cm in cms_src]
+        for st, cm in zip(static, cms_src):
+            for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "positions"):
+                getattr(st, name).copy_(getattr(cm, name))
+        return static
+
+    def metadata(cms):
+        md = {}
+        for (spec, names, _), b, cm in zip(caches.groups, builders, cms):
+            built = b.build(0, cm)
+            md.update({n: built for n in names})
+        return md
+
+    def forward(md, h, pos):
+        outs = []
+        for _, layer in sorted(layers.items()):
+            with set_forward_context(md, vc):
+                outs.append(layer(pos, h).float())
+        return torch.stack(outs)
+
+    starts = [ends[r] for r in reqs]
+    cms, pos = sched.step(reqs, starts, [1] * B, dev)
+    static = [dataclass_replace(cm, max_seq_len=vc.model_config.max_model_len, query_start_loc=cm.query_start_loc.clone(),
+                                seq_lens=cm.seq_lens.clone(), block_table_tensor=cm.block_table_tensor.clone(),
+                                slot_mapping=cm.slot_mapping.clone(), positions=cm.positions.clone())
+              for cm in cms]
+    h_static = torch.zeros(T, config["hidden_size"], dtype=torch.bfloat16, device=dev)
+    pos_static = static[0].positions
+    md = metadata(static)
+    saved = caches.buffer.clone()
+    forward(md, h_static, pos_static)  # warm-up: every kernel compiled, lazily made tables in place
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = forward(md, h_static, pos_static)
+    caches.buffer.copy_(saved)
+    rounds = []
+    for k in range(GRAPH_ROUNDS):
+        if k:
+            starts = [s + 1 for s in starts]
+            cms, pos = sched.step(reqs, starts, [1] * B, dev)  # new lengths, positions, perhaps new blocks
+        h = (torch.randn(T, config["hidden_size"], generator=g) * 0.5).to(torch.bfloat16).to(dev)
+        before = caches.buffer.clone()
+        common(starts, cms, None, static)
+        metadata(static)  # the builders write this round's metadata into the buffers the graph reads
+        h_static.copy_(h)
+        graph.replay()
+        replayed = out_static.clone()
+        after_replay = caches.buffer.clone()
+        caches.buffer.copy_(before)
+        eager = forward(metadata(common(starts, cms, int(cms[0].seq_lens.max()))), h, pos)
+        same_cache = bool(torch.equal(caches.buffer, after_replay))
+        scale = eager.abs().mean().item()
+        rounds.append({"round": k, "finite": bool(torch.isfinite(replayed).all() and torch.isfinite(eager).all()),
+                       "max_rel_diff": (replayed - eager).abs().max().item() / scale, "cache_bytes_same": same_cache})
+    return rounds
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
 def run_steps(sched, caches, builders, layers, vc, xs, outs, chosen, topk_buf, dev) -> None:
     """The :data:`STEPS` through every layer: each layer's output rows into ``outs``, the C4 layers' top-k choices
     into ``chosen``."""
     import torch
     from vllm.forward_context import set_forward_context
 
+    ptrs = {}
     for reqs, starts, qlens in STEPS:
         cms, pos = sched.step(reqs, starts, qlens, dev)
         md = {}
-        for (spec, names, _), b, cm in zip(caches.groups, builders, cms):
+        for gi, ((spec, names, _), b, cm) in enumerate(zip(caches.groups, builders, cms)):
             built = b.build(0, cm)
             md.update({n: built for n in names})
+            for field in ("token_to_req_indices", "positions") + (("slot_mapping",) if b.compress_ratio > 1 else ()):
+                ptrs.setdefault((gi, field), []).append(getattr(built, field).data_ptr())
         h = torch.cat([xs[r][s:s + n] for r, s, n in zip(reqs, starts, qlens)]).to(dev)
         for i, layer in layers.items():
             with set_forward_context(md, vc):
@@ -163,6 +262,7 @@ def run_steps(sched, caches, builders, layers, vc, xs, outs, chosen, topk_buf, d
                 if layer.compress_ratio == 4:
                     chosen[i][r][s:s + n] = topk_buf[at:at + n].cpu()
                 at += n
+    return ptrs
 
 
 def load(layer, w: dict, i: int, dev) -> None:

@@ -26,8 +26,11 @@ What the layer overrides, and with what:
   request has more than top-k compressed rows, fills every candidate without scoring, as vLLM does.
 
 The metadata of every V4 cache group (main C4/C128, SWA, indexer keys, compressor states) is one
-:class:`MusaV4Metadata` built by torch (:mod:`..metadata.vllm_dsv4`). The builders declare no CUDA-graph
-support: vLLM runs these layers eagerly.
+:class:`MusaV4Metadata` built by torch (:mod:`..metadata.vllm_dsv4`) into buffers made once. The builders declare
+``UNIFORM_BATCH`` CUDA-graph support (``MUSA_ATTN_VLLM_CUDA_GRAPHS``): vLLM's full decode graphs capture the layer,
+whose decode step reads no device value on the host and whose shapes follow the batch's padded size and
+``max_seq_len`` (``max_model_len`` when vLLM captures: the indexer's key span, the C128 row count and the
+all-candidates shortcut are then the longest a replay can need).
 
 Settings the kernels do not serve are refused when the layer is built (:func:`refuse_unsupported`).
 """
@@ -48,6 +51,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
 
+from ..config import settings
 from ..kernels import dsv4
 from ..kernels.dsv4 import MAX_HEADS
 from ..kernels.dsv4 import model as dsv4_model
@@ -136,9 +140,18 @@ class MusaV4Metadata:
 
 
 class MusaV4MetadataBuilder(AttentionMetadataBuilder[MusaV4Metadata]):
-    """Builds :class:`MusaV4Metadata` for any V4 cache group, by torch on the batch's device."""
+    """Builds :class:`MusaV4Metadata` for any V4 cache group, by torch on the batch's device, into buffers made once
+    (the request and position of each token, a compressed group's write slots): every batch's metadata lives at the
+    same addresses, so a CUDA graph captured on one batch reads the next batch's at replay. With
+    ``MUSA_ATTN_VLLM_CUDA_GRAPHS`` (default on) the builders declare ``UNIFORM_BATCH``: vLLM captures full graphs of
+    decode batches whose requests all run the same number of query tokens (1, or 1 + the speculative tokens), as
+    its own V4 builders do."""
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.UNIFORM_BATCH if settings().vllm_cuda_graphs else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -146,17 +159,20 @@ class MusaV4MetadataBuilder(AttentionMetadataBuilder[MusaV4Metadata]):
         self.compress_ratio = ratio if isinstance(ratio, int) and ratio > 1 else 1
         n = vllm_config.scheduler_config.max_num_batched_tokens
         self._req = torch.empty(n, dtype=torch.int32, device=device)
+        self._pos = torch.empty(n, dtype=torch.int64, device=device)
+        self._slots = torch.empty(n, dtype=torch.int64, device=device) if self.compress_ratio > 1 else None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> MusaV4Metadata:
         cm = common_attn_metadata
         T = cm.num_actual_tokens
-        req = meta.token_to_req(cm.query_start_loc, T, out=self._req if T <= self._req.numel() else None)
-        pos = meta.token_positions(cm.query_start_loc, cm.seq_lens, req)
+        fits = T <= self._req.numel()  # vLLM's batches never exceed max_num_batched_tokens; a test's may
+        req = meta.token_to_req(cm.query_start_loc, T, out=self._req if fits else None)
+        pos = meta.token_positions(cm.query_start_loc, cm.seq_lens, req, out=self._pos if fits else None)
         slots = cm.slot_mapping[:T]
         if self.compress_ratio > 1:
             slots = meta.compressed_slot_mapping(pos, req, slots, cm.block_table_tensor, self.kv_cache_spec.block_size,
-                                                 self.compress_ratio)
+                                                 self.compress_ratio, out=self._slots if fits else None)
         return MusaV4Metadata(num_reqs=cm.num_reqs, num_actual_tokens=T, max_query_len=cm.max_query_len,
                               max_seq_len=cm.max_seq_len, query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
                               block_table=cm.block_table_tensor, slot_mapping=slots,

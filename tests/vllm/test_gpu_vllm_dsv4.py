@@ -54,3 +54,20 @@ def test_vllms_own_kernels_agree_with_ours(tmp_path):
         assert rep[key] == 0, (key, rep)
     assert rep["compressed_slot_mapping_4_writes"] > 50 and rep["compressed_slot_mapping_128_writes"] > 0, rep
     assert rep["writer_rows"] > 250, rep
+
+
+def test_layer_decode_replays_from_a_cuda_graph(tmp_path):
+    """vLLM's full decode graphs (the builders declare UNIFORM_BATCH): after the reference steps, decode rounds of
+    three requests captured once in a CUDA graph with vLLM's capture-time ``max_seq_len`` (``max_model_len``) and
+    replayed over new positions, lengths and block tables; each round equals an eager run from the same cache
+    bytes (outputs and the cache bytes the round writes)."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "musa_attn_backend.testing.vllm_dsv4_layer", str(out), "cuda", "",
+                          "", "graphs"], capture_output=True, text=True, env=env, timeout=1200, cwd=ROOT)
+    assert run.returncode == 0 and out.exists(), run.stderr[-5000:]
+    rounds = json.loads(out.read_text())["graph_rounds"]
+    assert len(rounds) == 4
+    for r in rounds:
+        assert r["finite"] and r["max_rel_diff"] < 0.02 and r["cache_bytes_same"], r

@@ -58,6 +58,13 @@ def test_layer_matches_the_reference_forward(report):
     check_layers(report)
 
 
+def test_builders_declare_cuda_graphs_and_keep_their_metadata_in_place(report):
+    """Every V4 group's builder declares UNIFORM_BATCH (vLLM's full decode graphs), and the metadata tensors it makes
+    stay at one address across the five steps (what a captured graph reads at replay)."""
+    assert set(report["cudagraph_support"]) == {"UNIFORM_BATCH"} and len(report["cudagraph_support"]) >= 5, report["groups"]
+    assert report["persistent_metadata"]
+
+
 def test_layer_serves_musas_64_token_blocks(report_block64):
     """With --block-size 64 the main and indexer-key caches keep their 256-token pages (C4 64 rows, C128 2,
     indexer 64), the SWA cache its 64, and the layer still matches the reference."""

@@ -41,6 +41,9 @@ def test_token_requests_and_positions(seed):
     req = m.token_to_req(qsl, T, out=out)
     assert torch.equal(req, want_req) and req.data_ptr() == out.data_ptr() and int(out[T]) == 99
     assert torch.equal(m.token_positions(qsl, seq, req), want_pos)
+    pos_out = torch.full((T + 5,), 77, dtype=torch.int64)
+    pos = m.token_positions(qsl, seq, req, out=pos_out)
+    assert torch.equal(pos, want_pos) and pos.data_ptr() == pos_out.data_ptr() and int(pos_out[T]) == 77
 
 
 def loop_slots(local, req, table, rows):
