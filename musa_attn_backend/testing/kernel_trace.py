@@ -30,7 +30,8 @@ from ..kernels import _common
 
 # the modules whose public ops resolve their path with resolve_impl
 OP_MODULES = ("musa_attn_backend.kernels.attention", "musa_attn_backend.kernels.kv_cache",
-              "musa_attn_backend.kernels.dsv4", "musa_attn_backend.kernels.dsv4.model",
+              "musa_attn_backend.kernels.dsv4", "musa_attn_backend.kernels.dsv4.flash_mla",
+              "musa_attn_backend.kernels.dsv4.model",
               "musa_attn_backend.kernels.dsv4.compressor", "musa_attn_backend.kernels.dsv4.slots",
               "musa_attn_backend.kernels.dsv4.indexer", "musa_attn_backend.kernels.moe")
 

@@ -92,8 +92,8 @@ def test_plan_of_typical_batches(T, lengths, parts):
 
 
 def test_plan_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="tokens must be a positive int"):
-        schedule.plan_sparse_mqa(0, 64, parts=4)
+    with pytest.raises(ValueError, match="tokens must be an int >= 0"):
+        schedule.plan_sparse_mqa(-1, 64, parts=4)
     with pytest.raises(ValueError, match="lengths must be an integer tensor of 3 entries"):
         schedule.plan_sparse_mqa(3, 64, torch.zeros(2, dtype=torch.int32), parts=4)
     with pytest.raises(ValueError, match="extra_lengths without an extra set"):

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .._common import check
+from .._common import check, resolve_impl
 from . import layout as L
 from .schedule import SparseMQAPlan
 
@@ -34,6 +34,9 @@ class FlashMLASchedMeta:
     config: Optional[object] = None
     tile_scheduler_metadata: Optional[object] = None
     num_splits: Optional[torch.Tensor] = None
+    # per-request lengths expanded to one per query token (s_q > 1), by (data pointer, size) of the request lengths:
+    # the layers of a batch pass the same lengths, so the expansion runs once per batch
+    per_token: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def get_mla_metadata(*args, **kwargs):
@@ -41,10 +44,19 @@ def get_mla_metadata(*args, **kwargs):
     return FlashMLASchedMeta(), None
 
 
-def _per_token(lengths: Optional[torch.Tensor], b: int, s_q: int, name: str, op: str) -> Optional[torch.Tensor]:
-    """FlashMLA's per-request ``(batch,)`` lengths as one per query token (``batch * s_q``)."""
+def _per_token(lengths: Optional[torch.Tensor], b: int, s_q: int, name: str, op: str,
+               meta: Optional[FlashMLASchedMeta] = None) -> Optional[torch.Tensor]:
+    """FlashMLA's per-request ``(batch,)`` lengths as one per query token (``batch * s_q``); with ``meta``, an
+    expansion made by an earlier call of the batch is reused (FlashMLA's contract: the lengths' values do not
+    change across the calls that share ``meta``)."""
     if lengths is None:
         return None
+    if meta is not None and s_q > 1:
+        key = (name, lengths.data_ptr(), lengths.numel(), s_q)
+        hit = meta.per_token.get(key)
+        if hit is None:
+            hit = meta.per_token[key] = _per_token(lengths, b, s_q, name, op)
+        return hit
     check(isinstance(lengths, torch.Tensor) and lengths.dim() == 1 and lengths.numel() == b
           and not lengths.is_floating_point(), lambda: f"{op}: {name} must be an int tensor of shape ({b},)")
     lengths = lengths.to(torch.int32)
@@ -66,7 +78,6 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     lse [B, H, s_q])`` (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored
     (sparse mode reads neither), as FlashMLA does."""
     from . import check_sparse_mqa_args
-    from .._common import resolve_impl
 
     op = "flash_mla_with_kvcache"
     check(indices is not None, f"{op}: only sparse attention is supported (pass indices); dense mode is not")
@@ -97,8 +108,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     it = indices.reshape(T, indices.shape[2])
     xt = None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.reshape(
         T, extra_indices_in_kvcache.shape[2])
-    lengths = _per_token(topk_length, b, s_q, "topk_length", op)
-    xlengths = _per_token(extra_topk_length, b, s_q, "extra_topk_length", op)
+    lengths = _per_token(topk_length, b, s_q, "topk_length", op, tile_scheduler_metadata)
+    xlengths = _per_token(extra_topk_length, b, s_q, "extra_topk_length", op, tile_scheduler_metadata)
     scale = L.D ** -0.5 if softmax_scale is None else softmax_scale
     ot = None if out is None else out.view(T, h, L.D)
     check_sparse_mqa_args(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,

@@ -73,10 +73,28 @@ class Pages:
         return self.pages.shape[0] * self.rows
 
 
+# geometries (shape, strides, row bytes) already checked -> (pages, extent, page stride, rows): the checks run once
+# per geometry, not on every layer's call (an engine's caches have a few geometries)
+_CHECKED: dict = {}
+_CHECKED_KEPT = 1024
+
+
 def _as_pages(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> Pages:
     check(isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8,
           lambda: f"{op}: {name} must be a uint8 tensor of {row_bytes}-byte rows, got "
                   f"{getattr(cache, 'dtype', type(cache).__name__)}")
+    key = (cache.shape, cache.stride(), row_bytes)
+    geo = _CHECKED.get(key)
+    if geo is None:
+        geo = _check_pages(cache, row_bytes, name, op)
+        if len(_CHECKED) >= _CHECKED_KEPT:
+            _CHECKED.clear()
+        _CHECKED[key] = geo
+    return Pages(cache.as_strided((geo[0], geo[1]), (geo[2], 1)), geo[3])
+
+
+def _check_pages(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> tuple:
+    """``(pages, extent, page stride, rows)`` of a cache view, every rule of its layout checked."""
     shape, strides = tuple(cache.shape), tuple(cache.stride())
     if cache.dim() == 4:  # FlashMLA's [pages, R, 1, bytes]
         check(shape[2] == 1, lambda: f"{op}: {name} [pages, rows, 1, {row_bytes}] must have 1 head, got {shape}")
@@ -91,8 +109,7 @@ def _as_pages(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> Pages:
     extent = rows * row_bytes
     check(shape[0] <= 1 or strides[0] >= extent,
           lambda: f"{op}: {name}'s page stride {strides[0]} is smaller than a page's {extent} bytes")
-    pages = cache.as_strided((shape[0], extent), (strides[0], 1))
-    return Pages(pages, rows)
+    return shape[0], extent, strides[0], rows
 
 
 def kv_pages(cache: torch.Tensor, name: str = "cache", op: str = "dsv4") -> Pages:
