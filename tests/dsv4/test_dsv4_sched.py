@@ -229,3 +229,26 @@ def test_plans_without_lengths_are_kept_per_shape(use_settings):
     assert ti.sparse_mqa_plan(q, idx, lens, xidx, None) is not ti.sparse_mqa_plan(q, idx, lens, xidx, None)
     use_settings(target="sm_90a", poison=True)  # a settings change empties the kept plans
     assert ti.sparse_mqa_plan(q, idx, None, xidx, None) is not a
+
+
+def test_flash_mla_checks_once_per_batch_signature_and_every_cache():
+    """The first call with a metadata object runs every argument check; later calls with the same shapes, dtypes and
+    devices skip them, but each call's caches are checked (a bad cache on a later layer is refused) and a call of
+    other shapes is checked again."""
+    from musa_attn_backend.kernels.dsv4 import layout as L
+
+    cache = L.new_kv_cache(3, 64, "cpu")
+    dsv4.write_kv_v4(torch.randn(150, 512).to(torch.bfloat16), cache, torch.arange(150), impl="reference")
+    q = torch.randn(2, 1, 8, 512).to(torch.bfloat16)
+    idx = torch.randint(0, 150, (2, 1, 64), dtype=torch.int32)
+    meta = dsv4.get_mla_metadata()[0]
+    out, lse = dsv4.flash_mla_with_kvcache(q, cache.view(3, 64, 1, 584), indices=idx, tile_scheduler_metadata=meta)
+    assert meta.checked is not None and out.shape == q.shape and lse.shape == (2, 8, 1)
+    again, _ = dsv4.flash_mla_with_kvcache(q, cache.view(3, 64, 1, 584), indices=idx, tile_scheduler_metadata=meta)
+    assert torch.equal(again, out)
+    bad = torch.zeros(3, 64, 1, 580, dtype=torch.uint8)  # rows of 580 bytes
+    with pytest.raises(ValueError, match="cache must be"):
+        dsv4.flash_mla_with_kvcache(q, bad, indices=idx, tile_scheduler_metadata=meta)
+    with pytest.raises(ValueError, match="q must be"):
+        dsv4.flash_mla_with_kvcache(q[..., :256], cache.view(3, 64, 1, 584), indices=idx,
+                                    tile_scheduler_metadata=meta)

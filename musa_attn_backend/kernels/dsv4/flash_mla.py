@@ -37,6 +37,9 @@ class FlashMLASchedMeta:
     # per-request lengths expanded to one per query token (s_q > 1), by (data pointer, size) of the request lengths:
     # the layers of a batch pass the same lengths, so the expansion runs once per batch
     per_token: dict = dataclasses.field(default_factory=dict, repr=False)
+    # the signature (shapes, dtypes, devices) of the arguments a call with this metadata passed the full checks with:
+    # the batch's later layers with the same signature skip them (their caches are still checked)
+    checked: Optional[tuple] = dataclasses.field(default=None, repr=False)
 
 
 def get_mla_metadata(*args, **kwargs):
@@ -80,40 +83,37 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     from . import check_sparse_mqa_args
 
     op = "flash_mla_with_kvcache"
-    check(indices is not None, f"{op}: only sparse attention is supported (pass indices); dense mode is not")
-    check(not causal, f"{op}: causal must be False for sparse attention")
-    check(is_fp8_kvcache, f"{op}: is_fp8_kvcache must be True: sparse attention reads FP8 MODEL1 caches")
-    check(head_dim_v == L.D, lambda: f"{op}: head_dim_v must be {L.D}, got {head_dim_v}")
-    check(num_splits is None, f"{op}: num_splits must be None (the split is planned per launch)")
-    check(isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[3] == L.D,
-          lambda: f"{op}: q must be [batch, s_q, num_heads, {L.D}], got {tuple(getattr(q, 'shape', ()))}")
+    meta = tile_scheduler_metadata
+    sig = _signature(q, indices, extra_indices_in_kvcache, topk_length, extra_topk_length, attn_sink, softmax_scale,
+                     out, causal, is_fp8_kvcache, head_dim_v, num_splits, impl, extra_k_cache is None)
+    # a later layer of a batch whose arguments match the checked signature (shapes, dtypes, devices, flags) skips
+    # the argument checks; its caches are checked still (once per geometry: layout._as_pages)
+    fast = isinstance(meta, FlashMLASchedMeta) and meta.checked == sig
+    if not fast:
+        _check_entry(op, q, indices, extra_indices_in_kvcache, extra_topk_length, out, causal, is_fp8_kvcache,
+                     head_dim_v, num_splits, meta)
     b, s_q, h, _ = q.shape
-    for name, idx in (("indices", indices), ("extra_indices_in_kvcache", extra_indices_in_kvcache)):
-        if idx is not None:
-            check(isinstance(idx, torch.Tensor) and idx.dim() == 3 and tuple(idx.shape[:2]) == (b, s_q),
-                  lambda: f"{op}: {name} must be [{b}, {s_q}, topk], got {tuple(getattr(idx, 'shape', ()))}")
-    check(extra_topk_length is None or extra_indices_in_kvcache is not None,
-          f"{op}: extra_topk_length without extra_indices_in_kvcache")
-    if out is not None:
-        check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape) and out.is_contiguous(),
-              lambda: f"{op}: out must be a contiguous {tuple(q.shape)} tensor")
     # FlashMLA takes the cache as uint8 or as its float8_e4m3fn view (SGLang's pool hands out the latter)
     k_cache, extra_k_cache = (c.view(torch.uint8) if isinstance(c, torch.Tensor) and c.dtype == torch.float8_e4m3fn
                               else c for c in (k_cache, extra_k_cache))
-    check(tile_scheduler_metadata is None or isinstance(tile_scheduler_metadata, FlashMLASchedMeta),
-          lambda: f"{op}: tile_scheduler_metadata must come from get_mla_metadata (or be None), got "
-                  f"{type(tile_scheduler_metadata).__name__}")
     T = b * s_q
     qt = q.reshape(T, h, L.D)
     it = indices.reshape(T, indices.shape[2])
     xt = None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.reshape(
         T, extra_indices_in_kvcache.shape[2])
-    lengths = _per_token(topk_length, b, s_q, "topk_length", op, tile_scheduler_metadata)
-    xlengths = _per_token(extra_topk_length, b, s_q, "extra_topk_length", op, tile_scheduler_metadata)
+    lengths = _per_token(topk_length, b, s_q, "topk_length", op, meta)
+    xlengths = _per_token(extra_topk_length, b, s_q, "extra_topk_length", op, meta)
     scale = L.D ** -0.5 if softmax_scale is None else softmax_scale
     ot = None if out is None else out.view(T, h, L.D)
-    check_sparse_mqa_args(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
-                          extra_lengths=xlengths, sink=attn_sink, sm_scale=scale, out=ot)
+    if fast:
+        L.kv_pages(k_cache, op=op)
+        if extra_k_cache is not None:
+            L.kv_pages(extra_k_cache, "extra_cache", op=op)
+    else:
+        check_sparse_mqa_args(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
+                              extra_lengths=xlengths, sink=attn_sink, sm_scale=scale, out=ot)
+        if meta is not None:
+            meta.checked = sig
     if resolve_impl(impl, q.device, op) == "reference" or T == 0:
         from .reference import sparse_mqa_reference
 
@@ -126,12 +126,44 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
         plan = None
         if sparse_mqa_program() == "scheduled":
-            plan = _sched_plan(tile_scheduler_metadata, op, (b, s_q, h, it.shape[1], 0 if xt is None else xt.shape[1]),
+            plan = _sched_plan(meta, op, (b, s_q, h, it.shape[1], 0 if xt is None else xt.shape[1]),
                                lambda: sparse_mqa_plan(qt, it, lengths, xt, xlengths))
         res, lse = sparse_mqa_tilelang(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
                                        extra_lengths=xlengths, sink=attn_sink, sm_scale=float(scale), out=ot,
                                        return_lse=True, plan=plan, empty_lse_inf=True)
     return res.view(b, s_q, h, L.D), lse.view(b, s_q, h).transpose(1, 2)
+
+
+def _check_entry(op, q, indices, extra_indices, extra_topk_length, out, causal, is_fp8_kvcache, head_dim_v,
+                 num_splits, meta) -> None:
+    """What FlashMLA's entry refuses, named, before :func:`..check_sparse_mqa_args` checks the rest."""
+    check(indices is not None, f"{op}: only sparse attention is supported (pass indices); dense mode is not")
+    check(not causal, f"{op}: causal must be False for sparse attention")
+    check(is_fp8_kvcache, f"{op}: is_fp8_kvcache must be True: sparse attention reads FP8 MODEL1 caches")
+    check(head_dim_v == L.D, lambda: f"{op}: head_dim_v must be {L.D}, got {head_dim_v}")
+    check(num_splits is None, f"{op}: num_splits must be None (the split is planned per launch)")
+    check(isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[3] == L.D,
+          lambda: f"{op}: q must be [batch, s_q, num_heads, {L.D}], got {tuple(getattr(q, 'shape', ()))}")
+    b, s_q = q.shape[0], q.shape[1]
+    for name, idx in (("indices", indices), ("extra_indices_in_kvcache", extra_indices)):
+        if idx is not None:
+            check(isinstance(idx, torch.Tensor) and idx.dim() == 3 and tuple(idx.shape[:2]) == (b, s_q),
+                  lambda: f"{op}: {name} must be [{b}, {s_q}, topk], got {tuple(getattr(idx, 'shape', ()))}")
+    check(extra_topk_length is None or extra_indices is not None,
+          f"{op}: extra_topk_length without extra_indices_in_kvcache")
+    if out is not None:
+        check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape) and out.is_contiguous(),
+              lambda: f"{op}: out must be a contiguous {tuple(q.shape)} tensor")
+    check(meta is None or isinstance(meta, FlashMLASchedMeta),
+          lambda: f"{op}: tile_scheduler_metadata must come from get_mla_metadata (or be None), got "
+                  f"{type(meta).__name__}")
+
+
+def _signature(*args) -> tuple:
+    """What the full argument check of a call depends on, besides its caches: each tensor's shape, dtype and device
+    (None stays None), the scale as given."""
+    return tuple((a.shape, a.dtype, a.device, a.is_contiguous()) if isinstance(a, torch.Tensor) else
+                 (type(a), a) for a in args)
 
 
 def _sched_plan(meta: Optional[FlashMLASchedMeta], op: str, config: tuple, make):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -62,6 +63,27 @@ def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8
     views = _unit_views(flat) if units else (_word_views(flat) if dtypes == "words"
                                              else tuple(flat if d is None else flat.view(d) for d in dtypes))
     return views, (pages.rows, stride // 16, pages.num_slots)
+
+
+# the scheduled program's word views of each cache tensor an engine passes (each layer's, every call), by the
+# tensor object's identity, with the signature they were made for (made again when the tensor's storage, shape or
+# strides differ); an entry is dropped when its tensor is (a weak reference's callback), so no view outlives it
+_WORD_VIEWS: dict = {}
+
+
+def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
+    """:func:`_flat_views` (``words``) of a checked KV cache view, made once per cache tensor."""
+    sig = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype)
+    hit = _WORD_VIEWS.get(id(cache))
+    if hit is not None and hit[0]() is cache and hit[1] == sig:
+        return hit[2]
+    made = _flat_views(L.kv_pages(cache, name, op=op), device, op, name, words=True)
+    try:
+        ref = weakref.ref(cache, lambda _, key=id(cache): _WORD_VIEWS.pop(key, None))
+    except TypeError:  # a tensor that cannot be weakly referenced: no memo
+        return made
+    _WORD_VIEWS[id(cache)] = (ref, sig, made)
+    return made
 
 
 PROGRAMS = ("scheduled", "warp_specialized", "portable")
@@ -267,20 +289,33 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
     if plan is None:
         plan = sparse_mqa_plan(q, i1, lengths, i2 if has_extra else None, extra_lengths if has_extra else None)
     plan.check_matches(op, T, i1.shape[1], K2, dev)
-    main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache", words=True)
+    main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
     if has_extra:
-        extra_views, extra_geo = _flat_views(L.kv_pages(extra_cache, "extra_cache", op=op), dev, op, "extra_cache",
-                                             words=True)
+        extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
     else:
         extra_views, extra_geo = main_views, (1, 1, 0)
     o_part, l_part = _partials(plan.num_partials, H, dev)
     empty = float("inf") if empty_lse_inf else float("-inf")
-    sched_kernel(H, has_extra, has_sink, "bfloat16")(
-        q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
-        plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
+    program, combine = _sched_kernels(H, has_extra, has_sink)
+    program(q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
+            plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
     groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
-    sched_combine_kernel(H, has_sink, "bfloat16")(plan.combine, plan.split_row, o_part, l_part, sinks, empty, groups,
-                                                  out, lse)
+    combine(plan.combine, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse)
+
+
+_SCHED_KERNELS: dict = {}
+on_change(_SCHED_KERNELS.clear)
+
+
+def _sched_kernels(H: int, has_extra: bool, has_sink: bool) -> tuple:
+    """The scheduled program and its combine for this platform, looked up once per shape (a launch then costs no
+    compile-cache key)."""
+    key = (H, has_extra, has_sink)
+    hit = _SCHED_KERNELS.get(key)
+    if hit is None:
+        hit = _SCHED_KERNELS[key] = (sched_kernel(H, has_extra, has_sink, "bfloat16"),
+                                     sched_combine_kernel(H, has_sink, "bfloat16"))
+    return hit
 
 
 def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
