@@ -17,8 +17,10 @@ batch's positions, requests and block tables by :func:`musa_attn_backend.metadat
 then ``sparse_mqa``; eager, CUDA events: host work between launches shows); ``kernel_ms`` the same ``sparse_mqa``
 call alone on those slots; ``kept`` = kernel_ms / layer_ms. ``*_graph_ms``: the same replayed from a CUDA graph.
 The roofline is the larger of the bytes of every row read once at the run's copy rate and the FLOPs at its bf16
-matmul rate, taken of the kernel's graph time. vLLM's own V4 kernels (FlashMLA) do not install on the lent H200,
-so the peer is the standalone kernel.
+matmul rate, taken of the kernel's graph time. FlashMLA, where ``flashmla_peer`` imports (vLLM's wheel's build,
+staged by ``../shared/device/prepare.sh --peers``): decode rows on the same caches and slots, eager
+(``flashmla_eager_ms``, its metadata made once) and from a graph (``flashmla_graph_ms``), beside ``layer_ms`` /
+``layer_graph_ms``, with ``flashmla_max_abs_diff`` to our output.
 """
 
 from __future__ import annotations
@@ -109,7 +111,27 @@ def build(mode: str, heads: int, ratio: int, batch: int, context: int, device: s
         extra = {} if compressed is None else dict(extra_cache=view(buf, ratio), extra_indices=compressed)
         dsv4.sparse_mqa(q, view(buf, "swa"), window, sink=sink, out=out, **extra)
 
-    return indices, attend, out
+    def flashmla(ops, window, compressed):
+        """FlashMLA's sparse decode on the same caches and slots (its metadata made once), or None where it does
+        not take the batch (prefill, or a compressed set that is no multiple of 64 entries)."""
+        if mode != "decode" or (compressed is not None and compressed.shape[1] % 64):
+            return None
+        from bench_dsv4_attention import flashmla_decode
+
+        xc = view(buf, ratio) if compressed is not None else None
+        out4 = torch.empty(batch, 1, heads, 512, dtype=torch.bfloat16, device=device)
+        if xc is None:
+            scale = 512 ** -0.5
+            res = ops.sparse_decode_fwd(q.view(batch, 1, heads, 512), view(buf, "swa").unsqueeze(2),
+                                        window.view(batch, 1, -1), None, sink, None, None, None, None, None, 512,
+                                        scale, out4, False)
+            return lambda: ops.sparse_decode_fwd(q.view(batch, 1, heads, 512), view(buf, "swa").unsqueeze(2),
+                                                 window.view(batch, 1, -1), None, sink, res[2], res[3], None, None,
+                                                 None, 512, scale, out4, False), out4
+        return flashmla_decode(ops, q.view(batch, 1, heads, 512), view(buf, "swa"), window.view(batch, 1, -1), xc,
+                               compressed.view(batch, 1, -1), sink, out4), out4
+
+    return indices, attend, out, flashmla
 
 
 def roofline_ms(mode, heads, ratio, batch, context, ceilings) -> float:
@@ -125,7 +147,7 @@ def roofline_ms(mode, heads, ratio, batch, context, ceilings) -> float:
 def measure(cfg, ceilings, device: str, rep: int) -> dict:
     mode, heads, ratio, batch, context = cfg
     cuda = device != "cpu"
-    indices, attend, out = build(mode, heads, ratio, batch, context, device)
+    indices, attend, out, flashmla = build(mode, heads, ratio, batch, context, device)
     row = {"op": f"vllm_dsv4_{mode}", "shape": {"heads": heads, "compress_ratio": ratio, "batch": batch,
                                                  "context": context, "tokens": out.shape[0]}}
     with torch.no_grad():
@@ -151,12 +173,28 @@ def measure(cfg, ceilings, device: str, rep: int) -> dict:
                     row.setdefault("notes", []).append(f"{name}: {type(e).__name__}: {e}"[:300])
             if "layer_graph_ms" in row and "kernel_graph_ms" in row:
                 row["kept_graph"] = row["kernel_graph_ms"] / row["layer_graph_ms"]
+            ops = FLASHMLA.get("ops")
+            if ops is not None:
+                try:
+                    made = flashmla(ops, *fixed)
+                    if made is not None:
+                        fn, fm_out = made
+                        row["flashmla_eager_ms"] = eager_ms(fn, rep=rep)
+                        row["flashmla_graph_ms"] = eager_ms(capture_graph(fn).replay, rep=rep)
+                        row["flashmla_max_abs_diff"] = (fm_out.view_as(out).float() - out.float()).abs().max().item()
+                        row["peers"]["flashmla"] = row["flashmla_eager_ms"]
+                        row["peers"]["flashmla_graph"] = row["flashmla_graph_ms"]
+                except Exception as e:  # noqa: BLE001 - recorded in the row
+                    row.setdefault("notes", []).append(f"flashmla: {type(e).__name__}: {e}"[:300])
             roof = roofline_ms(mode, heads, ratio, batch, context, ceilings)
             row["roofline_ms"] = roof
             row["roofline_fraction"] = roof / row.get("kernel_graph_ms", row["kernel_ms"])
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+FLASHMLA: dict = {}  # "ops": FlashMLA's compiled ops where flashmla_peer imports (../shared/device/prepare.sh --peers)
 
 
 def configs(quick: bool, smoke: bool):
@@ -193,6 +231,12 @@ def main(argv=None) -> int:
         from bench_attention import measure_ceilings
 
         ceilings = measure_ceilings()
+        try:
+            import flashmla_peer
+
+            FLASHMLA["ops"] = flashmla_peer.ops
+        except Exception as e:  # noqa: BLE001 - not staged: the run goes on without it, the reason recorded
+            FLASHMLA["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     stamp = _dt.datetime.now(_dt.timezone.utc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,10 +253,12 @@ def main(argv=None) -> int:
         print(f"{r['op']:<18} {json.dumps(r['shape'])}: " + (r.get("errors") or (
             f"layer {r['layer_ms']:.4f} ms, kernel {r['kernel_ms']:.4f} ms, kept {r['kept']:.2f}"
             + (f", graph kept {r['kept_graph']:.2f}" if "kept_graph" in r else "")
-            + (f", roofline {r['roofline_fraction']:.2f}" if "roofline_fraction" in r else ""))), flush=True)
+            + (f", roofline {r['roofline_fraction']:.2f}" if "roofline_fraction" in r else "")
+            + (f", FlashMLA eager {r['flashmla_eager_ms']:.4f} / graph {r['flashmla_graph_ms']:.4f} ms"
+               if "flashmla_graph_ms" in r else ""))), flush=True)
         doc = {"kind": "vllm-dsv4-layer", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "commit": git_commit(), "date": stamp.isoformat(), "versions": versions(), "ceilings": ceilings,
-               "rows": rows}
+               "peer_errors": {"flashmla": FLASHMLA["error"]} if "error" in FLASHMLA else {}, "rows": rows}
         path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"results in {path}")
     return 0 if all("errors" not in r for r in rows) else 1
