@@ -231,26 +231,6 @@ def _alloc(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-_PARTIALS: dict = {}
-
-
-def _partials(rows: int, H: int, dev) -> tuple:
-    """The scheduled program's partial buffers (``[rows, H, 512]`` outputs, ``[rows, H]`` LSEs, float32), made once
-    per device and shape and reused by every call: a call's partials are merged by its combine before the next
-    call on the stream writes them (one stream: the engines run attention on their compute stream). Fixed
-    addresses also keep a captured CUDA graph's partials where it left them. MUSA_ATTN_POISON fills them with NaN
-    on every call."""
-    key = (dev, rows, H)
-    bufs = _PARTIALS.get(key)
-    if bufs is None:
-        bufs = _PARTIALS[key] = (torch.empty(rows, H, L.D, dtype=torch.float32, device=dev),
-                                 torch.empty(rows, H, dtype=torch.float32, device=dev))
-    if settings().poison:
-        for b in bufs:
-            b.fill_(float("nan"))
-    return bufs
-
-
 def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths=None, extra_indices=None, extra_lengths=None):
     """The scheduled program's plan (:mod:`.schedule`) of a :func:`sparse_mqa` call's shapes and lengths, over one
     wave of this GPU's SMs. Without lengths the plan depends on the shapes alone: it is made once per shape and
@@ -277,7 +257,6 @@ def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths=None, extra_
 _SHAPE_PLANS: dict = {}
 _SHAPE_PLANS_KEPT = 256
 on_change(_SHAPE_PLANS.clear)
-on_change(_PARTIALS.clear)
 
 
 def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
@@ -294,7 +273,10 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
         extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
     else:
         extra_views, extra_geo = main_views, (1, 1, 0)
-    o_part, l_part = _partials(plan.num_partials, H, dev)
+    # partials from the caching allocator on the current stream (a buffer shared across calls would race where an
+    # engine runs attention on two streams)
+    o_part = _alloc((plan.num_partials, H, L.D), torch.float32, dev)
+    l_part = _alloc((plan.num_partials, H), torch.float32, dev)
     empty = float("inf") if empty_lse_inf else float("-inf")
     program, combine = _sched_kernels(H, has_extra, has_sink)
     program(q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
