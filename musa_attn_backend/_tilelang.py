@@ -98,20 +98,23 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
 
 
 def check_portable(key, func, target) -> None:
-    """Raise a ValueError naming the kernel where ``func`` breaks a rule of ``target``'s lowering
-    (:func:`.kernels._tir.violations`: a register A operand where GEMMs take A from shared memory only, one tile
-    in two majornesses, a 16-bit GEMM extent the target's layouts refuse, a slice at a run-time offset, a float
-    vector wider than its code generator prints). Before any lowering, so the error names the program and the
-    rule instead of failing deep in the target's GEMM lowering. Nothing is checked for a target with every
+    """Raise a ValueError naming the kernel where ``func`` breaks a rule of ``target``'s lowering (the registered
+    check, :func:`.kernels._tir.violations`: a register A operand where GEMMs take A from shared memory only, one
+    tile in two majornesses, a 16-bit GEMM extent the target's layouts refuse, a slice at a run-time offset, a
+    float vector wider than its code generator prints). Before any lowering, so the error names the program and
+    the rule instead of failing deep in the target's GEMM lowering. Nothing is checked for a target with every
     capability (CUDA)."""
-    from .kernels._tir import violations
+    from . import program_checks
     from .platform import features_of
 
+    check_fn = program_checks.registered()
+    if check_fn is None:
+        raise RuntimeError("compile_cached: no program check registered (import musa_attn_backend.kernels first)")
     try:
         feats = features_of(target)
     except ValueError:
         return  # a target this package does not describe: nothing known to check
-    bad = violations(func, feats)
+    bad = check_fn(func, feats)
     if bad:
         raise ValueError(
             f"kernel {key!r} does not lower for {target!r}: " + "; ".join(f"{v.detail} [platform.{v.flag} is false]"

@@ -388,7 +388,7 @@ def cmd_tune(args) -> int:
         return 2
     import torch
 
-    from .kernels.attention.tune import tune_prefill
+    from .tune_attention import tune_prefill
 
     page_size = args.page_size or warmup.DEFAULT_PAGE_SIZE[args.engine]
     windows = [True] if model.only_window else ([False, True] if model.has_window else [False])

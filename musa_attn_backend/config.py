@@ -294,13 +294,3 @@ def markdown_table() -> str:
         rows.append(f"| `{s.env}` | {text(s, s.default)} | {'yes' if s.kernels else ''} | {s.meaning} |")
     return "\n".join(rows)
 
-
-def moe_experts_enabled() -> bool:
-    """Whether the engine adapters route the FP8 MoE experts to :mod:`musa_attn_backend.kernels.moe`
-    (``MUSA_ATTN_MOE``: ``auto`` on a MUSA device, ``on``, ``off``)."""
-    value = settings().moe
-    if value == "auto":
-        from .platform import get_platform
-
-        return get_platform().kind == "musa"
-    return value == "on"

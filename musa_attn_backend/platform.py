@@ -226,7 +226,9 @@ def features_of(target=None) -> dict:
 def tvm_parses_target_strings() -> bool:
     """Whether the installed TileLang's TVM still parses command-line target strings (``"cuda -arch=sm_80"``).
     TVM 0.25, which TileLang 0.1.12+ (and tilelang-musa 0.1.12+musa.1) build on, takes only the dict form."""
-    from ._tilelang import tl  # noqa: F401  (TileLang's environment set up before its TVM loads)
+    from .cache import configure_tilelang_env
+
+    configure_tilelang_env()  # TileLang's environment set up before its TVM loads
     from tilelang import tvm
 
     try:
@@ -408,3 +410,12 @@ def device_kind_of(tensor: torch.Tensor) -> str:
 def fp8_e4m3_dtype() -> torch.dtype:
     """The FP8 e4m3 dtype used for KV caches (same on CUDA and MUSA)."""
     return torch.float8_e4m3fn
+
+
+def moe_experts_enabled() -> bool:
+    """Whether the engine adapters route the FP8 MoE experts to :mod:`musa_attn_backend.kernels.moe`
+    (``MUSA_ATTN_MOE``: ``auto`` on a MUSA device, ``on``, ``off``)."""
+    value = config.settings().moe
+    if value == "auto":
+        return get_platform().kind == "musa"
+    return value == "on"

@@ -20,6 +20,7 @@ import importlib
 from math import gcd
 from typing import Any, Callable, NamedTuple, Optional
 
+from .. import program_checks
 from . import _sqmma
 
 REGISTER_SCOPES = ("local.fragment", "local", "local.var")
@@ -363,3 +364,6 @@ def violations(func, flags: dict) -> list[Violation]:
     """The rules ``func`` breaks on a target with the capability ``flags`` (:func:`..platform.features_of`): for
     every flag of :data:`RULES` the target lacks, what its check finds."""
     return [Violation(flag, d) for flag, (_, rule) in RULES.items() if not flags.get(flag, True) for d in rule(func)]
+
+
+program_checks.register(violations)

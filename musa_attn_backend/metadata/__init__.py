@@ -17,6 +17,7 @@ its indexer and MoE next):
 ``PagedKVMeta.from_sglang`` / ``PagedKVMeta.from_vllm`` are the public entry points from engine tensors.
 """
 
+from . import sglang, vllm  # noqa: F401  (each registers its translation for PagedKVMeta.from_<engine>)
 from .paged import PagedKVMeta
 
 __all__ = ["PagedKVMeta"]

@@ -52,6 +52,21 @@ def check_1d(name: str, t: torch.Tensor, length: Optional[int] = None) -> None:
         require(t.numel() == length, f"{name} must have {length} elements (one per request), got {t.numel()}")
 
 
+# engine -> its translation of batch tensors into PagedKVMeta: each engine's module (metadata/sglang.py,
+# metadata/vllm.py) registers itself, so this engine-neutral module imports neither
+_TRANSLATIONS: dict = {}
+
+
+def register_translation(engine: str, fn) -> None:
+    _TRANSLATIONS[engine] = fn
+
+
+def _translation(engine: str):
+    """The registered translation (the package's ``__init__`` imports both engines' modules before any of its
+    modules can be used)."""
+    return _TRANSLATIONS[engine]
+
+
 @dataclass
 class PagedKVMeta:
     cu_seqlens_q: torch.Tensor
@@ -141,17 +156,13 @@ class PagedKVMeta:
     def from_sglang(cls, **kwargs) -> "PagedKVMeta":
         """From SGLang's batch tensors (``req_to_token``, ``req_pool_indices``, ``seq_lens``, ...): see
         :func:`musa_attn_backend.metadata.sglang.paged_kv_meta` for the arguments."""
-        from .sglang import paged_kv_meta
-
-        return paged_kv_meta(**kwargs)
+        return _translation("sglang")(**kwargs)
 
     @classmethod
     def from_vllm(cls, **kwargs) -> "PagedKVMeta":
         """From vLLM's ``CommonAttentionMetadata`` tensors (``block_table``, ``query_start_loc``, ``seq_lens``,
         ``slot_mapping``, ``page_size``): see :func:`musa_attn_backend.metadata.vllm.paged_kv_meta`."""
-        from .vllm import paged_kv_meta
-
-        return paged_kv_meta(**kwargs)
+        return _translation("vllm")(**kwargs)
 
     @classmethod
     def from_lengths(cls, *, query_lens: torch.Tensor, seqlens_k: torch.Tensor, prefix_lens: torch.Tensor,

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .paged import PagedKVMeta, check_1d, check_page_size, cumsum0, require
+from .paged import PagedKVMeta, register_translation, check_1d, check_page_size, cumsum0, require
 
 __all__ = ["paged_kv_meta", "forward_batch_meta", "chain_draft_tokens", "graph_buffers", "paged_cache",
            "attn_output_buffer"]
@@ -175,3 +175,6 @@ def attn_output_buffer(fb, num_tokens: int, num_q_heads: int, v_head_dim: int,
             or buf.shape[0] != num_tokens or buf.numel() != num_tokens * num_q_heads * v_head_dim):
         return None
     return buf.view(num_tokens, num_q_heads, v_head_dim)
+
+
+register_translation("sglang", paged_kv_meta)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .paged import PagedKVMeta, check_1d, check_page_size, require
+from .paged import PagedKVMeta, register_translation, check_1d, check_page_size, require
 
 __all__ = ["paged_kv_meta", "common_metadata_meta", "leading_decodes", "new_kv_only", "is_uniform_decode",
            "graph_buffers", "graph_buffers_fit", "kv_cache_views"]
@@ -123,3 +123,6 @@ def kv_cache_views(kv_cache: torch.Tensor, head_size: int, fp8: bool = False):
     if fp8:
         k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
     return k, v
+
+
+register_translation("vllm", paged_kv_meta)

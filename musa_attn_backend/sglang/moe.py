@@ -14,7 +14,7 @@ runner, so the replacement has to be in the pool before any MoE layer is built: 
 installs it (SGLang calls that in each of its processes, before loading the model). A runner built earlier keeps
 SGLang's function. A ``triton`` runner core registered instead would never run: the fused function wins.
 
-**What it handles.** Only when our switch is on (:func:`..config.moe_experts_enabled`, read at each call, so
+**What it handles.** Only when our switch is on (:func:`..platform.moe_experts_enabled`, read at each call, so
 ``config.override`` works after installation; it is cached and costs no device work), and the call is what the
 op computes: FP8 w8a8 weights with 128 x 128 block scales (``float8_e4m3fn`` weights, ``float32`` scales of the
 block shapes), activations quantised 1 x 128 at run time (no static ``a13_scale`` / ``a2_scale``), no bias, no
@@ -46,7 +46,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import moe_experts_enabled
+from ..platform import moe_experts_enabled
 from ..kernels import moe as moe_ops
 
 logger = logging.getLogger(__name__)

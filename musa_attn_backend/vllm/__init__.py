@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import logging
 
-from .. import BACKEND_NAME
+from .names import CLASS_PATH, ENUM_NAME
 
 logger = logging.getLogger(__name__)
 
-ENUM_NAME = BACKEND_NAME.upper()  # TILELANG_MUSA
-CLASS_PATH = "musa_attn_backend.vllm.backend.TileLangMusaBackend"
 SUPPORTED_VLLM = ("0.33.0",)
 
 registered = False

@@ -43,7 +43,7 @@ def _patch(module) -> None:
     def select(vllm_config):
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        from . import ENUM_NAME
+        from .names import ENUM_NAME
 
         backend = vllm_config.attention_config.backend
         ours = backend is not None and backend is AttentionBackendEnum.__members__.get(ENUM_NAME)

@@ -2,7 +2,7 @@
 
 The hook: vLLM's ``Fp8MoEMethod.__init__`` picks the experts class of an FP8 MoE layer through
 ``select_fp8_moe_backend``, a name bound in ``vllm.model_executor.layers.quantization.fp8``. :func:`install` rebinds
-that name to :func:`_select`: when ``MUSA_ATTN_MOE`` says so (:func:`musa_attn_backend.config.moe_experts_enabled`:
+that name to :func:`_select`: when ``MUSA_ATTN_MOE`` says so (:func:`musa_attn_backend.platform.moe_experts_enabled`:
 on a MUSA device by default) and the layer is 128 x 128 block-scaled FP8 weights with dynamic 1 x 128 activations
 (DeepSeek-V4's FP8 "Base" experts, also V3's), it answers ``(Fp8MoeBackend.TRITON, MusaBlockFp8Experts)``; every
 other layer gets vLLM's own answer. ``TRITON`` is the backend whose weight format is the checkpoint's (no
@@ -119,7 +119,7 @@ def experts_class():
 def _ours(config, weight_key, activation_key, kind: str):
     """Our experts class for a layer of this scheme when ``MUSA_ATTN_MOE`` is on and the class supports it, else
     None (logged: the caller asks vLLM)."""
-    from ..config import moe_experts_enabled
+    from ..platform import moe_experts_enabled
 
     if not moe_experts_enabled():
         return None

@@ -169,7 +169,7 @@ def test_tune_needs_a_gpu(capsys):
 def test_tune_prefill_on_gpu(gpu_device, cache):
     """Every candidate is correct on the GPU, the fastest is recorded and then chosen by prefill_config."""
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
-    from musa_attn_backend.kernels.attention.tune import tune_prefill
+    from musa_attn_backend.tune_attention import tune_prefill
 
     res = tune_prefill(8, 2, 128, page_size=128, seqlen=2048, log=lambda s: None)
     assert res["best"] is not None and res["table"]

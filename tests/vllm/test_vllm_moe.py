@@ -119,11 +119,11 @@ def test_vllm_keeps_its_own_experts_when_the_switch_is_off(tmp_path):
 
 
 def test_moe_switch_values():
-    from musa_attn_backend import config
+    from musa_attn_backend import config, platform
 
     for value, want in (("on", True), ("ON", True), ("off", False), ("auto", False)):  # auto: off on a CPU
         with config.override(moe=value):
-            assert config.moe_experts_enabled() is want, value
+            assert platform.moe_experts_enabled() is want, value
     with pytest.raises(config.SettingsError, match="use one of auto, on, off"):
         config.read_environment({"MUSA_ATTN_MOE": "maybe"})
     with pytest.raises(config.SettingsError, match="use one of auto, on, off"), config.override(moe="yes"):

@@ -42,7 +42,7 @@ def _state_view(op: str, state: torch.Tensor):
 def compress_tilelang(kv_score, ape, ratio, positions, token_req, query_start, seq_lens, state, state_table,
                       state_block, state_ring, norm_weight, eps, cos, sin, cache, out_slots, *, state_rows,
                       state_has_ape, rotate, index_scale, return_rows):
-    from . import write_index_k, write_kv_v4
+    from .writers import write_index_k, write_kv_v4
 
     op = "compress(impl='tilelang')"
     T_, width = kv_score.shape

@@ -80,7 +80,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     ``(B,)``: the leftmost entries of every query of request ``b`` that count. Returns ``(out [B, s_q, H, 512],
     lse [B, H, s_q])`` (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored
     (sparse mode reads neither), as FlashMLA does."""
-    from . import check_sparse_mqa_args
+    from .sparse import check_sparse_mqa_args
 
     op = "flash_mla_with_kvcache"
     meta = tile_scheduler_metadata

@@ -14,13 +14,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ... import tuning
-from ...metadata import PagedKVMeta
-from ...platform import get_platform
-from ...testing import random_batch
-from ...testing.numeric import max_error, tolerance
-from . import tilelang_impl as impl
-from .reference import paged_attention_reference
+from . import tuning
+from .metadata import PagedKVMeta
+from .platform import get_platform
+from .testing import random_batch
+from .testing.numeric import max_error, tolerance
+from .kernels.attention import tilelang_impl as impl
+from .kernels.attention.reference import paged_attention_reference
 
 
 def _events(device: torch.device):
