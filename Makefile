@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-gpu
+.PHONY: setup demo test test-oracles test-gpu
 setup:
 	VENV=$(VENV) scripts/setup_env.sh
 
@@ -16,6 +16,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests integration_tests
+	$(MAKE) --no-print-directory test-oracles
+
+# tile-kernels 2.1.0 (and the TileLang 0.1.15 it needs) from $(VENV)/oracles: its torch references as oracles
+test-oracles: setup
+	PYTHONPATH=$(VENV)/oracles $(PY) -m pytest -m tilekernels tests/dsv4/test_tilekernels_oracles.py
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu tests

@@ -180,6 +180,21 @@ def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     return pre, post, comb
 
 
+def route(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float):
+    """V4's router (``scoring_func = sqrtsoftplus``, ``noaux_tc``) over ``logits [s, experts]``: the scores
+    ``sqrt(softplus(logits))``; the ``k`` experts of the largest ``scores + bias`` (the bias steers the choice
+    only); their weights the chosen scores scaled to sum to ``scaling``. Returns ``(chosen [s, k], weight [s, k],
+    margin [s])``, ``margin`` the k-th biased score's lead over the next (how close the choice came to another,
+    ``+inf`` when every expert is chosen)."""
+    scores = F.softplus(logits).sqrt()
+    ranked = (scores + bias).topk(min(k + 1, logits.shape[1]), dim=-1)
+    chosen = ranked.indices[:, :k]
+    margin = (ranked.values[:, k - 1] - ranked.values[:, k] if k < logits.shape[1]
+              else torch.full((logits.shape[0],), float("inf")))
+    weight = scores.gather(1, chosen)
+    return chosen, weight / weight.sum(-1, keepdim=True) * scaling, margin
+
+
 # -------------------------------------------------------------------------------------------------------- the model
 class Reference:
     """The V4 forward for one token sequence. ``Reference(config, weights).logits(ids)`` is ``[len(ids), vocab]``
@@ -308,14 +323,9 @@ class Reference:
     def _moe(self, x: torch.Tensor, i: int) -> torch.Tensor:
         c = self.c
         f = f"layers.{i}.ffn."
-        scores = F.softplus(self._lin(x, f + "gate.weight")).sqrt()
-        k = c["num_experts_per_tok"]
-        ranked = (scores + self.w[f + "gate.bias"]).topk(min(k + 1, c["n_routed_experts"]), dim=-1)
-        chosen = ranked.indices[:, :k]
-        if k < c["n_routed_experts"]:  # how close the k-th expert came to losing its place, per token
-            self.route_margin = torch.minimum(self.route_margin, ranked.values[:, k - 1] - ranked.values[:, k])
-        weight = scores.gather(1, chosen)
-        weight = weight / weight.sum(-1, keepdim=True) * c["routed_scaling_factor"]
+        chosen, weight, margin = route(self._lin(x, f + "gate.weight"), self.w[f + "gate.bias"],
+                                       c["num_experts_per_tok"], c["routed_scaling_factor"])
+        self.route_margin = torch.minimum(self.route_margin, margin)
         y = self._lin(self._expert(x, f + "shared_experts."), f + "shared_experts.w2.weight")
         for e in range(c["n_routed_experts"]):
             tok, slot = torch.where(chosen == e)
