@@ -28,12 +28,22 @@ import torch
 from .. import _tilelang, config
 from ..kernels import _common
 
-# the modules whose public ops resolve their path with resolve_impl
-OP_MODULES = ("musa_attn_backend.kernels.attention", "musa_attn_backend.kernels.kv_cache",
-              "musa_attn_backend.kernels.dsv4", "musa_attn_backend.kernels.dsv4.flash_mla",
-              "musa_attn_backend.kernels.dsv4.model",
-              "musa_attn_backend.kernels.dsv4.compressor", "musa_attn_backend.kernels.dsv4.slots",
-              "musa_attn_backend.kernels.dsv4.indexer", "musa_attn_backend.kernels.moe")
+
+def op_modules() -> list[str]:
+    """The kernel modules whose public ops resolve their path with ``resolve_impl`` (those importing it by name at
+    module level), found in the sources so that a module moved or added is traced without a list to keep."""
+    import ast
+    from pathlib import Path
+
+    root = Path(_common.__file__).resolve().parent  # musa_attn_backend/kernels
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        if any(isinstance(node, ast.ImportFrom) and any(a.name == "resolve_impl" for a in node.names)
+               for node in tree.body):
+            parts = path.relative_to(root.parent.parent).with_suffix("").parts
+            found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
 
 
 class _NoLaunch:
@@ -153,7 +163,7 @@ def tracing(targets=("sm_90a",)) -> Iterator[Trace]:
         trace.by_op.append((target, op, key))
         return _NoLaunch(key)
 
-    modules = [importlib.import_module(m) for m in OP_MODULES]
+    modules = [importlib.import_module(m) for m in op_modules()]
     patched = [(m, m.resolve_impl) for m in modules if getattr(m, "resolve_impl", None) is real]
     with _tilelang.intercepting(record):
         for m, _ in patched:
