@@ -9,10 +9,7 @@ setup:
 	VENV=$(VENV) scripts/setup_env.sh
 
 demo: setup
-	$(VENV)/bin/musa-attn doctor
-	$(VENV)/bin/musa-attn demo
-	$(PY) integration_tests/serve_demo.py
-	$(PY) integration_tests/serve_demo_v4.py
+	VENV=$(VENV) scripts/demo.sh
 
 test: setup
 	$(PY) -m pytest tests integration_tests
