@@ -53,6 +53,7 @@ def main(argv=None) -> int:
         prefilled = sum(len(p) for p in asks.values())
         print(f"serve demo V4: {len(asks)} requests, {prefilled} prompt tokens, {generated} generated in {secs:.1f}s: "
               f"{generated / secs:.1f} generated tokens/s, {(prefilled + generated) / secs:.0f} tokens/s in all")
+        t2 = time.perf_counter()
         ref = Reference(config, load(model))
         rows, ok = [], True
         for (name, p), o in zip(asks.items(), out):
@@ -64,6 +65,8 @@ def main(argv=None) -> int:
                   f"{res['median_err']:.3f} over {res['positions']} positions ({res['excused']} router near ties "
                   f"excused); greedy = reference argmax at {res['greedy_exact']}/{res['steps']} steps"
                   + "".join(f"\n    {f}" for f in res["failures"][:5]))
+        print(f"serve demo V4: the independent V4 forward checked every served position in "
+              f"{time.perf_counter() - t2:.0f}s")
     if args.out is not None:
         stamp = datetime.now(timezone.utc)
         args.out.mkdir(parents=True, exist_ok=True)

@@ -160,7 +160,10 @@ def sparse_mqa_reference(q: torch.Tensor, cache: torch.Tensor, indices: torch.Te
             safe = torch.where(ok, idx, torch.zeros_like(idx)).long()
             kv = torch.zeros(*idx.shape, L.D, dtype=torch.float32, device=q.device)
             if ok.any():
-                kv[ok] = _gather_rows(pages, safe[ok])
+                # each distinct row dequantised once (a prefill's tokens share most of their window and compressed
+                # rows), then copied to every entry that names it: the same values as dequantising per entry
+                rows_of, which = torch.unique(safe[ok], return_inverse=True)
+                kv[ok] = _gather_rows(pages, rows_of)[which]
             rows.append(kv)
             masks.append(ok)
         kv, ok = torch.cat(rows, dim=1), torch.cat(masks, dim=1)  # [t, K, 512], [t, K]
