@@ -1,5 +1,5 @@
 """DeepSeek-V4's model-side kernels for SGLang 0.5.23 where SGLang has none: on MUSA and on a CPU, SGLang's V4
-model calls JIT CUDA kernels outside attention (``docs/dsv4-sglang-model-kernels.md`` maps them). :func:`install`
+model calls JIT CUDA kernels outside attention (``docs/dsv4-engines.md`` part 2 maps them). :func:`install`
 replaces them through SGLang's ``HookRegistry`` (``REPLACE``; SGLang rebinds the names other modules imported)
 with this package's ops (:mod:`..kernels.dsv4.model`), with SGLang's signatures. On CUDA nothing is replaced:
 SGLang's own kernels run there.
