@@ -17,9 +17,12 @@ Rows:
   ``[kv | score]`` rows read (the new tokens' and, for decode, the window's from the state) + the state rows
   written + the cache rows written; the roofline is the copy rate.
 
-Peers: ``torch_ref`` (our float32 reference run on the GPU), SGLang's TileLang ``tilelang_fp8_paged_mqa_logits``
-and torch ``fp8_paged_mqa_logits_torch`` (paged, where SGLang is importable; what fails is recorded under
-``peer_errors``), ``torch.topk`` (top-k).
+Peers: ``deepgemm``: DeepGEMM's ``fp8_fp4_mqa_logits`` / ``fp8_fp4_paged_mqa_logits`` (2.8.1, SM90: FP8 q
+without a scale, float32 weights and key scales, the paged cache in 64-row blocks of 132-byte rows, its scheduling
+metadata made once, untimed; the 2.6 names where those are missing), with ``calc_diff`` and the largest
+difference to our logits over the keys each row sees (``deepgemm_check``); ``torch_ref`` (our float32 reference run
+on the GPU), SGLang's TileLang ``tilelang_fp8_paged_mqa_logits`` and torch ``fp8_paged_mqa_logits_torch`` (paged,
+where SGLang is importable; what fails is recorded under ``peer_errors``), ``torch.topk`` (top-k).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from bench_dsv4_attention import fp8_matmul_tflops, run_document  # noqa: E402
 from musa_attn_backend.kernels import dsv4  # noqa: E402
 from musa_attn_backend.kernels.dsv4 import layout as L  # noqa: E402
 from musa_attn_backend.testing.dsv4_compress import call_args, make_case  # noqa: E402
+from musa_attn_backend.testing.numeric import calc_diff  # noqa: E402
 
 H = 64
 
@@ -85,7 +89,37 @@ def sglang_paged_peers(errors: dict) -> dict:
     return peers
 
 
+def deepgemm_logits(errors: dict) -> dict:
+    """DeepGEMM's indexer logits where ``deep_gemm`` imports: ``{"prefill": fn(q, w, k, ks, starts, ends,
+    max_keys) -> [T, max_keys]`` (row t's keys from ``starts[t]`` at column 0), ``"paged": (fn(q, cache4, w, lens,
+    table, max_len, meta) -> [B, max_len], meta_fn(lens) -> meta)``}."""
+    try:
+        import deep_gemm as dg
+    except Exception as e:  # noqa: BLE001
+        errors["deepgemm"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = {}
+    if hasattr(dg, "fp8_fp4_mqa_logits"):  # 2.8: q as (fp8, scale or None), the compressed width given
+        out["prefill"] = lambda q, w, k, ks, st, en, n: dg.fp8_fp4_mqa_logits((q, None), (k, ks), w, st, en, n)
+        out["paged"] = (lambda q, c, w, lens, t, n, meta: dg.fp8_fp4_paged_mqa_logits((q, None), c, w, lens, t, meta,
+                                                                                      n),
+                        lambda lens: dg.get_paged_mqa_logits_metadata(lens, 64, sms))
+    else:  # 2.6
+        out["prefill"] = lambda q, w, k, ks, st, en, n: dg.fp8_mqa_logits(q, (k, ks), w, st, en, clean_logits=False)
+        out["paged"] = (lambda q, c, w, lens, t, n, meta: dg.fp8_paged_mqa_logits(q, c, w, lens, t, meta, n, False),
+                        lambda lens: dg.get_paged_mqa_logits_metadata(lens, 64, sms))
+    return out
+
+
+def agreement(ours: torch.Tensor, theirs: torch.Tensor, seen: torch.Tensor) -> dict:
+    """``calc_diff`` and the largest difference of two logits tables over the entries ``seen`` marks."""
+    a, b = ours[seen].float(), theirs[seen].float()
+    return {"calc_diff": calc_diff(a, b), "max_abs_diff": float((a - b).abs().max()) if a.numel() else 0.0}
+
+
 def prefill_rows(rows, ceilings, errors, g, quick):
+    dg = deepgemm_logits(errors)
     shapes = [(4096, 16384)] if quick else [(4096, 16384), (4096, 65536), (16384, 65536)]
     for T, S in shapes:
         q = torch.randn(T, H, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
@@ -105,13 +139,26 @@ def prefill_rows(rows, ceilings, errors, g, quick):
                                  rep=3, warmup=1)
                 if t_ms:
                     peers["torch_ref"] = t_ms
-            rows.append(row("logits_prefill", dict(tokens=T, keys=S, heads=H, mode=mode), ms, peers, ceilings,
-                            flops=2 * H * 128 * pairs, bytes_=T * S * 4 + S * 132))
+            check = {}
+            if "prefill" in dg:
+                fn = lambda: dg["prefill"](q, w, k, ks, starts, ends, S)  # noqa: E731
+                t_ms = time_peer("deepgemm", fn, errors, graph=False)
+                if t_ms:
+                    peers["deepgemm"] = t_ms
+                    seen = torch.arange(S, device="cuda")[None, :] < ends[:, None]  # starts are 0: columns = keys
+                    check = agreement(dsv4.indexer_logits(q, w, k, ks, starts, ends, impl="tilelang"),
+                                      fn()[:, :S], seen)
+            r = row("logits_prefill", dict(tokens=T, keys=S, heads=H, mode=mode), ms, peers, ceilings,
+                    flops=2 * H * 128 * pairs, bytes_=T * S * 4 + S * 132)
+            if check:
+                r["deepgemm_check"] = check
+            rows.append(r)
             torch.cuda.empty_cache()
 
 
 def paged_rows(rows, ceilings, errors, g, quick):
     peers_fns = sglang_paged_peers(errors)
+    dg = deepgemm_logits(errors)
     batches = (1, 32, 128) if quick else (1, 8, 32, 128)
     contexts = (2048, 16384) if quick else (2048, 16384, 65536)
     for ctx in contexts:
@@ -135,8 +182,23 @@ def paged_rows(rows, ceilings, errors, g, quick):
                 t_ms = time_peer(name, lambda fn=fn: fn(q, c4, w, lens, table, ctx), errors)
                 if t_ms:
                     peers[name] = t_ms
-            rows.append(row("logits_paged", dict(batch=B, keys=ctx), ms, peers, ceilings,
-                            flops=2 * H * 128 * B * ctx, bytes_=B * ctx * (132 + 4)))
+            check = {}
+            if "paged" in dg:
+                fn_dg, meta_of = dg["paged"]
+                lens2 = lens.view(B, 1)  # [batch, next_n]
+                meta = meta_of(lens2)
+                fn = lambda: fn_dg(q, c4, w, lens2, table, ctx, meta)  # noqa: E731
+                t_ms = time_peer("deepgemm", fn, errors)
+                if t_ms:
+                    peers["deepgemm"] = t_ms
+                    ours = dsv4.paged_indexer_logits(q, w, cache, lens, table, ctx, clean=False, impl="tilelang")
+                    check = agreement(ours.view(B, -1)[:, :ctx], fn().view(B, -1)[:, :ctx],
+                                      torch.ones(B, ctx, dtype=torch.bool, device="cuda"))
+            r = row("logits_paged", dict(batch=B, keys=ctx), ms, peers, ceilings,
+                    flops=2 * H * 128 * B * ctx, bytes_=B * ctx * (132 + 4))
+            if check:
+                r["deepgemm_check"] = check
+            rows.append(r)
             torch.cuda.empty_cache()
 
 

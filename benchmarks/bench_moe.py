@@ -21,6 +21,11 @@ Timed, each replayed from a CUDA graph (median of the replays):
 - ``grouped_mm_bf16``: ``torch._grouped_mm`` on bf16 copies of the same operands;
 - ``dense_scaled_mm``: ``torch._scaled_mm`` (row-wise, fast accumulation) of one dense ``[T * 6, K] x [K, N]``: the
   same FLOPs without grouping, an upper reference;
+- ``deepgemm``: DeepGEMM's ``m_grouped_fp8_gemm_nt_contiguous`` / ``_masked`` (``deep_gemm``, staged on the device
+  by ``prepare.sh --peers``) on our operands as they are (its SM90 recipe is ours: 1 x 128 activation and 128 x 128
+  weight scales in float32, rows aligned to 128, -1 for padding), with ``calc_diff`` (DeepGEMM's measure; its tests
+  pass below 1e-3) and the largest difference to our output over the real rows; ``deepgemm_masked`` beside
+  ``ours_masked`` (``expected_m`` the mean rows of a routed expert);
 - ``sglang_triton``: SGLang's Triton ``fused_moe_kernel`` (``invoke_fused_moe_kernel``) with 128 x 128 block FP8,
   the same weights and 1 x 128 activations, under the tile config SGLang picks for this GPU and shape
   (``try_get_optimal_moe_config``, recorded); its token alignment is computed here in torch, untimed, because
@@ -64,6 +69,7 @@ for _p in (str(ROOT), str(HERE)):
 
 from bench_attention import bench_ms, git_commit, measure_ceilings, package_versions  # noqa: E402
 from musa_attn_backend.kernels import moe  # noqa: E402
+from musa_attn_backend.testing.numeric import calc_diff  # noqa: E402
 
 MODELS = {"flash": dict(E=256, H=4096, I=2048), "pro": dict(E=384, H=7168, I=3072)}
 TOPK = 6
@@ -179,15 +185,59 @@ def peers(a_rows, counts, b, N, K, device):
     return out, (abf, bbf)
 
 
+def deepgemm(row: dict, name: str, fn, ours, theirs, real, time) -> None:
+    """Time DeepGEMM's ``fn`` (writing ``theirs``) into ``row["peers"][name]`` with its agreement with ``ours`` over
+    the rows ``real`` selects; a failure is recorded instead."""
+    try:
+        fn()
+        if theirs.is_cuda:
+            torch.cuda.synchronize()
+        a, b = ours[real].float(), theirs[real].float()
+        row["peers"][name] = {"ms": time(fn), "calc_diff": calc_diff(a, b),
+                              "max_abs_diff": float((a - b).abs().max()) if a.numel() else 0.0}
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        row["peers"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def deepgemm_peers(row: dict, a, sa, b, sb, layout, masked, T: int, E: int, time) -> None:
+    """DeepGEMM's contiguous grouped GEMM (and, with ``masked = (a, sa, masked_m, out)``, its masked one) on our FP8
+    operands, each checked against our FP8 GEMM's output computed here again: the timed runs before this one wrote
+    the FP4 programs' results into the same output buffers, so those buffers are not our FP8 answer."""
+    try:
+        import deep_gemm
+    except ImportError as e:
+        row["peers"]["deepgemm"] = {"error": f"ImportError: {e}"[:300]}
+        return
+    ours = moe.grouped_gemm_fp8(a, sa, b, sb, layout, torch.empty(layout.numel(), b.shape[1], device=a.device,
+                                                                      dtype=torch.bfloat16))
+    theirs = torch.empty_like(ours)
+    deepgemm(row, "deepgemm", lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), theirs, layout),
+             ours, theirs, layout >= 0, time)
+    if masked is None:
+        return
+    am, sam, mm, om = masked
+    ours_m = moe.grouped_gemm_fp8_masked(am, sam, b, sb, mm, torch.empty_like(om))
+    theirs_m = torch.empty_like(om)
+    expected = max(1, (T * TOPK + E - 1) // E)  # DeepGEMM's hint: the mean rows of a routed expert
+    real = torch.arange(om.shape[1], device=om.device)[None, :] < mm[:, None]
+    deepgemm(row, "deepgemm_masked", lambda: deep_gemm.m_grouped_fp8_gemm_nt_masked((am, sam), (b, sb), theirs_m,
+                                                                                   mm, expected),
+             ours_m, theirs_m, real, time)
+
+
 def rate_and_ratio(row: dict, flops: int, nbytes: int, ceilings: dict) -> None:
     """A timed row's roofline (the larger of its FLOPs at the run's FP8 matmul rate and its bytes at the copy
     rate), its fraction, ours in TFLOP/s, and the best peer with ``ratio_vs_best_peer`` (the peer's time over
-    ours; ``dense_scaled_mm``, the ungrouped upper reference, is not a peer for that)."""
+    ours; ``dense_scaled_mm``, the ungrouped upper reference, is not a peer for that, nor DeepGEMM's masked GEMM,
+    which ``masked_ratio_vs_deepgemm`` sets against ours masked)."""
     roof = max(flops / (ceilings["fp8_matmul_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
     row["roofline_ms"], row["roofline_fraction"] = roof, roof / row["ours_ms"]
     row["ours_tflops"] = flops / row["ours_ms"] / 1e9
     timed = {k: v["ms"] for k, v in row["peers"].items() if isinstance(v, dict) and "ms" in v
-             and k != "dense_scaled_mm"}
+             and k not in ("dense_scaled_mm", "deepgemm_masked")}
+    dgm = row["peers"].get("deepgemm_masked", {})
+    if "ms" in dgm and row.get("ours_masked_ms"):  # the masked layout against DeepGEMM's masked GEMM
+        row["masked_ratio_vs_deepgemm"] = dgm["ms"] / row["ours_masked_ms"]
     if timed:
         best = min(timed, key=timed.get)
         row["best_peer"], row["ratio_vs_best_peer"] = best, timed[best] / row["ours_ms"]
@@ -213,6 +263,7 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
                                           "experts_touched": touched},
            "flops": flops, "bytes": nbytes}
     time = (lambda fn: bench_ms(fn, rep=20)) if device == "cuda" else (lambda fn: (fn(), 0.0)[1])
+    masked = None  # the masked layout's operands (T <= 512), for DeepGEMM's masked GEMM beside ours
 
     row["ours_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b, sb, layout, out))
     if T <= 512:
@@ -222,6 +273,7 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
         mm = counts.to(torch.int32)
         row["ours_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b, sb, mm, om))
         row["shape"]["max_m"] = max_m
+        masked = (am, sam, mm, om)
         b4, sb4 = random_fp4_weights(E, N, K, device)
         row["ours_fp4_ms"] = time(lambda: moe.grouped_gemm_fp8(a, sa, b4, sb4, layout, out))
         row["ours_fp4_masked_ms"] = time(lambda: moe.grouped_gemm_fp8_masked(am, sam, b4, sb4, mm, om))
@@ -229,7 +281,7 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
             am, sam, b4, sb4, mm, om))
         row["ours_fp4_forms_ms"] = fp4_forms(FP4_FORMS, time, lambda: moe.grouped_gemm_fp8(
             a, sa, b4, sb4, layout, out))
-        del am, sam, om, b4, sb4
+        del b4, sb4
     else:  # prefill sizes: the contiguous FP4 programs that the ``auto`` packing chooses between
         b4, sb4 = random_fp4_weights(E, N, K, device)
         row["ours_fp4_forms_ms"] = fp4_forms([f for f in FP4_FORMS if f[1] != "bytes"], time,
@@ -265,8 +317,9 @@ def measure(model: str, gemm: str, T: int, ceilings: dict, device: str, smoke: b
             del out_t
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             row["peers"]["sglang_triton"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        deepgemm_peers(row, a, sa, b, sb, layout, masked, T, E, time)
         rate_and_ratio(row, flops, nbytes, ceilings)
-    del b, sb, a, sa, out
+    del b, sb, a, sa, out, masked
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -377,7 +430,7 @@ def plot(rows, path) -> bool:
 
 
 def versions() -> dict:
-    return package_versions("tilelang")
+    return package_versions("tilelang", "deep_gemm")
 
 
 # the FP4 forms each FP4 row times: (name, tilelang_impl packing, FP8-MMA spans of 32 values a K step)

@@ -54,3 +54,15 @@ def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     either side is NaN)."""
     diff = (out.float() - ref.float()).abs() / (1 + ref.float().abs())
     return float(diff.max()) if diff.numel() else 0.0
+
+
+# DeepGEMM's pass rule for FP8 GEMMs (its tests' ``QuantConfig.max_diff``), used where its cases are our suite
+FP8_GEMM_CALC_DIFF = 1e-3
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity of two results: ``1 - 2 sum(x y) / sum(x^2 + y^2)`` in float64 (0 when identical
+    or both zero; small when close in direction and norm). Non-finite entries make it NaN, so they fail any bound."""
+    x, y = x.double(), y.double()
+    denom = float((x * x + y * y).sum())
+    return 0.0 if denom == 0.0 else 1.0 - 2.0 * float((x * y).sum()) / denom

@@ -38,3 +38,44 @@ def test_triton_alignment_is_sglangs_layout(load_bench):
     assert torch.equal(real.sort().values, torch.arange(ids.numel()))
     block_of = torch.nonzero(sorted_ids < ids.numel()).flatten() // 16
     assert torch.equal(ids.flatten()[real].long(), expert_ids[block_of].long())
+
+
+def test_deepgemm_peer_is_checked_against_our_fp8_answer(load_bench, monkeypatch):
+    """The DeepGEMM rows compare DeepGEMM's output with our FP8 GEMM's, computed afresh: on the H200 run of
+    2026-12-06 the comparison read buffers the FP4 programs had overwritten and reported calc_diff ~1. A stand-in
+    ``deep_gemm`` computing the true products must agree (calc_diff ~0), and one that scales its answer must not."""
+    import sys
+    import types
+
+    import torch
+
+    from musa_attn_backend.kernels import moe
+
+    bench = load_bench("bench_moe")
+    E, N, K, T = 4, 256, 256, 9
+    b, sb = bench.random_fp8_weights(E, N, K, "cpu")
+    ids = torch.rand(T, E).topk(bench.TOPK if E >= bench.TOPK else 2, dim=1).indices.to(torch.int32)
+    row_src, layout = moe.align_routing(ids, E)
+    a, sa = moe.quantize_groups(torch.randn(T, K).to(torch.bfloat16)[(row_src.clamp(min=0) // ids.shape[1]).long()])
+    counts = torch.bincount(ids.flatten().long(), minlength=E).to(torch.int32)
+    am = torch.randn(E, 32, K).to(torch.float8_e4m3fn)
+    sam = torch.rand(E, 32, K // 128) + 0.5
+    masked = (am, sam, counts, torch.full((E, 32, N), float("nan"), dtype=torch.bfloat16))
+
+    def stand_in(scale):
+        def contiguous(aa, bb, d, lay):
+            d.copy_(moe.grouped_gemm_fp8(*aa, *bb, lay) * scale)
+
+        def masked_gemm(aa, bb, d, m, expected):
+            d.copy_(moe.grouped_gemm_fp8_masked(*aa, *bb, m).nan_to_num() * scale)
+        return types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=contiguous,
+                                     m_grouped_fp8_gemm_nt_masked=masked_gemm)
+
+    for scale, agrees in ((1.0, True), (-1.0, False)):
+        monkeypatch.setitem(sys.modules, "deep_gemm", stand_in(scale))
+        row = {"peers": {}}
+        bench.deepgemm_peers(row, a, sa, b, sb, layout, masked, T, E, lambda fn: (fn(), 0.0)[1])
+        for name in ("deepgemm", "deepgemm_masked"):
+            peer = row["peers"][name]
+            assert "error" not in peer, peer
+            assert (peer["calc_diff"] < 1e-6) == agrees, (name, scale, peer)
