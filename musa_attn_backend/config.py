@@ -73,10 +73,10 @@ SWITCHES: tuple[Switch, ...] = (
            "float vectors of at most 8 lanes: platform.LOWERING_FLAGS off), as the programs MUSA would choose: "
            "to run and measure MUSA's programs on CUDA (0: only where the target needs them)"),
     Switch("dsv4_program", "MUSA_ATTN_DSV4_PROGRAM", "text", "auto", True,
-           "the DeepSeek-V4 sparse attention program: auto (warp_specialized where the target has warp "
-           "specialisation, register GEMM operands and FP8, else portable), scheduled (FlashMLA's division of the "
-           "work on a per-batch plan; awaits its first GPU run), warp_specialized or portable; a program the target "
-           "cannot run is refused, never replaced"),
+           "the DeepSeek-V4 sparse attention program: auto (scheduled where the target has warp specialisation, "
+           "register GEMM operands and FP8, else portable), scheduled (FlashMLA's division of the work on a "
+           "per-batch plan), warp_specialized (a dequantising producer warp group; faster at 1-2 query tokens) or "
+           "portable; a program the target cannot run is refused, never replaced"),
     Switch("target", "MUSA_ATTN_TARGET", "text", None, True,
            "compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
            "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)"),

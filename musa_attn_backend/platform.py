@@ -407,6 +407,14 @@ def device_kind_of(tensor: torch.Tensor) -> str:
     return tensor.device.type
 
 
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` (a CUDA or MUSA tensor's) is being captured into a graph; False on
+    the CPU. ``torch.musa`` (torch_musa) mirrors ``torch.cuda``'s function where it is installed."""
+    module = getattr(torch, device.type, None) if device.type in ("cuda", "musa") else None
+    probe = getattr(module, "is_current_stream_capturing", None)
+    return bool(probe()) if probe is not None else False
+
+
 def fp8_e4m3_dtype() -> torch.dtype:
     """The FP8 e4m3 dtype used for KV caches (same on CUDA and MUSA)."""
     return torch.float8_e4m3fn

@@ -51,7 +51,8 @@ def _batch(T=3, H=64, K1=128, K2=512, device="cpu"):
 
 @pytest.mark.parametrize("T,split", [(2, True), (400, False)])
 def test_launch_glue_matches_the_programs(use_settings, T, split):
-    use_settings(target="sm_90a")
+    """The warp-specialised program's glue (the scheduled one's: test_dsv4_sched.py)."""
+    use_settings(target="sm_90a", dsv4_program="warp_specialized")
     kernels = {}
 
     def capture(key, build, target, pass_configs):
@@ -86,11 +87,12 @@ def test_musa_dsv4_programs_read_p_from_shared_memory(use_settings):
 NVCC = nvcc_path()
 
 
-@pytest.mark.parametrize("target,program", [("sm_90a", "warp_specialized"), ("sm_90", "portable"),
+@pytest.mark.parametrize("target,program", [("sm_90a", "scheduled"), ("sm_90", "portable"),
                                             ("sm_80", "portable"), ("mp_31", "portable"), ("mp_22", "portable")])
 def test_each_target_runs_the_program_it_can(use_settings, target, program):
-    """The warp-specialised program needs warp specialisation (sm_90a), GEMMs reading A from registers and an
-    FP8 conversion; everything else, MUSA included, runs the portable one, and forcing the other is refused."""
+    """The scheduled and warp-specialised programs need warp specialisation (sm_90a), GEMMs reading A from registers
+    and an FP8 conversion (sm_90a runs the scheduled one); everything else, MUSA included, runs the portable one, and
+    forcing another is refused."""
     use_settings(target=target)
     assert ti.sparse_mqa_program() == program
     if program == "portable":
@@ -98,7 +100,7 @@ def test_each_target_runs_the_program_it_can(use_settings, target, program):
             ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program="warp_specialized")
     else:
         with pytest.raises(ValueError, match="producer must be one of"):
-            ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", producer="tma")
+            ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program="warp_specialized", producer="tma")
     use_settings(shared_p=True)  # MUSA_ATTN_SHARED_P: no register A operand anywhere, so no register P
     assert ti.sparse_mqa_program() == "portable"
 

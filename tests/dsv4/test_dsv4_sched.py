@@ -160,10 +160,10 @@ def test_scheduled_launch_glue_matches_the_programs(use_settings, T):
 
 def test_program_choice_follows_the_setting_and_refuses_what_the_target_cannot_run(use_settings):
     use_settings(target="sm_90a")
-    assert ti.sparse_mqa_program() == "warp_specialized"  # auto: the measured program until the new one has run
-    use_settings(dsv4_program="scheduled")
-    assert ti.sparse_mqa_program() == "scheduled"
-    use_settings(target="mp_31")
+    assert ti.sparse_mqa_program() == "scheduled"  # auto: faster than warp_specialized from 8 tokens (H100, 12-06)
+    use_settings(dsv4_program="warp_specialized")
+    assert ti.sparse_mqa_program() == "warp_specialized"
+    use_settings(target="mp_31", dsv4_program="scheduled")
     with pytest.raises(ValueError, match="the scheduled program needs warp specialisation"):
         ti.sparse_mqa_kernel(64, True, True, False, "bfloat16")
     use_settings(dsv4_program="auto")
@@ -252,3 +252,28 @@ def test_flash_mla_checks_once_per_batch_signature_and_every_cache():
     with pytest.raises(ValueError, match="q must be"):
         dsv4.flash_mla_with_kvcache(q[..., :256], cache.view(3, 64, 1, 584), indices=idx,
                                     tile_scheduler_metadata=meta)
+
+
+def test_a_plan_a_graph_captured_is_never_evicted(monkeypatch):
+    """Plans of calls without lengths are kept per shape, the least recently used dropped; one used while a graph
+    was being captured is kept for good (the graph reads its tensors at every replay, so freeing it would let the
+    allocator hand its memory to something else)."""
+    from musa_attn_backend.platform import stream_capturing
+
+    assert stream_capturing(torch.device("cpu")) is False
+    monkeypatch.setattr(ti, "_SHAPE_PLANS_KEPT", 3)
+    monkeypatch.setattr(ti, "_SHAPE_PLANS", {})
+    monkeypatch.setattr(ti, "_CAPTURED_PLANS", {})
+    q = lambda T: torch.randn(T, 64, 512).to(torch.bfloat16)  # noqa: E731
+    idx = lambda T: torch.zeros(T, 128, dtype=torch.int32)  # noqa: E731
+    eager_first = ti.sparse_mqa_plan(q(5), idx(5))
+    monkeypatch.setattr(ti, "stream_capturing", lambda device: True)
+    captured = ti.sparse_mqa_plan(q(5), idx(5))  # the eager plan of the shape, now pinned
+    captured_new = ti.sparse_mqa_plan(q(6), idx(6))
+    assert captured is eager_first and set(ti._CAPTURED_PLANS.values()) == {captured, captured_new}
+    monkeypatch.setattr(ti, "stream_capturing", lambda device: False)
+    for T in range(7, 17):  # eager shapes enough to evict everything unpinned
+        ti.sparse_mqa_plan(q(T), idx(T))
+    assert len(ti._SHAPE_PLANS) == 3
+    assert ti.sparse_mqa_plan(q(5), idx(5)) is captured and ti.sparse_mqa_plan(q(6), idx(6)) is captured_new
+    assert ti.sparse_mqa_plan(q(7), idx(7)) is not ti.sparse_mqa_plan(q(8), idx(8))

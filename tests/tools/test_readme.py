@@ -34,3 +34,22 @@ def test_every_switch_is_in_the_readme():
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 250, f"README has {lines} lines; keep it under ~250 (history goes to docs/)"
+
+
+def test_dsv4_table_takes_the_newest_run_with_the_peer_and_the_default_program(tmp_path):
+    """The V4 table reads the newest run that timed FlashMLA (a newer run without it is passed over), and our time
+    is the scheduled program's where the run timed it beside the one it ran."""
+    import json
+
+    import perf_table
+
+    row = {"op": "decode", "shape": {"config": "flash", "tokens": 32, "s_q": 1}, "ours_ms": 0.06,
+           "scheduled_ms": 0.04, "peers": {"flashmla": 0.03}, "roofline_frac": 0.1}
+    doc = {"device": "NVIDIA H100", "commit": "abcdef0", "date": "2026-12-06T00:00:00", "rows": [row]}
+    (tmp_path / "dsv4-attention-20261206T000000Z.json").write_text(json.dumps(doc))
+    newer = dict(doc, rows=[dict(row, peers={"flashmla": {"error": "absent"}}, scheduled_ms=0.5)])
+    (tmp_path / "dsv4-attention-20261207T000000Z.json").write_text(json.dumps(newer))
+    table = perf_table.dsv4_table(tmp_path)
+    assert "dsv4-attention-20261206T000000Z.json" in table and "20261207" not in table
+    line = next(x for x in table.splitlines() if x.startswith("| V4 sparse decode, Flash, batch 32 "))
+    assert "| 40.0 µs | FlashMLA 30.0 µs | 0.75x | 15% |" in line, line
