@@ -51,12 +51,23 @@ def asked(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+def _attention_kinds(target: str) -> set:
+    """The sparse attention kernels a V4 step launches on ``target``: the program ``auto`` picks there."""
+    from musa_attn_backend import config
+    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+
+    with config.override(target=target):
+        scheduled = tilelang_impl.sparse_mqa_program() == "scheduled"
+    return {"dsv4_sparse_mqa_sched", "dsv4_sparse_combine"} if scheduled else {"dsv4_sparse_mqa", "dsv4_combine"}
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_plan_holds_every_kernel_sglangs_v4_cases_ask_for(asked, target):
     want = set(asked[target])
     kinds = {k.split("'")[1] for k in want}
-    # the cases drive every family of SGLang's V4 path: attention (split and not), writers, compressors, indexer
-    assert {"dsv4_sparse_mqa", "dsv4_combine", "dsv4_write_kv", "dsv4_write_index_k", "dsv4_compress_rows",
+    # the cases drive every family of SGLang's V4 path: attention (split and not; the scheduled program and its
+    # combine where the target runs it), writers, compressors, indexer
+    assert _attention_kinds(target) | {"dsv4_write_kv", "dsv4_write_index_k", "dsv4_compress_rows",
             "dsv4_save_state", "dsv4_indexer_q", "dsv4_paged_indexer_logits", "dsv4_indexer_topk",
             "dsv4_norm_rope"} <= kinds, kinds
     missing = want - plan_keys(KIT_MODEL, "sglang", target)

@@ -93,6 +93,7 @@ def test_the_warmup_plan_holds_every_kernel_the_layer_asks_for(report, target):
     mixed, decode, verify; all four layer kinds), recorded by the CPU trace, is in the plan of the layer's model
     (the tiny V4 with the driver's top-k) on ``target``; the plan of another model lacks some."""
     from musa_attn_backend import _tilelang, config, warmup, warmup_dsv4
+    from musa_attn_backend.kernels.dsv4.tilelang_impl import sparse_mqa_program
     from musa_attn_backend.testing.vllm_dsv4_layer import TOPK
 
     sys.path.insert(0, str(ROOT / "integration_tests"))
@@ -108,7 +109,9 @@ def test_the_warmup_plan_holds_every_kernel_the_layer_asks_for(report, target):
 
     want = set(report["kernels"][target])
     kinds = {k.split("'")[1] for k in want}
-    assert {"dsv4_sparse_mqa", "dsv4_write_kv", "dsv4_compress_rows", "dsv4_save_state", "dsv4_indexer_q",
+    with config.override(target=target):
+        attention = "dsv4_sparse_mqa_sched" if sparse_mqa_program() == "scheduled" else "dsv4_sparse_mqa"
+    assert {attention, "dsv4_write_kv", "dsv4_compress_rows", "dsv4_save_state", "dsv4_indexer_q",
             "dsv4_paged_indexer_logits", "dsv4_indexer_topk", "dsv4_norm_rope", "dsv4_attention_slots"} <= kinds
     missing = want - plan_keys(dict(CONFIG, index_topk=TOPK))
     assert not missing, f"kernels vLLM's V4 layer asks for that the warmup plan lacks on {target}: {missing}"
