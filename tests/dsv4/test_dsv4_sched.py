@@ -277,3 +277,34 @@ def test_a_plan_a_graph_captured_is_never_evicted(monkeypatch):
     assert len(ti._SHAPE_PLANS) == 3
     assert ti.sparse_mqa_plan(q(5), idx(5)) is captured and ti.sparse_mqa_plan(q(6), idx(6)) is captured_new
     assert ti.sparse_mqa_plan(q(7), idx(7)) is not ti.sparse_mqa_plan(q(8), idx(8))
+
+
+def test_cache_views_are_made_once_per_buffer_geometry_and_dropped_with_the_buffer():
+    """Engines pass fresh views of persistent caches on every call (FlashMLA's entry: ``unsqueeze``, a dtype view):
+    the scheduled program's word views are memoised by the buffer that owns the memory and the view's geometry,
+    hold no reference to that buffer, and go when it goes."""
+    import gc
+
+    pool = torch.zeros(2, 4, 256 * 584, dtype=torch.uint8)  # an engine pool: two layers of four pages
+    layer = [pool[i].view(4, 256, 584) for i in range(2)]
+    first = ti._cache_word_views(layer[0].unsqueeze(2), "cpu", "t", "cache")
+    assert ti._cache_word_views(pool[0].view(4, 256, 584).unsqueeze(2), "cpu", "t", "cache") is first
+    second = ti._cache_word_views(layer[1].unsqueeze(2), "cpu", "t", "cache")
+    assert second is not first and second[0][0].data_ptr() == pool[1].data_ptr()
+    assert first[1] == (256, 584 * 256 // 16, 1024)  # rows, page stride in 16-byte units, slots
+    assert len(ti._WORD_VIEWS[id(pool)][1]) == 2
+    key = id(pool)
+    del pool, layer
+    gc.collect()
+    assert key not in ti._WORD_VIEWS  # the views referenced the storage only: the pool's death dropped them
+
+
+def test_full_lengths_are_kept_on_the_plan_outside_graph_capture(monkeypatch):
+    q = torch.randn(3, 64, 512).to(torch.bfloat16)
+    idx = torch.zeros(3, 128, dtype=torch.int32)
+    plan = ti.sparse_mqa_plan(q, idx)
+    a = ti._plan_lengths(plan, "main", 3, 128, q.device)
+    assert a.tolist() == [128] * 3 and ti._plan_lengths(plan, "main", 3, 128, q.device) is a
+    assert ti._plan_lengths(plan, "extra", 3, 0, q.device).tolist() == [0] * 3
+    monkeypatch.setattr(ti, "stream_capturing", lambda device: True)
+    assert ti._plan_lengths(plan, "main", 3, 128, q.device) is not a  # a captured fill has no values until replay

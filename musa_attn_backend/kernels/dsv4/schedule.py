@@ -54,6 +54,9 @@ class SparseMQAPlan:
     first_part: torch.Tensor
     split_row: torch.Tensor
     combine: torch.Tensor
+    # per-token lengths of calls that pass none (every entry counts), made once for the batch's layers by the
+    # launcher (tilelang_impl._plan_lengths), outside graph capture
+    full_lengths: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_partials(self) -> int:

@@ -65,24 +65,40 @@ def _flat_views(pages: L.Pages, device, op: str, name: str, dtypes=(torch.float8
     return views, (pages.rows, stride // 16, pages.num_slots)
 
 
-# the scheduled program's word views of each cache tensor an engine passes (each layer's, every call), by the
-# tensor object's identity, with the signature they were made for (made again when the tensor's storage, shape or
-# strides differ); an entry is dropped when its tensor is (a weak reference's callback), so no view outlives it
+# the scheduled program's word views of the caches an engine passes (each layer's, every call), by the identity of
+# the tensor that owns the memory (a view's ``_base``: engines and FlashMLA's entry pass fresh views of persistent
+# caches on every call) and then by the view's pointer, shape, strides and dtype. The views are made from an alias
+# of the storage that holds no reference to that tensor, so when the engine drops it the weak reference's callback
+# drops its views and the memory is freed; no view outlives its cache.
 _WORD_VIEWS: dict = {}
+_WORD_VIEWS_PER_TENSOR = 1024  # views of one buffer (an engine's layers slice one pool): the memo is cleared past it
+
+
+def _storage_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s bytes, shape and strides that references its storage, not ``t`` (nor its base)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                                t.stride())
 
 
 def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
-    """:func:`_flat_views` (``words``) of a checked KV cache view, made once per cache tensor."""
-    sig = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype)
-    hit = _WORD_VIEWS.get(id(cache))
-    if hit is not None and hit[0]() is cache and hit[1] == sig:
-        return hit[2]
-    made = _flat_views(L.kv_pages(cache, name, op=op), device, op, name, words=True)
-    try:
-        ref = weakref.ref(cache, lambda _, key=id(cache): _WORD_VIEWS.pop(key, None))
-    except TypeError:  # a tensor that cannot be weakly referenced: no memo
-        return made
-    _WORD_VIEWS[id(cache)] = (ref, sig, made)
+    """:func:`_flat_views` (``words``) of a checked KV cache view, made once per view geometry of a cache buffer."""
+    root = cache if cache._base is None else cache._base
+    sig = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype)
+    entry = _WORD_VIEWS.get(id(root))
+    if entry is not None and entry[0]() is root:
+        hit = entry[1].get(sig)
+        if hit is not None:
+            return hit
+    made = _flat_views(L.kv_pages(_storage_alias(cache), name, op=op), device, op, name, words=True)
+    if entry is None or entry[0]() is not root:
+        try:
+            ref = weakref.ref(root, lambda _, key=id(root): _WORD_VIEWS.pop(key, None))
+        except TypeError:  # a tensor that cannot be weakly referenced: no memo
+            return made
+        entry = _WORD_VIEWS[id(root)] = (ref, {})
+    if len(entry[1]) >= _WORD_VIEWS_PER_TENSOR:
+        entry[1].clear()
+    entry[1][sig] = made
     return made
 
 
@@ -227,6 +243,18 @@ def _lengths(lengths: Optional[torch.Tensor], T: int, K: int, device) -> torch.T
     return lengths.to(torch.int32).contiguous()
 
 
+def _plan_lengths(plan, which: str, T: int, K: int, device) -> torch.Tensor:
+    """``[T]`` int32 lengths of ``K`` (every entry counts) for the calls of ``plan``'s batch that pass none: made
+    once and kept on the plan, so a batch's layers launch no fill each; made afresh while a graph is being captured
+    (a tensor filled by a captured launch holds its values only once the graph replays)."""
+    if stream_capturing(device):
+        return _lengths(None, T, K, device)
+    hit = plan.full_lengths.get((which, K))
+    if hit is None:
+        hit = plan.full_lengths[(which, K)] = _lengths(None, T, K, device)
+    return hit
+
+
 def _alloc(shape, dtype, device) -> torch.Tensor:
     # MUSA_ATTN_POISON (a debug aid the tests turn on): NaN, so an element no kernel writes shows up
     if settings().poison:
@@ -329,13 +357,15 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     if program == "scheduled":
         has_extra = extra_cache is not None and extra_indices.shape[1] > 0
         i1 = indices.contiguous()
-        l1 = _lengths(lengths, T, i1.shape[1], dev)
-        if has_extra:
-            i2 = extra_indices.contiguous()
+        i2 = extra_indices.contiguous() if has_extra else torch.empty(T, 0, dtype=torch.int32, device=dev)
+        if plan is None and T:
+            plan = sparse_mqa_plan(q, i1, lengths, i2 if has_extra else None, extra_lengths if has_extra else None)
+        l1 = _lengths(lengths, T, i1.shape[1], dev) if lengths is not None or not T else \
+            _plan_lengths(plan, "main", T, i1.shape[1], dev)
+        if has_extra and extra_lengths is not None:
             l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
-        else:
-            i2 = torch.empty(T, 0, dtype=torch.int32, device=dev)
-            l2 = torch.zeros(T, dtype=torch.int32, device=dev)
+        else:  # every extra entry counts, or no extra set (no entry)
+            l2 = _plan_lengths(plan, "extra", T, i2.shape[1], dev) if T else _lengths(None, T, 0, dev)
         has_sink = sink is not None
         sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
         out = _alloc(q.shape, q.dtype, dev) if out is None else out
