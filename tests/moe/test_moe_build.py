@@ -10,11 +10,11 @@ from musa_attn_backend.kernels import moe
 from musa_attn_backend.kernels._tir import gemm_operands
 from musa_attn_backend.kernels.moe import tilelang_impl as ti
 from musa_attn_backend.kernels.moe.contiguous_fp4_fp8_kernel import build_grouped_gemm_contiguous_fp4_fp8
-from musa_attn_backend.kernels.moe.contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
+from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous_fp4
 from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
 from musa_attn_backend.kernels.moe.contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous as _swiglu_gemm
 from musa_attn_backend.kernels.moe.masked_fp4_fp8_kernel import build_grouped_gemm_masked_fp4_fp8
-from musa_attn_backend.kernels.moe.masked_fp4_kernel import build_grouped_gemm_masked_fp4
+from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked_fp4
 from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_masked
 from musa_attn_backend.kernels.moe.masked_swiglu_kernel import build_grouped_gemm_swiglu_masked as _swiglu_masked
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path

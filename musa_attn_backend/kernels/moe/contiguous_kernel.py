@@ -1,14 +1,22 @@
-"""TileLang program: the FP8 block-scaled grouped GEMM, contiguous layout (the rule and the formats:
-:mod:`.reference`): ``D[m] = (A[m] * a_scale[m]) @ (B_e * b_scale_e)^T`` for the expert ``e`` of row ``m``'s
-128-row tile.
+"""TileLang program: the block-scaled grouped GEMM, contiguous layout (the rule and the formats: :mod:`.reference`):
+``D[m] = (A[m] * a_scale[m]) @ W_e^T`` for the expert ``e`` of row ``m``'s 128-row tile, ``W_e`` either FP8 weights
+times their 128 x 128 block scales or FP4 (MXFP4) weights times their UE8M0 scales (one per 32 values of a row).
+One program body for both weight formats (:func:`_contiguous_body`), two entry points with their own signatures.
 
-A block computes ``block_m x block_n`` of ``D`` (``block_m`` 128: one tile of the layout; ``block_n`` a divisor of
-128, so one weight scale covers it per K step). Per K step of 128: both operands' FP8 tiles to shared memory
-(pipelined), one tensor-core GEMM of the tile into a float32 fragment, then that fragment, times the rows' A
-scales and the block's B scale (read from global memory into registers by the threads holding those rows; kept
-in shared memory, the two consumer warp groups' writes and reads of it raced under TileLang's warp
-specialisation), added to the float32 accumulator (the scales change every K step, so they cannot
-be applied after the loop). Both GEMM operands come from shared memory (what MUSA MP31 lowers).
+A block computes ``block_m x block_n`` of ``D`` (``block_m`` 128: one tile of the layout). Per K step of 128:
+
+- FP8 weights (``block_n`` a divisor of 128, so one weight scale covers it): both operands' FP8 tiles to shared
+  memory (pipelined), one tensor-core GEMM of the tile into a float32 fragment, then that fragment, times the
+  rows' A scales and the block's B scale (read from global memory into registers by the threads holding those
+  rows; kept in shared memory, the two consumer warp groups' writes and reads of it raced under TileLang's warp
+  specialisation), added to the float32 accumulator (the scales change every K step, so they cannot be applied
+  after the loop).
+- FP4 weights: the A tile (FP8) and the packed weight bytes with their scale bytes go to shared memory
+  (pipelined); the weights are converted into a bf16 tile there (:mod:`.fp4_tir`, exact) and A widened to bf16
+  beside them; one bf16 tensor-core GEMM of the two shared tiles goes into a float32 fragment that the rows' A
+  scales scale into the accumulator. The weights stay packed in memory.
+
+Both GEMM operands come from shared memory (what MUSA MP31 lowers).
 
 The tile's expert is the id of its first row. Per row, the block writes: the result where the row's id is the
 tile's expert, NaN where the id is another non-negative value, nothing where the id is ``-1`` or the row is past
@@ -22,55 +30,68 @@ the same pass moves a local's initialisation past the branch that tests it.
 import functools
 
 from ..._tilelang import tl_lang as T
+from .fp4_tir import convert_words, fp4_weight, packed_weights
 
 FP8 = "float8_e4m3"
 ACC = "float32"
+BF16 = "bfloat16"
 
 
-@functools.lru_cache(maxsize=None)
-def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages: int = 4, threads: int = 256,
-                                  policy: str = "Square", swizzle: int = 0):
-    """``N``, ``K``: the weights' shape (multiples of 128); ``M`` and the expert count are dynamic. ``policy``: how
-    the tile GEMM splits the block among the warps (TileLang's ``GemmWarpPolicy``: ``Square``, ``FullRow``: each
-    warp group whole rows of the tile, ``FullCol``). ``swizzle``: 0 launches the blocks row of tiles by row of
-    tiles; a panel width launches them in panels of that many tile columns (``T.use_swizzle``), so blocks running
-    together share weight tiles in L2."""
+def _contiguous_body(N: int, K: int, block_n: int, num_stages: int, threads: int, M, E, fp4: bool,
+                     policy: str = "Square", swizzle: int = 0, per: int = 1, packing: str = "", convert=None,
+                     scale_dtype: str = ACC):
+    """The macro ``body(A, SA, B, SB, layout, D)`` of both programs (``fp4``: the weights' format; ``per``,
+    ``packing``, ``convert``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`)."""
     block_m, block_k = 128, 128
-    assert N % block_n == 0 and 128 % block_n == 0 and K % block_k == 0
-    M, E = T.dynamic("m"), T.dynamic("experts")
     KS = K // block_k
+    packed = packed_weights(packing)[1] if fp4 else FP8
 
-    @T.prim_func
-    def grouped_gemm_contiguous(
-        A: T.Tensor((M, K), FP8),
-        SA: T.Tensor((M, KS), ACC),
-        B: T.Tensor((E, N, K), FP8),
-        SB: T.Tensor((E, N // 128, KS), ACC),
-        layout: T.Tensor((M,), "int32"),
-        D: T.Tensor((M, N), "bfloat16"),
-    ):
+    @T.macro
+    def body(A, SA, B, SB, layout, D):
         with T.Kernel(N // block_n, T.ceildiv(M, block_m), threads=threads) as (bx, by):
             if swizzle:
                 T.use_swizzle(swizzle)
             A_s = T.alloc_shared((block_m, block_k), FP8)
-            B_s = T.alloc_shared((block_n, block_k), FP8)
-            scale = T.alloc_fragment((block_m,), ACC)
-            D_s = T.alloc_shared((block_m, block_n), "bfloat16")
+            if fp4:
+                Bq_s = T.alloc_shared((block_n, block_k // per), packed)
+                Bs_s = T.alloc_shared((block_n, block_k // 32), scale_dtype)
+                A_w = T.alloc_shared((block_m, block_k), BF16)
+                B_w = T.alloc_shared((block_n, block_k), BF16)
+                D_s = T.alloc_shared((block_m, block_n), BF16)
+                scale = T.alloc_fragment((block_m,), ACC)
+            else:
+                B_s = T.alloc_shared((block_n, block_k), FP8)
+                scale = T.alloc_fragment((block_m,), ACC)
+                D_s = T.alloc_shared((block_m, block_n), BF16)
             part = T.alloc_fragment((block_m, block_n), ACC)
             acc = T.alloc_fragment((block_m, block_n), ACC)
 
-            NAN_BF16 = T.reinterpret(T.uint16(0x7FC0), "bfloat16")
+            NAN_BF16 = T.reinterpret(T.uint16(0x7FC0), BF16)
             row0 = by * block_m
             if T.And(layout[row0] >= 0, layout[row0] < E):
                 T.clear(acc)
                 for k in T.Pipelined(KS, num_stages=num_stages):
                     T.copy(A[row0, k * block_k], A_s)
-                    T.copy(B[layout[row0], bx * block_n, k * block_k], B_s)
-                    for i in T.Parallel(block_m):
-                        scale[i] = (T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
-                                    * SB[layout[row0], bx * block_n // 128, k])
-                    T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True,
-                           policy=getattr(T.GemmWarpPolicy, policy))
+                    if fp4:
+                        T.copy(B[layout[row0], bx * block_n, k * (block_k // per)], Bq_s)
+                        T.copy(SB[layout[row0], bx * block_n, k * (block_k // 32)], Bs_s)
+                        for i, j in T.Parallel(block_m, block_k):
+                            A_w[i, j] = T.Cast(BF16, A_s[i, j])
+                        if packing == "words":
+                            convert(Bq_s, Bs_s, B_w)
+                        else:
+                            for n, j in T.Parallel(block_n, block_k):
+                                B_w[n, j] = T.Cast(BF16, fp4_weight(Bq_s, Bs_s, n, j))
+                        for i in T.Parallel(block_m):
+                            scale[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
+                        T.gemm(A_w, B_w, part, transpose_B=True, clear_accum=True)
+                    else:
+                        T.copy(B[layout[row0], bx * block_n, k * block_k], B_s)
+                        for i in T.Parallel(block_m):
+                            scale[i] = (T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
+                                        * SB[layout[row0], bx * block_n // 128, k])
+                        T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True,
+                               policy=getattr(T.GemmWarpPolicy, policy))
                     for i, j in T.Parallel(block_m, block_n):
                         acc[i, j] += part[i, j] * scale[i]
                 T.copy(acc, D_s)
@@ -85,4 +106,58 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
                         if layout[row0 + i] >= 0:
                             D[row0 + i, bx * block_n + j] = NAN_BF16
 
+    return body
+
+
+@functools.lru_cache(maxsize=None)
+def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages: int = 4, threads: int = 256,
+                                  policy: str = "Square", swizzle: int = 0):
+    """FP8 weights. ``N``, ``K``: the weights' shape (multiples of 128); ``M`` and the expert count are dynamic.
+    ``policy``: how the tile GEMM splits the block among the warps (TileLang's ``GemmWarpPolicy``: ``Square``,
+    ``FullRow``: each warp group whole rows of the tile, ``FullCol``). ``swizzle``: 0 launches the blocks row of
+    tiles by row of tiles; a panel width launches them in panels of that many tile columns (``T.use_swizzle``),
+    so blocks running together share weight tiles in L2."""
+    assert N % block_n == 0 and 128 % block_n == 0 and K % 128 == 0
+    M, E = T.dynamic("m"), T.dynamic("experts")
+    KS = K // 128
+    body = _contiguous_body(N, K, block_n, num_stages, threads, M, E, False, policy=policy, swizzle=swizzle)
+
+    @T.prim_func
+    def grouped_gemm_contiguous(
+        A: T.Tensor((M, K), FP8),
+        SA: T.Tensor((M, KS), ACC),
+        B: T.Tensor((E, N, K), FP8),
+        SB: T.Tensor((E, N // 128, KS), ACC),
+        layout: T.Tensor((M,), "int32"),
+        D: T.Tensor((M, N), BF16),
+    ):
+        body(A, SA, B, SB, layout, D)
+
     return grouped_gemm_contiguous
+
+
+@functools.lru_cache(maxsize=None)
+def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_stages: int = 2, threads: int = 256,
+                                      scale_dtype: str = "uint8", packing: str = "bytes"):
+    """FP4 weights. ``N``, ``K``: the weights' logical shape (multiples of 128); ``M`` and the expert count are
+    dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values). ``packing``: ``bytes``
+    or ``words``, how ``B``'s memory is read and converted (:func:`.fp4_tir.packed_weights`)."""
+    per, packed = packed_weights(packing)
+    assert N % block_n == 0 and K % 128 == 0
+    M, E = T.dynamic("m"), T.dynamic("experts")
+    KS = K // 128
+    body = _contiguous_body(N, K, block_n, num_stages, threads, M, E, True, per=per, packing=packing,
+                            convert=convert_words(block_n, 128, threads, BF16), scale_dtype=scale_dtype)
+
+    @T.prim_func
+    def grouped_gemm_contiguous_fp4(
+        A: T.Tensor((M, K), FP8),
+        SA: T.Tensor((M, KS), ACC),
+        B: T.Tensor((E, N, K // per), packed),
+        SB: T.Tensor((E, N, K // 32), scale_dtype),
+        layout: T.Tensor((M,), "int32"),
+        D: T.Tensor((M, N), BF16),
+    ):
+        body(A, SA, B, SB, layout, D)
+
+    return grouped_gemm_contiguous_fp4

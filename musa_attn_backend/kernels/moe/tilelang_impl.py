@@ -8,12 +8,12 @@ from ..._tilelang import compile_cached, tl
 from ...platform import features_of
 from .combine_kernel import build_combine_experts
 from .contiguous_fp4_fp8_kernel import build_grouped_gemm_contiguous_fp4_fp8
-from .contiguous_fp4_kernel import build_grouped_gemm_contiguous_fp4
+from .contiguous_kernel import build_grouped_gemm_contiguous_fp4
 from .contiguous_kernel import build_grouped_gemm_contiguous
 from .contiguous_swiglu_kernel import build_grouped_gemm_swiglu_contiguous
 from .layer import _rows_fp8
 from .masked_fp4_fp8_kernel import build_grouped_gemm_masked_fp4_fp8
-from .masked_fp4_kernel import build_grouped_gemm_masked_fp4
+from .masked_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
 from .quantize_scatter_kernel import build_quantize_scatter
@@ -91,14 +91,14 @@ def _fp4_kernel(name: str, build, tiling_default: dict, build_fp8, tiling_fp8: d
 
 
 def contiguous_fp4_kernel(N: int, K: int, target=None, **tiling):
-    """The contiguous FP4 program (:func:`_fp4_kernel`: contiguous_fp4_kernel.py, contiguous_fp4_fp8_kernel.py);
+    """The contiguous FP4 program (:func:`_fp4_kernel`: contiguous_kernel.py, contiguous_fp4_fp8_kernel.py);
     ``auto`` is resolved by the caller, who knows the layout's size (:func:`_contiguous_fp4_overrides`)."""
     return _fp4_kernel("moe_fp4_contiguous", build_grouped_gemm_contiguous_fp4, CONTIGUOUS_FP4,
                        build_grouped_gemm_contiguous_fp4_fp8, CONTIGUOUS_FP4_FP8, (N, K), target, tiling)
 
 
 def masked_fp4_kernel(N: int, K: int, target=None, **tiling):
-    """The masked FP4 program (:func:`_fp4_kernel`: masked_fp4_kernel.py, masked_fp4_fp8_kernel.py)."""
+    """The masked FP4 program (:func:`_fp4_kernel`: masked_kernel.py, masked_fp4_fp8_kernel.py)."""
     return _fp4_kernel("moe_fp4_masked", build_grouped_gemm_masked_fp4, MASKED_FP4,
                        build_grouped_gemm_masked_fp4_fp8, MASKED_FP4_FP8, (N, K), target, tiling)
 
