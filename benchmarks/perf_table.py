@@ -177,37 +177,34 @@ def dsv4_table(results: Path = RESULTS) -> str:
         sources.append(f"`{path.name}` ({doc['device'].replace('NVIDIA ', '')}, commit {doc['commit'][:7]}, "
                        f"{doc['date'][:10]})")
 
-    found = newest_with("dsv4-attention-*.json", "flashmla", results)
-    if found:
-        path, doc = found
-        source(path, doc)
+    def attention(doc):  # the scheduled program (the default on Hopper) where the run timed it beside its own
         for label, want, op in V4_ATTENTION_LINES:
             for r in (r for r in doc["rows"] if r.get("op") == op and _match(r, want)):
-                # the scheduled program (the default on Hopper) where the run timed it beside the one it ran
-                ours = r.get("scheduled_ms") or r["ours_ms"]
-                add(label, ours, "FlashMLA", _peer_ms(r, "flashmla"), r["roofline_frac"] * r["ours_ms"])
-    found = newest_with("moe-*.json", "deepgemm", results)
-    if found:
-        path, doc = found
-        source(path, doc)
+                yield label, r.get("scheduled_ms") or r["ours_ms"], _peer_ms(r, "flashmla"), \
+                    r["roofline_frac"] * r["ours_ms"]
+
+    def moe(doc):
         for label, op, T, key, peer in MOE_LINES:
             for r in (r for r in doc["rows"] if r.get("op") == op and r["shape"].get("T") == T):
-                add(label, r.get(key), "DeepGEMM", _peer_ms(r, peer), r["roofline_ms"])
-    found = newest_with("dsv4-indexer-*.json", "deepgemm", results)
-    if found:
-        path, doc = found
-        source(path, doc)
-        for label, op, want in INDEXER_LINES:
-            for r in (r for r in doc["rows"] if r.get("op") == op and _match(r, want)):
-                add(label, r["ours_ms"], "DeepGEMM", _peer_ms(r, "deepgemm"), r["roofline_frac"] * r["ours_ms"])
-    found = newest_with("dsv4-model-*.json", "tile_kernels", results)
-    if found:
-        path, doc = found
-        source(path, doc)
-        for label, op, want in MODEL_LINES:
-            for r in (r for r in doc["rows"] if r.get("op") == op and _match(r, want)):
-                add(label, r["ours_ms"], "tile-kernels", _peer_ms(r, "tile_kernels"),
-                    r["roofline_frac"] * r["ours_ms"])
+                yield label, r.get(key), _peer_ms(r, peer), r["roofline_ms"]
+
+    def rows_of(lines_spec, peer):
+        def gen(doc):
+            for label, op, want in lines_spec:
+                for r in (r for r in doc["rows"] if r.get("op") == op and _match(r, want)):
+                    yield label, r["ours_ms"], _peer_ms(r, peer), r["roofline_frac"] * r["ours_ms"]
+        return gen
+
+    families = [("dsv4-attention-*.json", "flashmla", "FlashMLA", attention),
+                ("moe-*.json", "deepgemm", "DeepGEMM", moe),
+                ("dsv4-indexer-*.json", "deepgemm", "DeepGEMM", rows_of(INDEXER_LINES, "deepgemm")),
+                ("dsv4-model-*.json", "tile_kernels", "tile-kernels", rows_of(MODEL_LINES, "tile_kernels"))]
+    for pattern, peer, peer_label, rows in families:
+        found = newest_with(pattern, peer, results)
+        if found:
+            source(*found)
+            for label, ours, peer_ms, roofline_ms in rows(found[1]):
+                add(label, ours, peer_label, peer_ms, roofline_ms)
     if not lines:
         return "No DeepSeek-V4 results with DeepSeek's kernels beside ours yet."
     note = ("Kernel times (CUDA-graph replays), identical inputs for both sides, outputs compared in the same run; "

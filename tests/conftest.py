@@ -28,20 +28,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _load_module(folder: str, name: str):
+    """``<repo>/<folder>/<name>.py`` as the module ``name``, put in ``sys.modules`` before it runs (its dataclasses
+    look their module up while the class is made)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / folder / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="session")
 def load_bench():
-    """``load_bench(name)``: ``benchmarks/<name>.py`` as the module ``name``, put in ``sys.modules`` before it runs
-    (its dataclasses look their module up while the class is made)."""
+    """``load_bench(name)``: ``benchmarks/<name>.py`` as a module."""
+    return lambda name: _load_module("benchmarks", name)
 
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks"
-                                                      / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
-    return load
+@pytest.fixture(scope="session")
+def load_script():
+    """``load_script(name)``: ``scripts/<name>.py`` as a module."""
+    return lambda name: _load_module("scripts", name)
 
 
 @pytest.fixture

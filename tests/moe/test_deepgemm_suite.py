@@ -1,21 +1,14 @@
 """scripts/deepgemm_suite.py on a CPU: DeepGEMM's grouped-GEMM test cases (shrunk) pass on our reference path by
 DeepGEMM's rule, the case list is its generators', and a GEMM off by 10% fails the rule."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def suite():
-    spec = importlib.util.spec_from_file_location("deepgemm_suite", ROOT / "scripts" / "deepgemm_suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def suite(load_script):
+    return load_script("deepgemm_suite")
 
 
 def test_cases_are_deepgemms(suite):

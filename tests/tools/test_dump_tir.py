@@ -1,16 +1,9 @@
 """scripts/dump_tir.py: the MoE programs' TIR dumps are stable from one build to the next (so two commits' dumps can
 be compared), and the comparison names a program that changed or is missing."""
 
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("dump_tir", ROOT / "scripts" / "dump_tir.py")
-dump_tir = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(dump_tir)
-
-
-def test_moe_dumps_are_stable_and_a_change_is_named(tmp_path, capsys):
+def test_moe_dumps_are_stable_and_a_change_is_named(tmp_path, capsys, load_script):
+    dump_tir = load_script("dump_tir")
     a, b = tmp_path / "a", tmp_path / "b"
     n = dump_tir.dump(a, ["moe"], ["mp_31"])
     assert n >= 60 and dump_tir.dump(b, ["moe"], ["mp_31"]) == n

@@ -3,7 +3,6 @@ exposes FlashMLA's three functions with FlashMLA's argument order, the case list
 block are read without running the block, V3.2 cases are left out and the work filter counts entries."""
 
 import dataclasses
-import importlib.util
 import inspect
 import sys
 from pathlib import Path
@@ -14,11 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def suite():
-    spec = importlib.util.spec_from_file_location("flashmla_suite", ROOT / "scripts" / "flashmla_suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def suite(load_script):
+    return load_script("flashmla_suite")
 
 
 def test_standin_serves_flashmlas_three_functions_in_its_argument_order():
