@@ -30,7 +30,7 @@ the same pass moves a local's initialisation past the branch that tests it.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import convert_words, fp4_weight, packed_weights
+from .fp4_tir import bf16_operands, packed_weights
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -38,13 +38,14 @@ BF16 = "bfloat16"
 
 
 def _contiguous_body(N: int, K: int, block_n: int, num_stages: int, threads: int, M, E, fp4: bool,
-                     policy: str = "Square", swizzle: int = 0, per: int = 1, packing: str = "", convert=None,
+                     policy: str = "Square", swizzle: int = 0, per: int = 1, packing: str = "",
                      scale_dtype: str = ACC):
     """The macro ``body(A, SA, B, SB, layout, D)`` of both programs (``fp4``: the weights' format; ``per``,
-    ``packing``, ``convert``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`)."""
+    ``packing``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`)."""
     block_m, block_k = 128, 128
     KS = K // block_k
     packed = packed_weights(packing)[1] if fp4 else FP8
+    widen = bf16_operands(block_m, block_n, block_k, threads, packing) if fp4 else None
 
     @T.macro
     def body(A, SA, B, SB, layout, D):
@@ -75,13 +76,7 @@ def _contiguous_body(N: int, K: int, block_n: int, num_stages: int, threads: int
                     if fp4:
                         T.copy(B[layout[row0], bx * block_n, k * (block_k // per)], Bq_s)
                         T.copy(SB[layout[row0], bx * block_n, k * (block_k // 32)], Bs_s)
-                        for i, j in T.Parallel(block_m, block_k):
-                            A_w[i, j] = T.Cast(BF16, A_s[i, j])
-                        if packing == "words":
-                            convert(Bq_s, Bs_s, B_w)
-                        else:
-                            for n, j in T.Parallel(block_n, block_k):
-                                B_w[n, j] = T.Cast(BF16, fp4_weight(Bq_s, Bs_s, n, j))
+                        widen(A_s, Bq_s, Bs_s, A_w, B_w)
                         for i in T.Parallel(block_m):
                             scale[i] = T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
                         T.gemm(A_w, B_w, part, transpose_B=True, clear_accum=True)
@@ -147,7 +142,7 @@ def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_st
     M, E = T.dynamic("m"), T.dynamic("experts")
     KS = K // 128
     body = _contiguous_body(N, K, block_n, num_stages, threads, M, E, True, per=per, packing=packing,
-                            convert=convert_words(block_n, 128, threads, BF16), scale_dtype=scale_dtype)
+                            scale_dtype=scale_dtype)
 
     @T.prim_func
     def grouped_gemm_contiguous_fp4(

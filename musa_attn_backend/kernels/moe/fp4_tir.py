@@ -79,6 +79,26 @@ def convert_words(rows: int, cols: int, threads: int, out_dtype: str):
     return convert
 
 
+def bf16_operands(block_m: int, block_n: int, block_k: int, threads: int, packing: str):
+    """A macro ``widen(A_s, Bq_s, Bs_s, A_w, B_w)``: a K step's bf16 GEMM operands of the FP4 programs that convert
+    in shared memory (both layouts): ``A_w`` the FP8 tile ``A_s`` widened (exact), ``B_w [block_n, block_k]`` the
+    weights from their packed tile ``Bq_s`` and scales ``Bs_s`` by words (:func:`convert_words`) or one value a
+    thread (:func:`fp4_weight`), as ``packing`` says."""
+    convert = convert_words(block_n, block_k, threads, "bfloat16")
+
+    @T.macro
+    def widen(A_s, Bq_s, Bs_s, A_w, B_w):
+        for i, j in T.Parallel(block_m, block_k):
+            A_w[i, j] = T.Cast("bfloat16", A_s[i, j])
+        if packing == "words":
+            convert(Bq_s, Bs_s, B_w)
+        else:
+            for n, j in T.Parallel(block_n, block_k):
+                B_w[n, j] = T.Cast("bfloat16", fp4_weight(Bq_s, Bs_s, n, j))
+
+    return widen
+
+
 def e4m3_quads(word):
     """The e4m3 bytes of the eight E2M1 values of a little-endian int32 ``word`` of packed E2M1 (value ``i`` in bits
     ``4i .. 4i + 3``), as two uint32 words: values 0..3 in bytes 0..3 of the first, 4..7 of the second. Each byte

@@ -21,7 +21,7 @@ not written. The K loop is the contiguous program's (:mod:`.contiguous_kernel`):
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import convert_words, fp4_weight, packed_weights
+from .fp4_tir import bf16_operands, packed_weights
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -29,12 +29,13 @@ BF16 = "bfloat16"
 
 
 def _masked_body(N: int, K: int, block_m: int, block_n: int, num_stages: int, threads: int, E, MM, fp4: bool,
-                 per: int = 1, packing: str = "", convert=None, scale_dtype: str = ACC):
+                 per: int = 1, packing: str = "", scale_dtype: str = ACC):
     """The macro ``body(A, SA, B, SB, masked_m, D)`` of both programs (``fp4``: the weights' format; ``per``,
-    ``packing``, ``convert``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`)."""
+    ``packing``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`)."""
     block_k = 128
     KS = K // block_k
     packed = packed_weights(packing)[1] if fp4 else FP8
+    widen = bf16_operands(block_m, block_n, block_k, threads, packing) if fp4 else None
 
     @T.macro
     def body(A, SA, B, SB, masked_m, D):
@@ -65,13 +66,7 @@ def _masked_body(N: int, K: int, block_m: int, block_n: int, num_stages: int, th
                     if fp4:
                         T.copy(B[e, bx * block_n, k * (block_k // per)], Bq_s)
                         T.copy(SB[e, bx * block_n, k * (block_k // 32)], Bs_s)
-                        for i, j in T.Parallel(block_m, block_k):
-                            A_w[i, j] = T.Cast(BF16, A_s[i, j])
-                        if packing == "words":
-                            convert(Bq_s, Bs_s, B_w)
-                        else:
-                            for n, j in T.Parallel(block_n, block_k):
-                                B_w[n, j] = T.Cast(BF16, fp4_weight(Bq_s, Bs_s, n, j))
+                        widen(A_s, Bq_s, Bs_s, A_w, B_w)
                         for i in T.Parallel(block_m):
                             scale[i] = T.if_then_else(row0 + i < rows, SA[e, T.min(row0 + i, MM - 1), k], 0.0)
                         T.gemm(A_w, B_w, part, transpose_B=True, clear_accum=True)
@@ -128,7 +123,7 @@ def build_grouped_gemm_masked_fp4(N: int, K: int, block_m: int = 64, block_n: in
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
     KS = K // 128
     body = _masked_body(N, K, block_m, block_n, num_stages, threads, E, MM, True, per=per, packing=packing,
-                        convert=convert_words(block_n, 128, threads, BF16), scale_dtype=scale_dtype)
+                        scale_dtype=scale_dtype)
 
     @T.prim_func
     def grouped_gemm_masked_fp4(
