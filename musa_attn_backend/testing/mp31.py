@@ -118,6 +118,8 @@ def moe_programs(target: str = "mp_31") -> dict:
             mi.swiglu_quant_kernel(I, limit)
             mi.combine_kernel(H, k)
             mi.quantize_scatter_kernel(H, k)
+            for has_map in (False, True):
+                mi.route_masked_kernel(cfg["n_routed_experts"], k, "int32", "float32", has_map)
     return programs
 
 

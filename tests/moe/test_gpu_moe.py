@@ -462,3 +462,36 @@ def test_quantize_scatter_matches_reference(gpu_device, T, H, k, rows):
     assert (a[~named].view(torch.uint8) == 0x7F).all() and torch.isnan(sa[~named]).all()
     qa, qsa = moe.quantize_scatter(x, dest, rows, impl="tilelang")  # the op: fresh buffers, same named rows
     assert torch.equal(qa[named].view(torch.uint8), ra[named].view(torch.uint8)) and torch.equal(qsa[named], rsa[named])
+
+
+@pytest.mark.parametrize("T,ids_dtype,weights_dtype,mapped", [(1, torch.int32, torch.float32, False),
+                                                              (7, torch.int64, torch.bfloat16, True),
+                                                              (300, torch.int32, torch.float32, True),
+                                                              (1000, torch.int64, torch.float32, False)])
+def test_route_masked_program_matches_reference(gpu_device, T, ids_dtype, weights_dtype, mapped):
+    """The one-launch routing (``route_masked_kernel.py``) against the torch rule: the same slots and counts, the
+    merged weights within float32 rounding (summed in choice order), on routings with repeated experts, negative
+    ids, ids past the map or the local range, experts of other ranks, and more choices than one chunk of threads
+    (T 300, 1000: several chunks; counts carried between them)."""
+    g = torch.Generator(device=gpu_device).manual_seed(T)
+    E, k = 256, 6
+    ids = torch.randint(-3, 300 if mapped else 270, (T, k), device=gpu_device, generator=g).to(ids_dtype)
+    ids[0, 1:] = ids[0, 0]  # one token naming one expert six times
+    weights = torch.rand(T, k, device=gpu_device, generator=g).to(weights_dtype)
+    emap = None
+    if mapped:
+        emap = torch.randint(-1, E, (288,), device=gpu_device, generator=g, dtype=torch.int32)
+    slot, merged, counts = moe.route_masked(ids, weights, E, emap, impl="tilelang")
+    rs, rm, rc = moe.route_masked_reference(ids, weights, E, emap)
+    assert torch.equal(slot.long(), rs.long()) and torch.equal(counts, rc)
+    torch.testing.assert_close(merged, rm, rtol=1e-6, atol=1e-6)
+    assert int((slot < E * T).sum()) > 0.5 * T * k and int(counts.sum()) == int((slot < E * T).sum())
+
+
+@pytest.mark.parametrize("T,mapped", [(1, False), (64, True)])
+def test_fused_experts_with_the_route_program(gpu_device, T, mapped, monkeypatch):
+    """The masked layer with its routing in one launch (``layer.ROUTE_KERNEL``), same bounds as with torch's."""
+    from musa_attn_backend.kernels.moe import layer as moe_layer
+
+    monkeypatch.setattr(moe_layer, "ROUTE_KERNEL", True)
+    test_fused_experts_matches_reference(gpu_device, T, "masked", mapped, False, "pass", monkeypatch)

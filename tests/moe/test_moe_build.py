@@ -19,7 +19,8 @@ from musa_attn_backend.kernels.moe.masked_kernel import build_grouped_gemm_maske
 from musa_attn_backend.kernels.moe.masked_swiglu_kernel import build_grouped_gemm_swiglu_masked as _swiglu_masked
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
 
-TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "uint8": torch.uint8,
+TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "int64": torch.int64,
+            "uint8": torch.uint8,
             "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
@@ -169,7 +170,7 @@ NVCC = nvcc_path()
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("which", ["contiguous", "masked", "masked_fp4", "contiguous_fp4", "swiglu_quant",
                                    "contiguous_swiglu", "masked_swiglu", "combine", "quantize_scatter",
-                                   "masked_fp4_words", "contiguous_fp4_fp8"])
+                                   "masked_fp4_words", "contiguous_fp4_fp8", "route_masked"])
 def test_programs_compile_for_sm90a(which):
     """Each program the glue launches, built by nvcc for sm_90a under its default tiling (the FP4 ones: the default
     forms, and the masked bf16 word form)."""
@@ -184,6 +185,8 @@ def test_programs_compile_for_sm90a(which):
         kern = ti.combine_kernel(7168, 6, target=HOPPER)
     elif which == "quantize_scatter":
         kern = ti.quantize_scatter_kernel(7168, 6, target=HOPPER)
+    elif which == "route_masked":
+        kern = ti.route_masked_kernel(256, 6, "int64", "bfloat16", True, target=HOPPER)
     elif which == "swiglu_quant":
         kern = ti.swiglu_quant_kernel(2048, 10.0, target=HOPPER)
     elif which.endswith("_swiglu"):
@@ -414,3 +417,84 @@ def test_quantize_scatter_glue_and_lowering(use_settings):
     src = _tilelang.lower(func, HOPPER).source
     assert "*(fp8_e4_4_t*)(A + (((((int64_t)dest[" in src and "tl::AllReduce<tl::MaxOp" in src
     assert "__fdiv_rn(" in src
+
+
+@pytest.mark.parametrize("ids_dtype,mapped", [(torch.int32, False), (torch.int64, True)])
+def test_route_masked_glue_and_lowering(use_settings, ids_dtype, mapped):
+    """``route_masked`` on the TileLang path: the ids and weights as they come, a map (or a one-entry stand-in the
+    program does not read) and fresh int32 slots, float32 weights and int32 counts, matching the program's
+    signature; one block, its chunks' choices ranked in shared memory between barriers."""
+    use_settings(target="sm_90a")
+    calls = []
+
+    def capture(key, build, target, pass_configs):
+        func = build()
+        return lambda *args: calls.append((key, func, args))
+
+    ids = torch.zeros(5, 6, dtype=ids_dtype)
+    emap = torch.arange(512, dtype=torch.int32) if mapped else None
+    with _tilelang.intercepting(capture):
+        slot, merged, counts = ti.route_masked_tilelang(ids, torch.ones(5, 6), 256, emap)
+    ((key, func, args),) = calls
+    _signature_check(func, args)
+    assert key == ("moe_route_masked", 256, 6, str(ids_dtype).split(".")[-1], "float32", mapped)
+    assert slot.dtype == torch.int32 and merged.dtype == torch.float32 and counts.shape == (256,)
+    assert (args[2] is emap) == mapped
+    src = _tilelang.lower(func, HOPPER).source
+    assert src.count("__syncthreads()") >= 3 and "__shared__" in src
+
+
+def _route_by_hand(ids, weights, E, emap):
+    """The masked routing written out choice by choice (the spec the reference and the program implement)."""
+    T, k = ids.shape
+    loc = [[E] * k for _ in range(T)]
+    for t in range(T):
+        for j in range(k):
+            g = int(ids[t, j])
+            if emap is not None:
+                g = int(emap[g]) if 0 <= g < emap.numel() else -1
+            loc[t][j] = g if 0 <= g < E else E
+    slot, merged, counts = torch.full((T, k), E * T), torch.zeros(T, k), torch.zeros(E, dtype=torch.int32)
+    for t in range(T):
+        for j in range(k):
+            e = loc[t][j]
+            merged[t, j] = sum(float(weights[t, i]) for i in range(k) if loc[t][i] == e)
+            if e < E and e in loc[t][:j]:
+                merged[t, j] = 0.0
+                continue
+            if e < E:
+                slot[t, j] = e * T + int(counts[e])
+                counts[e] += 1
+    return slot, merged, counts
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_route_masked_reference_is_the_rule(mapped):
+    """The reference routing against the rule written out by hand, on routings with repeated experts, ids past
+    the map or the local range, negative ids and (mapped) experts of other ranks: slots, merged weights, counts."""
+    g = torch.Generator().manual_seed(int(mapped))
+    T, k, E = 37, 6, 8
+    ids = torch.randint(-2, 14 if mapped else 10, (T, k), generator=g, dtype=torch.int32)
+    ids[3] = ids[3, 0]  # a token naming one expert six times
+    weights = torch.rand(T, k, generator=g)
+    emap = torch.where(torch.rand(12, generator=g) < 0.3, -1, torch.randint(0, E + 2, (12,), generator=g)).to(
+        torch.int32) if mapped else None
+    slot, merged, counts = moe.route_masked_reference(ids, weights, E, emap)
+    hs, hm, hc = _route_by_hand(ids, weights, E, emap)
+    assert torch.equal(slot.long(), hs.long()) and torch.equal(counts, hc)
+    torch.testing.assert_close(merged, hm, rtol=1e-6, atol=1e-6)
+    assert 0 < int((slot < E * T).sum()) < T * k  # some choices kept, some dropped
+    op_slot, op_merged, op_counts = moe.route_masked(ids, weights, E, emap)  # the op on the CPU: the reference
+    assert torch.equal(op_slot, slot) and torch.equal(op_counts, counts)
+
+
+def test_route_masked_refuses_bad_arguments():
+    ids = torch.zeros(4, 6, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_ids must be a 2-D int32 or int64"):
+        moe.route_masked(ids.float(), torch.ones(4, 6), 8)
+    with pytest.raises(ValueError, match="topk_weights must be a float32 or bfloat16"):
+        moe.route_masked(ids, torch.ones(4, 5), 8)
+    with pytest.raises(ValueError, match="expert_map must be a contiguous 1-D int32"):
+        moe.route_masked(ids, torch.ones(4, 6), 8, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        moe.route_masked(ids, torch.ones(4, 6), 0)

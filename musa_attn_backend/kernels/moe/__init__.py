@@ -23,6 +23,7 @@ from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
 from . import layer
 from .layer import (MASKED_MAX_TOKENS, combine_reference, fused_experts_reference, quantize_scatter_reference,
+                    route_masked_reference,
                     grouped_gemm_swiglu_contiguous_reference,
                     grouped_gemm_swiglu_masked_reference, swiglu_quant_reference)
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
@@ -30,6 +31,7 @@ from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, 
                         quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
 
 __all__ = ["fused_experts", "fused_experts_reference", "combine_experts", "combine_reference", "quantize_scatter",
+           "route_masked", "route_masked_reference",
            "quantize_scatter_reference", "grouped_gemm_fp8",
            "grouped_gemm_fp8_masked",
            "quantize_groups", "swiglu_quant", "swiglu_quant_reference", "grouped_gemm_swiglu_fp8",
@@ -282,6 +284,40 @@ def grouped_gemm_swiglu_fp8_masked(a: torch.Tensor, a_scale: torch.Tensor, w13: 
     return grouped_gemm_swiglu_masked_tilelang(a, a_scale, w13, w13_scale, masked_m, swiglu_limit, out)
 
 
+def route_masked(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                 expert_map: Optional[torch.Tensor] = None, *, impl: str = "auto") -> tuple:
+    """The masked layout's routing (:func:`.layer.route_masked_reference`): ``(slot [T, k], weights [T, k]
+    float32, counts [E] int32)``, a token's repeated choices of one expert merged, choice ``(t, j)`` of local
+    expert ``e`` at row ``e * T + r`` (``r``: its earlier choices of ``e`` in flat order), a choice with none at
+    the spare row ``E * T``.
+
+    - ``topk_ids [T, k]`` int32 or int64 (global ids through ``expert_map [global experts]`` int32, -1: not local,
+      when given); ``topk_weights [T, k]`` float32 or bfloat16; ``num_experts`` the local experts.
+
+    Contiguous tensors on one device; no host read. The TileLang path (one launch) returns int32 slots, the
+    reference int64 ones of the same values."""
+    op = "route_masked"
+    check(isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2 and topk_ids.dtype in (torch.int32, torch.int64),
+          lambda: f"{op}: topk_ids must be a 2-D int32 or int64 tensor [T, k]")
+    T, k = topk_ids.shape
+    check(isinstance(topk_weights, torch.Tensor) and tuple(topk_weights.shape) == (T, k)
+          and topk_weights.dtype in (torch.float32, torch.bfloat16),
+          lambda: f"{op}: topk_weights must be a float32 or bfloat16 [{T}, {k}] tensor")
+    check(isinstance(num_experts, int) and 1 <= num_experts and num_experts * max(T, 1) < 2 ** 31,
+          lambda: f"{op}: num_experts must be a positive int with num_experts * T < 2^31, got {num_experts!r}")
+    check(expert_map is None or (isinstance(expert_map, torch.Tensor) and expert_map.dim() == 1
+                                 and expert_map.dtype == torch.int32 and expert_map.is_contiguous()),
+          lambda: f"{op}: expert_map must be a contiguous 1-D int32 tensor")
+    check(topk_ids.is_contiguous() and topk_weights.is_contiguous(),
+          lambda: f"{op}: topk_ids and topk_weights must be contiguous")
+    check_same_device(op, topk_ids=topk_ids, topk_weights=topk_weights, expert_map=expert_map)
+    if _run(op, impl, topk_ids.device) == "reference" or T == 0:
+        return route_masked_reference(topk_ids, topk_weights, num_experts, expert_map)
+    from .tilelang_impl import route_masked_tilelang
+
+    return route_masked_tilelang(topk_ids, topk_weights, num_experts, expert_map)
+
+
 def quantize_scatter(x: torch.Tensor, dest: torch.Tensor, rows: int, *,
                      impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The grouped GEMMs' A operand from the tokens: each row of ``x`` quantised once (:func:`quantize_groups`) and
@@ -437,6 +473,9 @@ class _LayerOps:
 
     def _glue(self):
         return self.impl if layer.GLUE_KERNELS else "reference"
+
+    def route_masked(self, *args):
+        return route_masked(*args, impl=self.impl if layer.ROUTE_KERNEL else "reference")
 
     def quantize_scatter(self, *args):
         return quantize_scatter(*args, impl=self._glue())

@@ -40,6 +40,10 @@ SWIGLU_PATHS = ("torch", "pass", "fused")
 # TileLang programs (quantize_scatter_kernel.py: each token quantised once, written to its choices' rows;
 # combine_kernel.py: each chosen row read once as bf16, no [T, k, H] float32 intermediate), the faster measured
 GLUE_KERNELS = True
+# the masked layout's routing (local ids, repeats merged, slots, counts): False, the torch ops of
+# route_masked_reference (about twenty small launches at decode); True, one launch of route_masked_kernel.py.
+# Off until the program has run on a GPU (built and checked on the CPU only, 2026-12-06)
+ROUTE_KERNEL = False
 
 
 def swiglu(h: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
@@ -207,6 +211,27 @@ def merge_repeated_choices(ids: torch.Tensor, weights: torch.Tensor, E: int) -> 
     return torch.where(repeat, E, ids), torch.where(repeat, 0.0, merged)
 
 
+def route_masked_reference(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                           expert_map: Optional[torch.Tensor] = None) -> tuple:
+    """The masked layout's routing: ``(slot [T, k], weights [T, k] float32, counts [E] int32)``. A token's
+    repeated choices of one expert are merged first (:func:`merge_repeated_choices`); choice ``(t, j)`` of expert
+    ``e`` goes to row ``e * T + r`` of the ``[E * T]`` rows, ``r`` its earlier choices of ``e`` in flat order;
+    a choice with no local expert (or merged away) to the spare row ``E * T``. Torch ops, no host read."""
+    T, k = topk_ids.shape
+    E = num_experts
+    ids, weights = merge_repeated_choices(local_expert_ids(topk_ids, E, expert_map), topk_weights, E)
+    ids = ids.reshape(-1)
+    keep = ids < E
+    e = ids.clamp(max=E - 1)
+    # the choices of each expert, one-hot (a scatter: F.one_hot checks the ids' range on the host)
+    onehot = torch.zeros(T * k, E + 1, dtype=torch.long, device=ids.device).scatter_(
+        1, torch.where(keep, ids, E).unsqueeze(1), 1)[:, :E]
+    rank = (torch.cumsum(onehot, 0) - onehot).gather(1, e.unsqueeze(1)).squeeze(1)  # earlier choices of e
+    counts = onehot.sum(0).to(torch.int32)
+    slot = torch.where(keep, e * T + rank, E * T)  # E * T: a spare row for dropped choices
+    return slot.view(T, k), weights, counts
+
+
 def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, swiglu_limit, expert_map,
                          gemm, out, path="torch", ops=None):
     """The masked layout: each expert's rows at ``[e, 0 .. count)`` of ``[E, T, K]`` buffers (a token's repeated
@@ -218,22 +243,14 @@ def fused_experts_masked(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_
     T, k = topk_ids.shape
     E = w13.shape[0]
     dev = hidden.device
-    ids, topk_weights = merge_repeated_choices(local_expert_ids(topk_ids, E, expert_map), topk_weights, E)
-    ids = ids.reshape(-1)
-    keep = ids < E
-    e = ids.clamp(max=E - 1)
-    # the choices of each expert, one-hot (a scatter: F.one_hot checks the ids' range on the host)
-    onehot = torch.zeros(T * k, E + 1, dtype=torch.long, device=dev).scatter_(
-        1, torch.where(keep, ids, E).unsqueeze(1), 1)[:, :E]
-    rank = (torch.cumsum(onehot, 0) - onehot).gather(1, e.unsqueeze(1)).squeeze(1)  # earlier choices of e
-    counts = onehot.sum(0).to(torch.int32)
-    slot = torch.where(keep, e * T + rank, E * T)  # E * T: a spare row for dropped choices
-    a, sa = (t.view(E, T, -1) for t in ops.quantize_scatter(hidden, slot.view(T, k), E * T))
+    slot, topk_weights, counts = ops.route_masked(topk_ids, topk_weights, E, expert_map)
+    a, sa = (t.view(E, T, -1) for t in ops.quantize_scatter(hidden, slot, E * T))
     if path == "fused":
         a2, sa2 = ops.gemm_swiglu_masked(a, sa, w13, w13_scale, counts, swiglu_limit,
                                          _rows_fp8((E, T), w13.shape[1] // 2, dev))
     else:
         h = gemm(a, sa, w13, w13_scale, counts, torch.empty(E, T, w13.shape[1], dtype=torch.bfloat16, device=dev))
-        a2, sa2 = (t.view(E, T, -1) for t in _swiglu_quant_rows(h.view(E * T, -1), slot, swiglu_limit, path, ops))
+        a2, sa2 = (t.view(E, T, -1) for t in _swiglu_quant_rows(h.view(E * T, -1), slot.reshape(-1), swiglu_limit,
+                                                                   path, ops))
     y = gemm(a2, sa2, w2, w2_scale, counts, torch.empty(E, T, w2.shape[1], dtype=torch.bfloat16, device=dev))
-    return ops.combine(y.view(E * T, -1), slot.view(T, k), topk_weights, out)
+    return ops.combine(y.view(E * T, -1), slot, topk_weights, out)

@@ -17,6 +17,7 @@ from .masked_kernel import build_grouped_gemm_masked_fp4
 from .masked_kernel import build_grouped_gemm_masked
 from .masked_swiglu_kernel import build_grouped_gemm_swiglu_masked
 from .quantize_scatter_kernel import build_quantize_scatter
+from .route_masked_kernel import build_route_masked
 from .reference import ALIGN
 from .swiglu_quant_kernel import build_swiglu_quant
 
@@ -126,6 +127,31 @@ def combine_kernel(H: int, k: int, target=None, **tiling):
 
 def quantize_scatter_kernel(H: int, k: int, target=None, **tiling):
     return _kernel("moe_quantize_scatter", build_quantize_scatter, {}, (H, k), target, tiling)
+
+
+def route_masked_kernel(E: int, k: int, ids_dtype: str, weights_dtype: str, has_map: bool, target=None, **tiling):
+    return _kernel("moe_route_masked", build_route_masked, {}, (E, k, ids_dtype, weights_dtype, has_map), target,
+                   tiling)
+
+
+def route_masked_tilelang(ids, weights, E, expert_map):
+    """``(slot [T, k] int32, weights [T, k] float32, counts [E] int32)`` in one launch."""
+    T, k = ids.shape
+    dev = ids.device
+    slot = torch.empty(T, k, dtype=torch.int32, device=dev)
+    merged = torch.empty(T, k, dtype=torch.float32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    emap = expert_map
+    if emap is None:  # the program reads no map then: one uninitialised entry per device, made once
+        emap = _NO_MAP.get(dev)
+        if emap is None:
+            emap = _NO_MAP[dev] = torch.empty(1, dtype=torch.int32, device=dev)
+    route_masked_kernel(E, k, str(ids.dtype).split(".")[-1], str(weights.dtype).split(".")[-1],
+                        expert_map is not None)(ids, weights, emap, slot, merged, counts)
+    return slot, merged, counts
+
+
+_NO_MAP: dict = {}  # a one-entry map per device for calls without one (the program does not read it then)
 
 
 def quantize_scatter_tilelang(x, dest, rows):
