@@ -44,7 +44,8 @@ V4's clamped SwiGLU, the weighted sum; FP8 and FP4 weights), against the same la
 GEMMs (its kernel twice, torch for the SwiGLU, the quantisation and the sum); ``ours_paths_ms`` times the FP8 layer
 under each of ``layer.SWIGLU_PATHS`` (torch ops, one ``swiglu_quant`` pass, the epilogue-fused GEMM1), and
 ``ours_glue_ms`` with its glue (the quantise-and-scatter, the weighted sum) as TileLang programs and as torch ops
-(``layer.GLUE_KERNELS``).
+(``layer.GLUE_KERNELS``); at masked sizes ``ours_route_ms`` with the routing in one launch and as torch ops
+(``layer.ROUTE_KERNEL``).
 
 The roofline of a row is the larger of its FLOPs at the run's dense FP8 matmul rate (``torch._scaled_mm`` at 8192^3)
 and its bytes (the weights of the experts the routing touches, A and D) at the run's copy rate.
@@ -363,6 +364,16 @@ def measure_layer(model: str, T: int, ceilings: dict, device: str, smoke: bool) 
             row["ours_glue_ms"][name] = time(lambda: run(w13, s13, w2, s2))
     finally:
         layer.GLUE_KERNELS = glue
+    route, row["ours_route_ms"] = layer.ROUTE_KERNEL, {}
+    if T <= layer.MASKED_MAX_TOKENS:  # the masked layout's routing in one launch and as torch ops
+        try:
+            for name, on in (("kernel", True), ("torch", False)):
+                layer.ROUTE_KERNEL = on
+                row["ours_route_ms"][name] = time(lambda: run(w13, s13, w2, s2))
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["ours_route_ms"]["error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            layer.ROUTE_KERNEL = route
     w13f, s13f = random_fp4_weights(E, 2 * I, H, device, seed=1)
     w2f, s2f = random_fp4_weights(E, H, I, device, seed=2)
     row["ours_fp4_ms"] = time(lambda: run(w13f, s13f, w2f, s2f))

@@ -17,6 +17,7 @@ def test_smoke_writes_json(tmp_path, load_bench):
         assert "ours_ms" in r and "ours_fp4_ms" in r
         if r["op"] == "moe_layer":
             assert set(r["ours_paths_ms"]) == {"torch", "pass", "fused"} and set(r["ours_glue_ms"]) == {"kernels", "torch"}
+            assert set(r["ours_route_ms"]) == ({"kernel", "torch"} if r["shape"]["T"] <= 64 else set()), r
             continue
         assert ("ours_gemm_swiglu_ms" in r and "ours_swiglu_quant_ms" in r) == (r["op"] == "moe_gate_up"), r
         assert "ours_ms" in r and "ours_masked_ms" in r and r["shape"]["rows"] == r["shape"]["T"] * 6
