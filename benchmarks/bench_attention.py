@@ -373,6 +373,33 @@ def package_versions(*packages: str) -> dict:
     return out
 
 
+def run_rows(kind: str, op: str, configs, measure, keys: tuple, describe, out_dir, smoke: bool, meta) -> int:
+    """Measure each of ``configs`` (``measure(cfg)`` -> a row; a config that raises is recorded as a row with
+    ``errors``, the shape from ``keys`` and the config), print a line a row (``describe(row)``), and write every row
+    so far to ``out_dir/<kind>[-smoke]-<UTC stamp>.json`` after each one (a cut-off run keeps its rows), with
+    ``meta()`` (device, commit, versions, ...) at the top. Returns 0 when no row has errors."""
+    import traceback
+
+    stamp = _dt.datetime.now(_dt.timezone.utc)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{kind}-{'smoke-' if smoke else ''}{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
+    rows = []
+    for cfg in configs:
+        try:
+            rows.append(measure(cfg))
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            traceback.print_exc()
+            rows.append({"op": f"{op}_{cfg[0]}", "shape": dict(zip(keys, cfg)),
+                         "errors": f"{type(e).__name__}: {e}"[:500]})
+        r = rows[-1]
+        print(f"{r['op']:<20} {json.dumps(r['shape'])}: " + (r.get("errors") or describe(r)), flush=True)
+        doc = {**meta(), "date": stamp.isoformat(), "rows": rows}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"results in {path}")
+    return 0 if all("errors" not in r for r in rows) else 1
+
+
 def git_commit() -> str:
     """The commit the run measures: the ``.commit`` file the caller leaves in the tree (the lent GPU machine
     gets a copy whose git metadata can be stale), else MUSA_ATTN_COMMIT, else HEAD of the checkout."""

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import json
 import math
 import sys
-import traceback
 import unittest
 from pathlib import Path
 
@@ -42,7 +40,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_attention import capture_graph, eager_ms, git_commit, package_versions  # noqa: E402
+from bench_attention import capture_graph, eager_ms, git_commit, package_versions, run_rows  # noqa: E402
 
 OURS = "tilelang_musa"
 ROW_BYTES = 584  # one FP8 MODEL1 cache row
@@ -291,33 +289,25 @@ def main(argv=None) -> int:
         from bench_attention import measure_ceilings
 
         ceilings = measure_ceilings()
-    stamp = _dt.datetime.now(_dt.timezone.utc)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sglang-dsv4-{'smoke-' if args.smoke else ''}{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
-    rows = []
-    for cfg in configs(args.quick, args.smoke):
-        try:
-            with long_context_kit(kit):
-                rows.append(measure(kit, cfg, ceilings, device, 3 if args.smoke else args.rep,
-                                    profile=args.profile and not rows))
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            traceback.print_exc()
-            rows.append({"op": f"sglang_dsv4_{cfg[0]}", "shape": dict(zip(
-                ("mode", "heads", "compress_ratio", "batch", "context", "extend"), cfg)),
-                "errors": f"{type(e).__name__}: {e}"[:500]})
-        r = rows[-1]
-        print(f"{r['op']:<20} {json.dumps(r['shape'])}: " + (r.get("errors") or (
-            f"layer {r['layer_ms']:.4f} ms, kernel {r['kernel_ms']:.4f} ms, kept {r['kept']:.2f}"
-            + (f", graph kept {r['kept_graph']:.2f}" if "kept_graph" in r else "")
-            + (f", roofline {r['roofline_fraction']:.2f}" if "roofline_fraction" in r else "")
-            + f", metadata {r['meta_ms']:.3f} ms")), flush=True)
-        doc = {"kind": "sglang-dsv4-backend", "device": device_name, "commit": git_commit(),
-               "date": stamp.isoformat(), "versions": versions(), "ceilings": ceilings, "rows": rows}
-        path.write_text(json.dumps(doc, indent=1) + "\n")  # after every row: a cut-off run keeps its rows
-    print(f"results in {path}")
-    return 0 if all("errors" not in r for r in rows) else 1
+    first = [True]
+
+    def measure_one(cfg):
+        with long_context_kit(kit):
+            row = measure(kit, cfg, ceilings, device, 3 if args.smoke else args.rep, profile=args.profile and first[0])
+        first[0] = False
+        return row
+
+    def describe(r):
+        return (f"layer {r['layer_ms']:.4f} ms, kernel {r['kernel_ms']:.4f} ms, kept {r['kept']:.2f}"
+                + (f", graph kept {r['kept_graph']:.2f}" if "kept_graph" in r else "")
+                + (f", roofline {r['roofline_fraction']:.2f}" if "roofline_fraction" in r else "")
+                + f", metadata {r['meta_ms']:.3f} ms")
+
+    return run_rows("sglang-dsv4", "sglang_dsv4", configs(args.quick, args.smoke), measure_one,
+                    ("mode", "heads", "compress_ratio", "batch", "context", "extend"), describe, args.out, args.smoke,
+                    lambda: {"kind": "sglang-dsv4-backend", "device": torch.cuda.get_device_name()
+                             if device == "cuda" else "cpu", "commit": git_commit(), "versions": versions(),
+                             "ceilings": ceilings})
 
 
 if __name__ == "__main__":

@@ -26,10 +26,7 @@ staged by ``../shared/device/prepare.sh --peers``): decode rows on the same cach
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -40,7 +37,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_attention import capture_graph, eager_ms, git_commit, package_versions  # noqa: E402
+from bench_attention import capture_graph, eager_ms, git_commit, package_versions, run_rows  # noqa: E402
 
 ROW_BYTES = 584
 WINDOW = 128
@@ -237,31 +234,20 @@ def main(argv=None) -> int:
             FLASHMLA["ops"] = flashmla_peer.ops
         except Exception as e:  # noqa: BLE001 - not staged: the run goes on without it, the reason recorded
             FLASHMLA["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    stamp = _dt.datetime.now(_dt.timezone.utc)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"vllm-dsv4-{'smoke-' if args.smoke else ''}{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
-    rows = []
-    for cfg in configs(args.quick, args.smoke):
-        try:
-            rows.append(measure(cfg, ceilings, device, 3 if args.smoke else args.rep))
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            traceback.print_exc()
-            rows.append({"op": f"vllm_dsv4_{cfg[0]}", "shape": dict(zip(
-                ("mode", "heads", "compress_ratio", "batch", "context"), cfg)), "errors": f"{type(e).__name__}: {e}"[:500]})
-        r = rows[-1]
-        print(f"{r['op']:<18} {json.dumps(r['shape'])}: " + (r.get("errors") or (
-            f"layer {r['layer_ms']:.4f} ms, kernel {r['kernel_ms']:.4f} ms, kept {r['kept']:.2f}"
-            + (f", graph kept {r['kept_graph']:.2f}" if "kept_graph" in r else "")
-            + (f", roofline {r['roofline_fraction']:.2f}" if "roofline_fraction" in r else "")
-            + (f", FlashMLA eager {r['flashmla_eager_ms']:.4f} / graph {r['flashmla_graph_ms']:.4f} ms"
-               if "flashmla_graph_ms" in r else ""))), flush=True)
-        doc = {"kind": "vllm-dsv4-layer", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               "commit": git_commit(), "date": stamp.isoformat(), "versions": versions(), "ceilings": ceilings,
-               "peer_errors": {"flashmla": FLASHMLA["error"]} if "error" in FLASHMLA else {}, "rows": rows}
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"results in {path}")
-    return 0 if all("errors" not in r for r in rows) else 1
+    def describe(r):
+        return (f"layer {r['layer_ms']:.4f} ms, kernel {r['kernel_ms']:.4f} ms, kept {r['kept']:.2f}"
+                + (f", graph kept {r['kept_graph']:.2f}" if "kept_graph" in r else "")
+                + (f", roofline {r['roofline_fraction']:.2f}" if "roofline_fraction" in r else "")
+                + (f", FlashMLA eager {r['flashmla_eager_ms']:.4f} / graph {r['flashmla_graph_ms']:.4f} ms"
+                   if "flashmla_graph_ms" in r else ""))
+
+    return run_rows("vllm-dsv4", "vllm_dsv4", configs(args.quick, args.smoke),
+                    lambda cfg: measure(cfg, ceilings, device, 3 if args.smoke else args.rep),
+                    ("mode", "heads", "compress_ratio", "batch", "context"), describe, args.out, args.smoke,
+                    lambda: {"kind": "vllm-dsv4-layer", "device": torch.cuda.get_device_name()
+                             if device == "cuda" else "cpu", "commit": git_commit(), "versions": versions(),
+                             "ceilings": ceilings,
+                             "peer_errors": {"flashmla": FLASHMLA["error"]} if "error" in FLASHMLA else {}})
 
 
 if __name__ == "__main__":
