@@ -373,6 +373,17 @@ def package_versions(*packages: str) -> dict:
     return out
 
 
+def bench_parser(doc: str, results) -> argparse.ArgumentParser:
+    """The options every engine-level bench takes: ``--out`` (default ``results``), ``--quick``, ``--smoke`` (CPU,
+    tiny shapes: the harness only) and ``--rep``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(results))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
+    ap.add_argument("--rep", type=int, default=20)
+    return ap
+
+
 def run_rows(kind: str, op: str, configs, measure, keys: tuple, describe, out_dir, smoke: bool, meta) -> int:
     """Measure each of ``configs`` (``measure(cfg)`` -> a row; a config that raises is recorded as a row with
     ``errors``, the shape from ``keys`` and the config), print a line a row (``describe(row)``), and write every row

@@ -24,7 +24,6 @@ FLOPs at its bf16 matmul rate; its fraction is taken of the kernel's GPU time (t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as _dt
 import math
@@ -40,7 +39,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_attention import capture_graph, eager_ms, git_commit, package_versions, run_rows  # noqa: E402
+from bench_attention import bench_parser, capture_graph, eager_ms, git_commit, package_versions, run_rows  # noqa: E402
 
 OURS = "tilelang_musa"
 ROW_BYTES = 584  # one FP8 MODEL1 cache row
@@ -275,11 +274,7 @@ def versions() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
-    ap.add_argument("--rep", type=int, default=20)
+    ap = bench_parser(__doc__, HERE / "results")
     ap.add_argument("--profile", action="store_true", help="print a host profile of the first row's sparse call")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"

@@ -25,7 +25,6 @@ staged by ``../shared/device/prepare.sh --peers``): decode rows on the same cach
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_attention import capture_graph, eager_ms, git_commit, package_versions, run_rows  # noqa: E402
+from bench_attention import bench_parser, capture_graph, eager_ms, git_commit, package_versions, run_rows  # noqa: E402
 
 ROW_BYTES = 584
 WINDOW = 128
@@ -216,11 +215,7 @@ def versions() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the harness only)")
-    ap.add_argument("--rep", type=int, default=20)
+    ap = bench_parser(__doc__, HERE / "results")
     args = ap.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     ceilings = {}
