@@ -68,6 +68,7 @@ NOT_BATCH_OPS = {
     "moe.fused_experts_reference": "fused_experts' float32 formula, the oracle of every fused_experts case",
     "moe.combine_reference": "combine_experts under impl='reference'",
     "moe.quantize_scatter_reference": "quantize_scatter under impl='reference'",
+    "moe.route_masked_reference": "route_masked under impl='reference', the oracle of every route_masked case",
     "moe.swiglu_quant_reference": "swiglu_quant under impl='reference'",
     "moe.grouped_gemm_swiglu_contiguous_reference": "grouped_gemm_swiglu_fp8 under impl='reference'",
     "moe.grouped_gemm_swiglu_masked_reference": "grouped_gemm_swiglu_fp8_masked under impl='reference'",
@@ -1010,6 +1011,29 @@ def _(dev, impl):
         moe.grouped_gemm_swiglu_fp8_masked(a, sa, w13, s13, torch.tensor(counts, dtype=torch.int32, device=dev),
                                            10.0, (q, s), impl=impl)
         assert bool(q.float().isnan().all() and s.isnan().all()), "a row past its count was written"
+
+
+@case("moe.route_masked", "zero tokens; every choice dropped (no local expert, ids past the map, a token naming one "
+                          "expert at every choice): the reference's slots and counts, a dropped choice at the spare row")
+def _(dev, impl):
+    from ..kernels import moe
+
+    E = 4
+    emap = torch.tensor([-1, 2, -1], dtype=torch.int32, device=dev)
+    for ids, m in ((torch.empty(0, 3, dtype=torch.int32), None), (torch.full((2, 3), -1, dtype=torch.int32), None),
+                   (torch.tensor([[0, 2, 5], [7, -3, 0]], dtype=torch.int32), emap),
+                   (torch.full((3, 3), 1, dtype=torch.int32), emap)):
+        ids = ids.to(dev)
+        w = _randn(ids.shape[0], 3, seed=ids.shape[0], dev=dev).abs()
+        slot, merged, counts = moe.route_masked(ids, w, E, m, impl=impl)
+        rs, rm, rc = moe.route_masked_reference(ids, w, E, m)
+        T = ids.shape[0]
+        assert slot.shape == (T, 3) and merged.shape == (T, 3) and counts.shape == (E,)
+        assert torch.equal(slot.long(), rs.long()) and torch.equal(counts, rc), "routing differs from the rule"
+        _same(merged, rm, "merged weights", atol=1e-6, rtol=1e-6)
+        assert int(counts.sum()) == int((slot < E * T).sum()), "a counted choice without a row (or the reverse)"
+    assert int(counts.sum()) == 3 and bool((slot[:, 0] == torch.arange(3, device=dev) + 2 * 3).all()), \
+        "a token naming one expert three times: one row each, the others dropped"
 
 
 @case("moe.quantize_scatter", "zero tokens; zero rows; every destination dropped")
