@@ -303,8 +303,22 @@ def test_full_lengths_are_kept_on_the_plan_outside_graph_capture(monkeypatch):
     q = torch.randn(3, 64, 512).to(torch.bfloat16)
     idx = torch.zeros(3, 128, dtype=torch.int32)
     plan = ti.sparse_mqa_plan(q, idx)
-    a = ti._plan_lengths(plan, "main", 3, 128, q.device)
-    assert a.tolist() == [128] * 3 and ti._plan_lengths(plan, "main", 3, 128, q.device) is a
-    assert ti._plan_lengths(plan, "extra", 3, 0, q.device).tolist() == [0] * 3
+    a = ti._plan_lengths(plan, 128, q.device)
+    assert a.tolist() == [128] * 3 and ti._plan_lengths(plan, 128, q.device) is a
+    assert ti._plan_lengths(plan, 0, q.device).tolist() == [0] * 3
+    assert ti._plan_lengths(None, 128, q.device).numel() == 0  # no tokens, no plan
     monkeypatch.setattr(ti, "stream_capturing", lambda device: True)
-    assert ti._plan_lengths(plan, "main", 3, 128, q.device) is not a  # a captured fill has no values until replay
+    assert ti._plan_lengths(plan, 128, q.device) is not a  # a captured fill has no values until replay
+
+
+def test_a_call_refused_for_another_plan_leaves_the_plans_lengths_alone(use_settings):
+    """A plan made for 3 tokens, handed to a call of 5: refused before its kept lengths are made or used, so the
+    plan's later calls still get lengths of 3."""
+    use_settings(target="sm_90a", dsv4_program="scheduled")
+    q3 = torch.randn(3, 64, 512).to(torch.bfloat16)
+    plan = ti.sparse_mqa_plan(q3, torch.zeros(3, 128, dtype=torch.int32))
+    q5 = torch.randn(5, 64, 512).to(torch.bfloat16)
+    cache = dsv4.new_kv_cache(2, 256, "cpu")
+    with pytest.raises(ValueError, match="the plan was made for 3 tokens"):
+        ti.sparse_mqa_tilelang(q5, cache, torch.zeros(5, 128, dtype=torch.int32), plan=plan)
+    assert plan.full_lengths == {} and ti._plan_lengths(plan, 128, q3.device).tolist() == [128] * 3

@@ -120,10 +120,8 @@ def sparse_mqa_program(target=None) -> str:
     """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
     ``auto`` is ``scheduled`` (:mod:`.sparse_mqa_sched_kernel`: a per-batch plan, FlashMLA's division of the work)
     where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
-    ``portable`` (:mod:`.sparse_mqa_kernel`); ``warp_specialized`` (:mod:`.sparse_mqa_ws_kernel`, the default
-    until 2026-12-06) stays selectable. Measured beside FlashMLA on an H100 (benchmarks/results,
-    dsv4-attention-20261206*): the scheduled program takes 0.55-0.80x the warp-specialised one's time from 8 query
-    tokens on and in prefill, 1.2-1.4x at 1-2 tokens. A named program the target cannot run is refused when it is
+    ``portable`` (:mod:`.sparse_mqa_kernel`); ``warp_specialized`` (:mod:`.sparse_mqa_ws_kernel`) stays
+    selectable (how the two compare: docs/dsv4.md). A named program the target cannot run is refused when it is
     built."""
     chosen = settings().dsv4_program
     if chosen != "auto":
@@ -243,15 +241,16 @@ def _lengths(lengths: Optional[torch.Tensor], T: int, K: int, device) -> torch.T
     return lengths.to(torch.int32).contiguous()
 
 
-def _plan_lengths(plan, which: str, T: int, K: int, device) -> torch.Tensor:
-    """``[T]`` int32 lengths of ``K`` (every entry counts) for the calls of ``plan``'s batch that pass none: made
-    once and kept on the plan, so a batch's layers launch no fill each; made afresh while a graph is being captured
-    (a tensor filled by a captured launch holds its values only once the graph replays)."""
-    if stream_capturing(device):
-        return _lengths(None, T, K, device)
-    hit = plan.full_lengths.get((which, K))
+def _plan_lengths(plan, K: int, device) -> torch.Tensor:
+    """``[plan.tokens]`` int32 lengths of ``K`` (every entry counts) for the calls of ``plan``'s batch that pass
+    none: made once per ``K`` and kept on the plan, so a batch's layers launch no fill each; made afresh while a
+    graph is being captured (a tensor filled by a captured launch holds its values only once the graph replays).
+    ``plan`` None: a call with no tokens."""
+    if plan is None or stream_capturing(device):
+        return _lengths(None, 0 if plan is None else plan.tokens, K, device)
+    hit = plan.full_lengths.get(K)
     if hit is None:
-        hit = plan.full_lengths[(which, K)] = _lengths(None, T, K, device)
+        hit = plan.full_lengths[K] = _lengths(None, plan.tokens, K, device)
     return hit
 
 
@@ -301,14 +300,11 @@ _CAPTURED_PLANS: dict = {}
 
 
 def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
-                          plan, lengths, extra_lengths, empty_lse_inf, op):
-    """Launch the scheduled program and its combine (:mod:`.sparse_mqa_sched_kernel`)."""
+                          plan, empty_lse_inf, op):
+    """Launch the scheduled program and its combine (:mod:`.sparse_mqa_sched_kernel`) on ``plan``, checked by the
+    caller against the call's shapes."""
     T, H, _ = q.shape
     dev = q.device
-    K2 = i2.shape[1] if has_extra else 0
-    if plan is None:
-        plan = sparse_mqa_plan(q, i1, lengths, i2 if has_extra else None, extra_lengths if has_extra else None)
-    plan.check_matches(op, T, i1.shape[1], K2, dev)
     main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
     if has_extra:
         extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
@@ -360,19 +356,19 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
         i2 = extra_indices.contiguous() if has_extra else torch.empty(T, 0, dtype=torch.int32, device=dev)
         if plan is None and T:
             plan = sparse_mqa_plan(q, i1, lengths, i2 if has_extra else None, extra_lengths if has_extra else None)
-        l1 = _lengths(lengths, T, i1.shape[1], dev) if lengths is not None or not T else \
-            _plan_lengths(plan, "main", T, i1.shape[1], dev)
-        if has_extra and extra_lengths is not None:
-            l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
-        else:  # every extra entry counts, or no extra set (no entry)
-            l2 = _plan_lengths(plan, "extra", T, i2.shape[1], dev) if T else _lengths(None, T, 0, dev)
+        if T:  # before the plan's kept lengths are used: they are the plan's token count long
+            plan.check_matches(op, T, i1.shape[1], i2.shape[1], dev)
+        l1 = _lengths(lengths, T, i1.shape[1], dev) if lengths is not None else _plan_lengths(plan, i1.shape[1], dev)
+        # every extra entry counts, or no extra set (no entry: lengths 0)
+        l2 = (_lengths(extra_lengths, T, i2.shape[1], dev) if has_extra and extra_lengths is not None
+              else _plan_lengths(plan, i2.shape[1], dev))
         has_sink = sink is not None
         sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
         out = _alloc(q.shape, q.dtype, dev) if out is None else out
         lse = _alloc((T, H), torch.float32, dev)
         if T:
             _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out,
-                                  lse, plan, lengths, extra_lengths, empty_lse_inf, op)
+                                  lse, plan, empty_lse_inf, op)
         return (out, lse) if return_lse else out
     main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache", units=True)
     has_extra = extra_cache is not None and extra_indices.shape[1] > 0

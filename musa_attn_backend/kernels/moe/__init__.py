@@ -23,9 +23,8 @@ from ...platform import features_of
 from .._common import check, check_same_device, resolve_impl
 from . import layer
 from .layer import (MASKED_MAX_TOKENS, combine_reference, fused_experts_reference, quantize_scatter_reference,
-                    route_masked_reference,
-                    grouped_gemm_swiglu_contiguous_reference,
-                    grouped_gemm_swiglu_masked_reference, swiglu_quant_reference)
+                    grouped_gemm_swiglu_contiguous_reference, grouped_gemm_swiglu_masked_reference,
+                    route_masked_reference, swiglu_quant_reference)
 from .reference import (ALIGN, BLOCK, FP4_GROUP, align_routing, dequantize_fp4, dequantize_fp8_blocks,
                         dequantize_groups, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference,
                         quantize_fp4_reference, quantize_groups_reference, quantize_weight_blocks_reference)
