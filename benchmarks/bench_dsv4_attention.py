@@ -59,6 +59,15 @@ def caches(tokens_ctx: int, device="cuda"):
     return swa, c4
 
 
+def inputs(T: int, H: int, K: int, swa, c4, g):
+    """Random queries, window and compressed index lists over every slot of ``swa`` / ``c4``, and sinks."""
+    n_swa, n_c4 = swa.shape[0] * swa.shape[1], c4.shape[0] * c4.shape[1]
+    q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)
+    i1 = torch.randint(0, n_swa, (T, 128), device="cuda", generator=g, dtype=torch.int32)
+    i2 = torch.randint(0, n_c4, (T, K), device="cuda", generator=g, dtype=torch.int32)
+    return q, i1, i2, torch.randn(H, device="cuda", generator=g)
+
+
 def row(op, cfg, T, H, K, ms, peers, ceilings, s_q=1, extra=None):
     flops = 2 * H * (K + 128) * 1024 * T
     bytes_ = T * H * 512 * 2 * 2 + T * (K + 128) * (L.ROW_BYTES + 4)
@@ -229,7 +238,6 @@ def main(argv=None):
     fm = flashmla_peer(errors)
     ctx = 65536
     swa, c4 = caches(ctx)
-    n_swa, n_c4 = swa.shape[0] * 256, c4.shape[0] * 64
     rows = []
     decode_b = (1, 32, 64) if args.quick else (1, 8, 32, 64, 128)
     prefill_t = (4096,) if args.quick else (4096, 16384)
@@ -242,10 +250,7 @@ def main(argv=None):
                 + [("prefill", T, 1) for T in prefill_t if "prefill" in ops])
         for op, B, s_q in runs:
             T = B * s_q
-            q = torch.randn(T, H, 512, device="cuda", generator=g).to(torch.bfloat16)
-            i1 = torch.randint(0, n_swa, (T, 128), device="cuda", generator=g, dtype=torch.int32)
-            i2 = torch.randint(0, n_c4, (T, K), device="cuda", generator=g, dtype=torch.int32)
-            sink = torch.randn(H, device="cuda", generator=g)
+            q, i1, i2, sink = inputs(T, H, K, swa, c4, g)
             out = torch.empty_like(q)
 
             plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
