@@ -1,6 +1,6 @@
 """Where the V4 sparse MQA's time goes on a GPU: every kernel one call launches and its device time, for the
-scheduled program, the warp-specialised one and FlashMLA's decode (``flashmla_peer``), on the benchmark's inputs
-(``benchmarks/bench_dsv4_attention.py``).
+scheduled, paired and warp-specialised programs and FlashMLA's decode (``flashmla_peer``), on the benchmark's
+inputs (``benchmarks/bench_dsv4_attention.py``).
 
     python scripts/profile_dsv4_attention.py --out DIR [--cases flash:1:1,flash:64:1,flash:4096:1]
         torch.profiler: per case and candidate, each kernel's mean device time over 10 calls -> DIR/profile.json
@@ -36,7 +36,7 @@ def candidates(cfg: str, T: int, s_q: int, swa, c4, g):
     out = torch.empty_like(q)
     plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
     fns = {}
-    for prog in ("scheduled", "warp_specialized"):
+    for prog in ("scheduled", "paired", "warp_specialized"):
         fns[prog] = (lambda p=prog: ti.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink,
                                                            out=out, program=p, plan=plan))
     ops = flashmla_peer({})

@@ -11,48 +11,16 @@ another group can still read what it held:
   piece ``p - 2``'s;
 - the query rows: the producer loads piece ``p``'s only after the scores group's last ``Q K^T`` of piece ``p - 1``.
 
-Barrier semantics modelled: an mbarrier completes its phase at its arrival count, ``wait(parity)`` passes once the
-phase of that parity has completed (a fresh barrier's "previous" phase counts as completed); a named barrier
-completes when both consumer groups have arrived, and a group arriving twice in one generation is a protocol
-error (the hardware would count the second arrival toward the first generation)."""
+Barrier semantics: :mod:`musa_attn_backend.testing.protocol`."""
 
 import random
 
 import pytest
 
 from musa_attn_backend.kernels.dsv4 import schedule
+from musa_attn_backend.testing.protocol import STEP, WAIT, MBarrier, Named, run_actors, sync
 
 NS = 2  # stages, as the program
-
-
-class Blocked(Exception):
-    pass
-
-
-class MBarrier:
-    def __init__(self, count):
-        self.count, self.pending, self.phase = count, 0, 0
-
-    def arrive(self):
-        self.pending += 1
-        if self.pending == self.count:
-            self.pending, self.phase = 0, self.phase + 1
-
-    def ready(self, parity):
-        return (self.phase & 1) != parity  # the phase of this parity has completed
-
-
-class Named:
-    """A named barrier between the two consumer groups (256 threads: one arrival per group completes it)."""
-
-    def __init__(self, name):
-        self.name, self.arrived, self.generation = name, set(), 0
-
-    def arrive(self, group):
-        assert group not in self.arrived, f"{self.name}: group {group} arrived twice in one generation"
-        self.arrived.add(group)
-        if len(self.arrived) == 2:
-            self.arrived, self.generation = set(), self.generation + 1
 
 
 class State:
@@ -70,17 +38,6 @@ class State:
         self.oscale = [None, None]  # piece index in each half
         self.oscale_read = [True, True]
         self.q_piece, self.q_reading = None, False
-
-
-WAIT, STEP = "wait", "step"
-
-
-def sync(bar, group):
-    """``bar.sync``: arrive, then wait for the generation to complete."""
-    bar.arrive(group)
-    gen = bar.generation
-    while bar.generation == gen and group in bar.arrived:
-        yield WAIT
 
 
 def producer(s):
@@ -160,19 +117,7 @@ def second(s):
 
 def run(pieces, rng, broken=""):
     s = State(pieces, broken)
-    actors = {"producer": producer(s), "scores": scores(s), "second": second(s)}
-    idle = 0
-    while actors:
-        name = rng.choice(sorted(actors))
-        try:
-            got = next(actors[name])
-        except StopIteration:
-            del actors[name]
-            idle = 0
-            continue
-        idle = idle + 1 if got == WAIT else 0
-        if idle > 2000:
-            raise AssertionError(f"deadlock: {sorted(actors)} all waiting")
+    run_actors({"producer": producer(s), "scores": scores(s), "second": second(s)}, rng)
 
 
 def part_pieces(T, K1, K2, parts, seed):

@@ -57,7 +57,7 @@ CASES = [
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("scheduled", "warp_specialized", "warp_specialized:async", "portable", "portable:musa")
+PROGRAMS = ("scheduled", "paired", "warp_specialized", "warp_specialized:async", "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)

@@ -44,37 +44,13 @@ import functools
 from ..._tilelang import tl_lang as T
 from ..attention.tl_common import ACC, LOG2E
 from . import layout as L
+from .sparse_rows import (BH, BN, HD, LOADS, PRODUCER, ROWS, TWO_POW_120, byte_perm,  # noqa: F401 (the tests')
+                          fp8_row_macros, nope_bytes_to_bf16)
 
-BH, BN = 64, 64  # query heads a block, index entries a key tile
-HD = L.D // 2  # output columns a consumer warp group owns
-UNITS = L.DATA_BYTES // 16  # a data row in 16-byte units (36)
-NOPE_STEPS = L.D_NOPE // 64  # 64-byte steps over the nope bytes (7): one 16-byte unit a lane each
-ROPE_STEPS = L.D_ROPE * 2 // 64  # and over the RoPE bytes (2)
-LOADS = NOPE_STEPS + ROPE_STEPS  # 16-byte loads a lane makes per row (9)
-ROWS = 2  # rows a producer thread loads per tile: 64 rows over 32 groups of four lanes
-PRODUCER = 128
 CONSUMER_THREADS = 256
 SCORES_REGS, SECOND_REGS, PRODUCER_REGS = 192, 160, 152
 # named barriers (0 is __syncthreads)
 P_READY, P_FREE, EPILOGUE = 4, 5, 6
-TWO_POW_120 = 0x7B80  # bf16 bits of 2^120
-
-
-def byte_perm(x, y, sel):
-    """CUDA's ``__byte_perm(x, y, sel)`` (the ``PRMT`` instruction) on 32-bit words."""
-    return T.call_extern("int32", "__byte_perm", x, y, sel)
-
-
-def nope_bytes_to_bf16(word, perm=byte_perm):
-    """``(lo, hi)``: the four e4m3 bytes of the 32-bit ``word`` (int32) as two words of two bf16 each, each value
-    times ``2^-120`` (exact): bf16 bits ``(b & 0x7F) << 4 | (b & 0x80) << 8`` per byte ``b``, the bytes spread by
-    ``perm`` (CUDA's byte permute; the tests pass a model of it). No sum below overflows: the magnitudes' words
-    are at most ``0x07F007F0``."""
-    mag = word & 0x7F7F7F7F
-    sign = word ^ mag
-    lo = perm(mag, 0, 0x4140) * 16 + perm(sign, 0, 0x1404)
-    hi = perm(mag, 0, 0x4342) * 16 + perm(sign, 0, 0x3424)
-    return lo, hi
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,91 +70,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
 
-    # ---- producer ---------------------------------------------------------------------------------------------
-
-    @T.macro
-    def load_q(Q, Ql_s, Qr_s, t, h0, p):
-        """The token's 64 query rows into shared memory: 16-byte ``cp.async`` copies, rows past ``H`` zero-filled
-        without a read; committed here, waited for once the first key tile's loads are in flight."""
-        for i in T.unroll(BH * D // 8 // PRODUCER):
-            u = i * PRODUCER + p
-            h = u // (D // 8)
-            c = u % (D // 8)
-            ok = h0 + h < H
-            if c < HD // 8:
-                T.ptx_cp_async(T.access_ptr(Ql_s[h, c * 8], "w", 8),
-                               T.access_ptr(Q[t, T.min(h0 + h, H - 1), c * 8], "r", 8), 8, ok)
-            else:
-                T.ptx_cp_async(T.access_ptr(Qr_s[h, (c - HD // 8) * 8], "w", 8),
-                               T.access_ptr(Q[t, T.min(h0 + h, H - 1), c * 8], "r", 8), 8, ok)
-        T.ptx_commit_group()
-
-    @T.macro
-    def entry(dst, r, gi, n1, e_in_tile, t, I1, L1, I2, L2):
-        """``dst[r]`` <- the index of entry ``e_in_tile`` of token ``t``'s key tile ``gi`` (the main set's ``n1``
-        tiles, then the extra set's); -1 past its set's length (or with no extra set)."""
-        if gi < n1:
-            e1 = gi * BN + e_in_tile
-            dst[r] = T.if_then_else(e1 < T.min(L1[t], K1), I1[t, T.min(e1, K1 - 1)], -1)
-        else:
-            if has_extra:
-                e2 = (gi - n1) * BN + e_in_tile
-                dst[r] = T.if_then_else(e2 < T.min(L2[t], K2), I2[t, T.min(e2, K2 - 1)], -1)
-            else:
-                dst[r] = -1
-
-    @T.macro
-    def load_row(raw, sw, r, idx, q, CW, CS, rows, stride16, slots):
-        """Row ``r``'s loads for lane ``q`` of its four: the nope and RoPE units into ``raw[r]`` (zeros for an
-        invalid index, not read) and the row's eight scale bytes into ``sw[r]``."""
-        page = T.Cast("int64", idx // rows)
-        base = page * stride16 + T.Cast("int64", idx % rows * UNITS)
-        sbase = page * stride16 * 2 + T.Cast("int64", rows * (L.DATA_BYTES // 8) + idx % rows)
-        if T.And(idx >= 0, idx < slots):
-            for s in T.unroll(LOADS):
-                for v in T.vectorized(4):
-                    raw[r, s * 4 + v] = CW[base + s * 4 + q, v]
-            for v in T.vectorized(2):
-                sw[r, v] = CS[sbase, v]
-        else:
-            for s in T.unroll(LOADS):
-                for v in T.vectorized(4):
-                    raw[r, s * 4 + v] = 0
-            for v in T.vectorized(2):
-                sw[r, v] = 0
-
-    @T.macro
-    def store_row(Kl_s, Kr_s, st, row, raw, sw, r, q, outw, fac):
-        """Row ``r`` of this lane (tile row ``row``) dequantised into stage ``st``: nope step ``s`` covers columns
-        ``64 s + 16 q ..``; the RoPE values land at columns ``448 + 32 s + 8 q ..``."""
-        outb = T.view(outw, [16], q_dtype)
-        facb = T.view(fac, [2], q_dtype)
-        for s in T.unroll(NOPE_STEPS):
-            e = (sw[r, s // 4] >> ((s % 4) * 8)) & 255
-            # 2^(e - 127) as bf16 bits (e = 0: the subnormal 2^-127)
-            fac[1] = T.Cast("uint16", T.if_then_else(e == 0, 0x40, e * 128))
-            fac[0] = T.uint16(TWO_POW_120)
-            for i in T.unroll(4):
-                lo, hi = nope_bytes_to_bf16(raw[r, s * 4 + i])
-                outw[2 * i] = lo
-                outw[2 * i + 1] = hi
-            for v in T.vectorized(16):
-                outb[v] = outb[v] * facb[0] * facb[1]
-            col = s * 64 + q * 16
-            if s < 4:
-                for v in T.vectorized(8):
-                    Kl_s[st, row, col + v] = outb[v]
-                for v in T.vectorized(8):
-                    Kl_s[st, row, col + 8 + v] = outb[8 + v]
-            else:
-                for v in T.vectorized(8):
-                    Kr_s[st, row, col - HD + v] = outb[v]
-                for v in T.vectorized(8):
-                    Kr_s[st, row, col - HD + 8 + v] = outb[8 + v]
-        rope = T.view(raw, [ROWS, LOADS * 8], q_dtype)
-        for s in T.unroll(ROPE_STEPS):
-            for v in T.vectorized(8):
-                Kr_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
+    load_q, entry, load_row, store_row, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
 
     # ---- the program ------------------------------------------------------------------------------------------
 

@@ -102,9 +102,9 @@ def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
     return made
 
 
-PROGRAMS = ("scheduled", "warp_specialized", "portable")
+PROGRAMS = ("scheduled", "paired", "warp_specialized", "portable")
 # the programs that need warp specialisation, GEMMs reading A from registers and an FP8 conversion
-HOPPER_PROGRAMS = ("scheduled", "warp_specialized")
+HOPPER_PROGRAMS = ("scheduled", "paired", "warp_specialized")
 # the warp-specialised program's producer (see build_sparse_mqa_ws): "rows" is the one measured on the H200;
 # "async" (cp.async copies, widened in place) is a measured miss kept for comparison
 WS_PRODUCER = "rows"
@@ -153,6 +153,8 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
     _check_program(program, target)
     if program == "scheduled":
         return sched_kernel(H, has_extra, has_sink, q_dtype, target=target)
+    if program == "paired":
+        return paired_kernel(H, has_extra, has_sink, q_dtype, target=target)
     if program == "warp_specialized":
         check(producer in WS_PRODUCERS,
               lambda: f"sparse_mqa: producer must be one of {WS_PRODUCERS}, got {producer!r}")
@@ -199,6 +201,18 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
     key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype)
     return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype),
+                          target=target, pass_configs=_ws_pass_configs())
+
+
+def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
+    """The compiled paired sparse MQA program (:mod:`.sparse_mqa_paired_kernel`: one block a token, the key tiles in
+    pairs over two math warp groups; many-token batches)."""
+    from .sparse_mqa_paired_kernel import build_sparse_mqa_paired
+
+    _check_program("paired", target)
+    check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the paired program takes bfloat16 q, got {q_dtype}")
+    key = ("dsv4_sparse_mqa_paired", H, has_extra, has_sink, q_dtype)
+    return compile_cached(key, lambda: build_sparse_mqa_paired(H, has_extra, has_sink, q_dtype),
                           target=target, pass_configs=_ws_pass_configs())
 
 
@@ -322,6 +336,34 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
     combine(plan.combine, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse)
 
 
+def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale, out,
+                       return_lse, empty_lse_inf, op):
+    """Launch the paired program (:mod:`.sparse_mqa_paired_kernel`): one block a token and 64 heads, no split."""
+    T, H, _ = q.shape
+    dev = q.device
+    has_extra = extra_cache is not None and extra_indices.shape[1] > 0
+    main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
+    i1 = indices.contiguous()
+    l1 = _lengths(lengths, T, i1.shape[1], dev)
+    if has_extra:
+        extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
+        i2 = extra_indices.contiguous()
+        l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
+    else:
+        extra_views, extra_geo = main_views, (1, 1, 0)
+        i2 = torch.empty(T, 0, dtype=torch.int32, device=dev)
+        l2 = torch.zeros(T, dtype=torch.int32, device=dev)
+    has_sink = sink is not None
+    sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
+    out = _alloc(q.shape, q.dtype, dev) if out is None else out
+    lse = _alloc((T, H), torch.float32, dev)
+    if T:
+        empty = float("inf") if empty_lse_inf else float("-inf")
+        paired_kernel(H, has_extra, has_sink, "bfloat16")(q, *main_views, i1, l1, *extra_views, i2, l2, sinks,
+                                                         float(sm_scale), empty, *main_geo, *extra_geo, out, lse)
+    return (out, lse) if return_lse else out
+
+
 _SCHED_KERNELS: dict = {}
 on_change(_SCHED_KERNELS.clear)
 
@@ -370,6 +412,9 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
             _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out,
                                   lse, plan, empty_lse_inf, op)
         return (out, lse) if return_lse else out
+    if program == "paired":
+        return _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
+                                  sm_scale, out, return_lse, empty_lse_inf, op)
     main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache", units=True)
     has_extra = extra_cache is not None and extra_indices.shape[1] > 0
     if has_extra:
