@@ -1,5 +1,6 @@
 import contextlib
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,21 @@ def _load_module(folder: str, name: str):
 def load_bench():
     """``load_bench(name)``: ``benchmarks/<name>.py`` as a module."""
     return lambda name: _load_module("benchmarks", name)
+
+
+@pytest.fixture
+def smoke_doc(tmp_path, load_bench):
+    """``smoke_doc(bench, prefix)``: ``benchmarks/<bench>.py --smoke`` run into a temporary folder (``bench``: the
+    module or its name); the one results document it wrote (``<prefix>-smoke-*.json``), which must hold the keys
+    every run records."""
+    def run(bench, prefix):
+        bench = load_bench(bench) if isinstance(bench, str) else bench
+        assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+        (path,) = tmp_path.glob(f"{prefix}-smoke-*.json")
+        doc = json.loads(path.read_text())
+        assert {"device", "commit", "date", "versions", "rows"} <= set(doc), sorted(doc)
+        return doc
+    return run
 
 
 @pytest.fixture(scope="session")

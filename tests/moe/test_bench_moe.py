@@ -1,16 +1,9 @@
 """benchmarks/bench_moe.py --smoke on a CPU: the harness routes, lays out, runs both layouts (references) and
 writes the documented JSON."""
 
-import json
 
-
-def test_smoke_writes_json(tmp_path, load_bench):
-    bench = load_bench("bench_moe")
-    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("moe-smoke-*.json")
-    doc = json.loads(path.read_text())
-    for key in ("device", "commit", "date", "versions", "rows"):
-        assert key in doc, key
+def test_smoke_writes_json(smoke_doc):
+    doc = smoke_doc("bench_moe", "moe")
     assert {r["op"] for r in doc["rows"]} == {"moe_gate_up", "moe_down", "moe_layer"}
     for r in doc["rows"]:
         assert "errors" not in r, r

@@ -1,7 +1,6 @@
 """CPU checks of benchmarks/bench_sglang_dsv4.py (our V4 backend through SGLang's V4 kit fixtures): the smoke run
 writes the JSON the GPU run writes, and its tensor-op forward batch equals the kit's own, field by field."""
 
-import json
 
 import pytest
 import torch
@@ -14,14 +13,11 @@ def bench(load_bench):
     return load_bench("bench_sglang_dsv4")
 
 
-def test_smoke_run_writes_the_json(bench, tmp_path):
+def test_smoke_run_writes_the_json(bench, smoke_doc):
     kit = bench.import_kit()
     before = (kit.DeepSeekV4TokenToKVPool, kit._make_forward_batch)
-    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    doc = smoke_doc(bench, "sglang-dsv4")
     assert (kit.DeepSeekV4TokenToKVPool, kit._make_forward_batch) == before  # the kit is left as it was
-    (path,) = tmp_path.glob("sglang-dsv4-smoke-*.json")
-    doc = json.loads(path.read_text())
-    assert {"device", "commit", "date", "versions", "rows"} <= set(doc)
     assert {r["shape"]["compress_ratio"] for r in doc["rows"]} == {0, 4, 128}
     for r in doc["rows"]:
         assert "errors" not in r, r
