@@ -22,22 +22,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from dsv4_reference import Reference, agreement, load  # noqa: E402
+from engines import why_no_vllm_engine  # noqa: E402
 from tiny_dsv4 import build, prompts  # noqa: E402
 
 MAX_NEW = 32
 
 
 def _why_not() -> str:
-    if not torch.cuda.is_available():
-        return ("needs a CUDA GPU: vLLM's V4 model on a CPU is vLLM's own CPU class (not our layer) and its engine "
-                "needs vLLM's compiled CPU ops")
-    if not torch.__version__.startswith("2.14"):
-        return f"vLLM 0.33.0 pins torch 2.14.0; this machine has torch {torch.__version__}"
-    try:
-        import vllm._C  # noqa: F401
-    except Exception as e:
-        return f"vLLM's compiled ops are missing ({type(e).__name__}); install the full vllm wheel"
-    return ""
+    return why_no_vllm_engine("needs a CUDA GPU: vLLM's V4 model on a CPU is vLLM's own CPU class (not our layer) "
+                              "and its engine needs vLLM's compiled CPU ops", "vllm._C")
 
 
 def _logprobs(out) -> list:

@@ -10,19 +10,12 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
+from engines import why_no_vllm_engine  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
 
 def _why_not() -> str:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU: vLLM's engine cannot run on this CPU-only machine"
-    if not torch.__version__.startswith("2.14"):
-        return f"vLLM 0.33.0 pins torch 2.14.0; this machine has torch {torch.__version__}"
-    try:
-        import vllm._C_stable_libtorch  # noqa: F401
-    except Exception as e:
-        return f"vLLM's compiled ops are missing ({type(e).__name__}); install the full vllm wheel"
-    return ""
+    return why_no_vllm_engine("needs a CUDA GPU: vLLM's engine cannot run on this CPU-only machine")
 
 
 @pytest.mark.gpu
