@@ -6,7 +6,6 @@ has no CPU build on PyPI) and on the lent H200 (torch 2.11). Not counted as cove
 """
 
 import pytest
-import torch
 
 vllm = pytest.importorskip("vllm")
 
