@@ -10,14 +10,14 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 stamp "tests"
-(timeout "${T_TESTS:-420}" python3 -m pytest -m gpu -v -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4_warmup.py \
+(timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -v -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4_warmup.py \
    > "$out/warmup.txt" 2>&1) &
-(timeout "${T_TESTS:-420}" python3 -m pytest -m gpu -v -n 2 -p no:cacheprovider -rs tests/vllm/test_gpu_vllm_dsv4.py \
+(timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -v -n 2 -p no:cacheprovider -rs tests/vllm/test_gpu_vllm_dsv4.py \
    -k "reference or graph" > "$out/vllm_gpu.txt" 2>&1) &
 wait
 stamp "tests done"
 for f in warmup vllm_gpu; do echo "== $f"; grep -E "PASS|FAIL|SKIP|Error|error|assert" "$out/$f.txt" | tail -${TAILN:-25} | cut -c1-400; done
-if [ "${BENCH:-1}" = 1 ]; then
+if [ "${BENCH:-0}" = 1 ]; then
   stamp "vllm bench"
   timeout "${T_BENCH:-150}" python3 benchmarks/bench_vllm_dsv4.py --quick --out "$out" > "$out/bench_vllm.txt" 2>&1
   echo "rc=$?"; tail -20 "$out/bench_vllm.txt" | cut -c1-250

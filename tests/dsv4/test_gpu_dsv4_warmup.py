@@ -35,7 +35,7 @@ def test_nothing_compiles_after_the_v4_warmup(tmp_path):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
         run = subprocess.run([sys.executable, "-m", "musa_attn_backend.cli", "warmup", "--model-config", str(path),
-                              "--engine", engine, "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              "--engine", engine, "--quiet", "-j", str(min(os.cpu_count() or 1, 16))], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=1200)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     out = tmp_path / "cold.json"
