@@ -34,9 +34,10 @@ def test_nothing_compiles_after_the_v4_warmup(tmp_path):
     for name, cfg, engine in (("kit", KIT_MODEL, "sglang"), ("tiny", dict(CONFIG, index_topk=TOPK), "vllm")):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
+        jobs = str(min(os.cpu_count() or 1, 16))
         run = subprocess.run([sys.executable, "-m", "musa_attn_backend.cli", "warmup", "--model-config", str(path),
-                              "--engine", engine, "--quiet", "-j", str(min(os.cpu_count() or 1, 16))], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=1200)
+                              "--engine", engine, "--quiet", "-j", jobs], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=1200)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     out = tmp_path / "cold.json"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "musa_attn_backend.testing.trace_plugin",
