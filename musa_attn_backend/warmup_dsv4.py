@@ -125,12 +125,14 @@ def _attention(model: V4Model, engine: str) -> list[Job]:
 
     H = attention_heads(model, engine)
     jobs = []
-    scheduled = sparse_mqa_program() == "scheduled"
+    program = sparse_mqa_program()
     for ratio in model.ratios:
         extra = ratio > 0
         jobs.append(Job("dsv4_sparse_mqa", (H, extra, True, False, "bfloat16")))
-        if scheduled:  # one program, split or not, and its combine, launched every time
+        if program == "scheduled":  # one program, split or not, and its combine, launched every time
             jobs.append(Job("dsv4_sparse_combine", (H, True, "bfloat16")))
+        elif program == "paired":  # one program, never split
+            pass
         elif _index_tiles(model, ratio, sparse_mqa_block_n()) >= 4:  # num_splits_for splits from 4 tiles on
             jobs += [Job("dsv4_sparse_mqa", (H, extra, True, True, "bfloat16")),
                      Job("dsv4_combine", (H, True, "bfloat16"))]
