@@ -28,7 +28,9 @@ CHUNK = 4  # pieces whose partial rows are loaded together
 
 
 @functools.lru_cache(maxsize=None)
-def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16"):
+def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16", pdl: bool = False):
+    """The merge for ``H`` heads; ``pdl``: launched as a programmatic dependent of the scheduled program, it waits
+    for that grid's completion (and its writes) before reading the plan's partials."""
     D = L.D
     NT = T.dynamic("num_tokens")
     PARTS = T.dynamic("num_parts")
@@ -49,6 +51,8 @@ def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16"):
         LSE: T.Tensor((NT, H), "float32"),
     ):
         with T.Kernel(groups, head_blocks, threads=THREADS) as (g, hb):
+            if pdl:
+                T.pdl_sync()
             tx = T.get_thread_binding()
             h = hb * HEADS_PER_BLOCK + tx // 32
             lane = tx % 32

@@ -55,9 +55,12 @@ P_READY, P_FREE, EPILOGUE = 4, 5, 6
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
-                           num_stages: int = 2):
+                           num_stages: int = 2, pdl: bool = False):
     """The scheduled sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A
-    token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``)."""
+    token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
+    ``pdl``: every block triggers the dependent launch of the combine at its start (programmatic dependent launch:
+    the combine's blocks are resident when the last parts finish; it waits for this grid's completion before it
+    reads a partial)."""
     assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
     D, NS = L.D, num_stages
     NT = T.dynamic("num_tokens")
@@ -104,6 +107,8 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
         L_part: T.Tensor((NP, H), ACC),
     ):
         with T.Kernel(head_blocks, PARTS, threads=CONSUMER_THREADS + PRODUCER) as (bh, bp):
+            if pdl:
+                T.pdl_trigger()
             Ql_s = T.alloc_shared([BH, HD], q_dtype)
             Qr_s = T.alloc_shared([BH, HD], q_dtype)
             Kl_s = T.alloc_shared([NS, BN, HD], q_dtype)

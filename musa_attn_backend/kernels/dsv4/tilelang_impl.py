@@ -199,9 +199,16 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
 
     _check_program("scheduled", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
-    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype)
-    return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype),
+    pdl = _sched_pdl(target)
+    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl",) if pdl else ())
+    return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl),
                           target=target, pass_configs=_ws_pass_configs())
+
+
+def _sched_pdl(target) -> bool:
+    """The scheduled program's combine as its programmatic dependent launch: where the target has it (CUDA sm_90+)
+    and ``MUSA_ATTN_PDL`` allows it (both kernels are built alike)."""
+    return settings().pdl and features_of(target)["dependent_launch"]
 
 
 def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
@@ -223,8 +230,9 @@ def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     """The compiled merge of the scheduled program's split tokens (:mod:`.sparse_combine_kernel`)."""
     from .sparse_combine_kernel import build_sparse_combine
 
-    return compile_cached(("dsv4_sparse_combine", H, has_sink, q_dtype),
-                          lambda: build_sparse_combine(H, has_sink, q_dtype), target=target)
+    pdl = _sched_pdl(target)
+    return compile_cached(("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ()),
+                          lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl), target=target)
 
 
 def _fp8_convert(target) -> bool:
