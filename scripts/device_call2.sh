@@ -10,9 +10,9 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 stamp "tests"
-(timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -v -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4_warmup.py \
+(timeout "${T_TESTS:-230}" python3 -m pytest -m gpu -v -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4_warmup.py \
    > "$out/warmup.txt" 2>&1) &
-(timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -v -n 2 -p no:cacheprovider -rs tests/vllm/test_gpu_vllm_dsv4.py \
+(timeout "${T_TESTS:-230}" python3 -m pytest -m gpu -v -n 2 -p no:cacheprovider -rs tests/vllm/test_gpu_vllm_dsv4.py \
    -k "reference or graph" > "$out/vllm_gpu.txt" 2>&1) &
 wait
 stamp "tests done"
