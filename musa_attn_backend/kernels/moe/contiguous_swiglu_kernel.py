@@ -25,11 +25,10 @@ import functools
 from typing import Optional
 
 from ..._tilelang import tl_lang as T
-from .swiglu_tir import swiglu_quantize_tile
+from .swiglu_tir import gemm1_swiglu_tile
 
 FP8 = "float8_e4m3"
 ACC = "float32"
-BF16 = "bfloat16"
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,11 +36,11 @@ def build_grouped_gemm_swiglu_contiguous(I: int, K: int, limit: Optional[float],
                                          threads: int = 256):
     """``I``: the intermediate size, ``K``: the hidden size (multiples of 128); ``limit``: V4's clamp (None:
     plain SwiGLU). ``M`` and the expert count are dynamic."""
-    block_m, block_k, group = 64, 128, 128
-    epilogue = swiglu_quantize_tile(block_m, group, limit)
-    assert I % group == 0 and K % block_k == 0
+    block_m, group = 64, 128
+    assert I % group == 0 and K % 128 == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
-    KS, G = K // block_k, I // group
+    KS, G = K // 128, I // group
+    tile = gemm1_swiglu_tile(I, K, limit, num_stages, masked=False, block_m=block_m, group=group)
 
     @T.prim_func
     def grouped_gemm_swiglu_contiguous(
@@ -54,15 +53,6 @@ def build_grouped_gemm_swiglu_contiguous(I: int, K: int, limit: Optional[float],
         S: T.Tensor((M, G), ACC),
     ):
         with T.Kernel(G, T.ceildiv(M, block_m), threads=threads) as (bx, by):
-            A_s = T.alloc_shared((block_m, block_k), FP8)
-            B_s = T.alloc_shared((2 * group, block_k), FP8)
-            scale_g = T.alloc_fragment((block_m,), ACC)
-            scale_u = T.alloc_fragment((block_m,), ACC)
-            part = T.alloc_fragment((block_m, 2 * group), ACC)
-            acc = T.alloc_fragment((block_m, 2 * group), ACC)
-            H_s = T.alloc_shared((block_m, 2 * group), BF16)
-            act = T.alloc_fragment((block_m, group), ACC)
-            amax = T.alloc_fragment((block_m,), ACC)
             sc = T.alloc_fragment((block_m,), ACC)
             q = T.alloc_fragment((block_m, group), FP8)
 
@@ -71,21 +61,7 @@ def build_grouped_gemm_swiglu_contiguous(I: int, K: int, limit: Optional[float],
             row0 = by * block_m
             tile0 = row0 - row0 % 128  # the layout tile's first row: its id is the tile's expert
             if T.And(layout[tile0] >= 0, layout[tile0] < E):
-                T.clear(acc)
-                for k in T.Pipelined(KS, num_stages=num_stages):
-                    T.copy(A[row0, k * block_k], A_s)
-                    T.copy(B[layout[tile0], bx * group, k * block_k], B_s[0:group, :])
-                    T.copy(B[layout[tile0], I + bx * group, k * block_k], B_s[group:2 * group, :])
-                    for i in T.Parallel(block_m):
-                        scale_g[i] = (T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
-                                      * SB[layout[tile0], bx, k])
-                    for i in T.Parallel(block_m):
-                        scale_u[i] = (T.if_then_else(row0 + i < M, SA[T.min(row0 + i, M - 1), k], 0.0)
-                                      * SB[layout[tile0], G + bx, k])
-                    T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                    for i, j in T.Parallel(block_m, 2 * group):
-                        acc[i, j] += part[i, j] * T.if_then_else(j < group, scale_g[i], scale_u[i])
-                epilogue(acc, H_s, act, amax, sc, q)
+                tile(A, SA, B, SB, layout[tile0], row0, M, M - 1, bx, sc, q)
                 for i, j in T.Parallel(block_m, group):
                     if row0 + i < M:
                         if layout[row0 + i] >= 0:

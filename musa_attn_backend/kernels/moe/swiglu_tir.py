@@ -1,7 +1,8 @@
 """TIR expressions shared by the programs that compute V4's SwiGLU and the 1 x 128 FP8 quantisation GEMM2 reads
 (:mod:`.swiglu_quant_kernel`, :mod:`.contiguous_swiglu_kernel`, :mod:`.masked_swiglu_kernel`,
 :mod:`.quantize_scatter_kernel`), in float32, with
-the reference's order of operations (:func:`.layer.swiglu`, :func:`.reference.quantize_groups_reference`)."""
+the reference's order of operations (:func:`.layer.swiglu`, :func:`.reference.quantize_groups_reference`); and the
+epilogue-fused GEMM1's tile, both layouts' (:func:`gemm1_swiglu_tile`)."""
 
 from typing import Optional
 
@@ -9,6 +10,7 @@ from ..._tilelang import tl_lang as T
 
 FP8 = "float8_e4m3"
 ACC = "float32"
+BF16 = "bfloat16"
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
@@ -66,3 +68,51 @@ def swiglu_quantize_tile(rows: int, group: int, limit: Optional[float]):
         quantize(act, amax, sc, q)
 
     return epilogue
+
+
+def gemm1_swiglu_tile(I: int, K: int, limit: Optional[float], num_stages: int, masked: bool, block_m: int = 64,
+                      group: int = 128):
+    """A macro ``tile(A, SA, B, SB, e, row0, m, last, bx, sc, q)`` for the epilogue-fused GEMM1s
+    (:mod:`.contiguous_swiglu_kernel`, :mod:`.masked_swiglu_kernel`: their docstrings say how a block divides the
+    work): ``block_m`` rows from ``row0`` of expert ``e``'s ``A`` (``A[row0 + i]``, or ``A[e, row0 + i]`` where
+    ``masked``), rows at or past ``m`` scaled by 0 (``last``: the last row an ``SA`` read may name), times the
+    128 gate and 128 up rows of column group ``bx`` of ``W13_e``; the group's e4m3 codes into the fragment ``q
+    [block_m, group]`` and its scales into ``sc [block_m]`` (:func:`swiglu_quantize_tile`)."""
+    block_k = 128
+    KS, G = K // block_k, I // group
+    epilogue = swiglu_quantize_tile(block_m, group, limit)
+
+    def row_scale(SA, e, row, k):  # A's scale of ``row`` at K step ``k``
+        return SA[e, row, k] if masked else SA[row, k]
+
+    @T.macro
+    def tile(A, SA, B, SB, e, row0, m, last, bx, sc, q):
+        A_s = T.alloc_shared((block_m, block_k), FP8)
+        B_s = T.alloc_shared((2 * group, block_k), FP8)
+        scale_g = T.alloc_fragment((block_m,), ACC)
+        scale_u = T.alloc_fragment((block_m,), ACC)
+        part = T.alloc_fragment((block_m, 2 * group), ACC)
+        acc = T.alloc_fragment((block_m, 2 * group), ACC)
+        H_s = T.alloc_shared((block_m, 2 * group), BF16)
+        act = T.alloc_fragment((block_m, group), ACC)
+        amax = T.alloc_fragment((block_m,), ACC)
+        T.clear(acc)
+        for k in T.Pipelined(KS, num_stages=num_stages):
+            if masked:
+                T.copy(A[e, row0, k * block_k], A_s)
+            else:
+                T.copy(A[row0, k * block_k], A_s)
+            T.copy(B[e, bx * group, k * block_k], B_s[0:group, :])
+            T.copy(B[e, I + bx * group, k * block_k], B_s[group:2 * group, :])
+            for i in T.Parallel(block_m):
+                scale_g[i] = (T.if_then_else(row0 + i < m, row_scale(SA, e, T.min(row0 + i, last), k), 0.0)
+                              * SB[e, bx, k])
+            for i in T.Parallel(block_m):
+                scale_u[i] = (T.if_then_else(row0 + i < m, row_scale(SA, e, T.min(row0 + i, last), k), 0.0)
+                              * SB[e, G + bx, k])
+            T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            for i, j in T.Parallel(block_m, 2 * group):
+                acc[i, j] += part[i, j] * T.if_then_else(j < group, scale_g[i], scale_u[i])
+        epilogue(acc, H_s, act, amax, sc, q)
+
+    return tile
