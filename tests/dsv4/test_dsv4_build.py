@@ -70,6 +70,27 @@ def test_launch_glue_matches_the_programs(use_settings, T, split):
     assert all(len(k.calls) == 1 for k in kernels.values())
 
 
+@pytest.mark.parametrize("extra", [True, False])
+def test_paired_program_glue_matches_its_signature(use_settings, extra):
+    """The paired program's launch: one kernel, every argument where its parameter is (with and without the extra
+    set, and with FlashMLA's LSE convention)."""
+    use_settings(target="sm_90a", dsv4_program="paired")
+    kernels = {}
+
+    def capture(key, build, target, pass_configs):
+        return kernels.setdefault(key[0], SignatureCheck(build()))
+
+    q, cache, idx, xcache, xidx = _batch(5)
+    kw = dict(extra_cache=xcache, extra_indices=xidx) if extra else {}
+    with _tilelang.intercepting(capture):
+        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, sink=torch.zeros(64), return_lse=True,
+                                          empty_lse_inf=True, **kw)
+    assert out.shape == q.shape and lse.shape == (5, 64)
+    assert set(kernels) == {"dsv4_sparse_mqa_paired"} and len(kernels["dsv4_sparse_mqa_paired"].calls) == 1
+    scalars = [a for a in kernels["dsv4_sparse_mqa_paired"].calls[0] if not isinstance(a, torch.Tensor)]
+    assert float("inf") in scalars  # the empty LSE the program writes
+
+
 def test_musa_dsv4_programs_read_p_from_shared_memory(use_settings):
     use_settings(target="mp_31")
     programs = []

@@ -58,7 +58,7 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
     NU2, NS2 = T.dynamic("extra_units16", "int64"), T.dynamic("extra_units8", "int64")
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
-    load_q, entry, load_row, _, store_half = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
+    load_q, entry, load_rows, _, store_half = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
 
     @T.macro
     def consumer(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l, empty_r,
@@ -77,25 +77,21 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
         T.fill(l_i, 0)
         T.fill(m_i, NEG_INF)
         T.mbarrier_wait_parity(q_full, 0)
+        # the column half this group's output owns (its tile's first, its P V's) and the other half
+        Q_mine, Q_theirs = (Ql_s, Qr_s) if w == 0 else (Qr_s, Ql_s)
+        K_mine, K_theirs = (Kl_s, Kr_s) if w == 0 else (Kr_s, Kl_s)
+        full_mine, full_theirs = (full_l, full_r) if w == 0 else (full_r, full_l)
+        empty_mine, empty_theirs = (empty_l, empty_r) if w == 0 else (empty_r, empty_l)
         for i in T.serial(pairs):
             par = i & 1
             # the scores of this group's tile (stage w): the half filled first, then the other
-            if w == 0:
-                T.mbarrier_wait_parity(full_l[0], par)
-                T.wgmma_gemm(Ql_s, Kl_s[0, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                             clear_accum=True)
-                T.mbarrier_wait_parity(full_r[0], par)
-                T.wgmma_gemm(Qr_s, Kr_s[0, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_r[0])  # group 1's P V still reads it
-            else:
-                T.mbarrier_wait_parity(full_r[1], par)
-                T.wgmma_gemm(Qr_s, Kr_s[1, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                             clear_accum=True)
-                T.mbarrier_wait_parity(full_l[1], par)
-                T.wgmma_gemm(Ql_s, Kl_s[1, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_l[1])  # group 0's P V still reads it
+            T.mbarrier_wait_parity(full_mine[w], par)
+            T.wgmma_gemm(Q_mine, K_mine[w, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                         clear_accum=True)
+            T.mbarrier_wait_parity(full_theirs[w], par)
+            T.wgmma_gemm(Q_theirs, K_theirs[w, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty_theirs[w])  # the other group's P V still reads it
             for r, jj in T.Parallel(BH, BN):
                 acc_s[r, jj] = T.if_then_else(ok_s[w, jj] != 0, acc_s[r, jj], NEG_INF)
             # the running maximum over both tiles of the pair
@@ -122,24 +118,14 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
             T.fence_proxy_async()  # P_s is read by the other group's WGMMA (async proxy)
             T.named_barrier_arrive(P_READY[w], CONSUMER_THREADS)
             # this group's tile: P from registers, V = the stage's rows, this group's columns
-            if w == 0:
-                T.wgmma_gemm(acc_p, Kl_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_l[0])
-            else:
-                T.wgmma_gemm(acc_p, Kr_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_r[1])
+            T.wgmma_gemm(acc_p, K_mine[w, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty_mine[w])
             # the other group's tile: its P from shared memory
             T.sync_threads(P_READY[other], CONSUMER_THREADS)
-            if w == 0:
-                T.wgmma_gemm(P_s[1, :, :], Kl_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_l[1])
-            else:
-                T.wgmma_gemm(P_s[0, :, :], Kr_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_r[0])
+            T.wgmma_gemm(P_s[other, :, :], K_mine[other, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty_mine[other])
             T.named_barrier_arrive(P_FREE[other], CONSUMER_THREADS)
         T.sync_threads(P_FREE[w], CONSUMER_THREADS)  # pairs the other group's arrival after the last pair
         # epilogue: the row sums of both groups, the sink, this group's columns; the LSE from group 0
@@ -234,13 +220,7 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                     par = (j // 2) & 1
                     for r in T.unroll(ROWS):
                         entry(idx, r, j, n1, base_row + r * 32, t, I1, L1, I2, L2)
-                    for r in T.unroll(ROWS):
-                        if j < n1:
-                            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
-                            load_row(raw, sw, r, idx[r], q, CW, CS, rows1, stride1, slots1)
-                        else:
-                            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
-                            load_row(raw, sw, r, idx[r], q, XW, XS, rows2, stride2, slots2)
+                    load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
                     if j == 0:  # the query rows, their copies' latency beside the first tile's loads
                         load_q(Q, Ql_s, Qr_s, t, h0, p)
                         T.ptx_wait_group(0)

@@ -73,7 +73,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
 
-    load_q, entry, load_row, store_row, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
+    load_q, entry, load_rows, store_row, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
 
     # ---- the program ------------------------------------------------------------------------------------------
 
@@ -279,13 +279,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         st = kp % NS
                         for r in T.unroll(ROWS):
                             idx[r] = nidx[r]
-                        for r in T.unroll(ROWS):
-                            if j < n1:
-                                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
-                                load_row(raw, sw, r, idx[r], q, CW, CS, rows1, stride1, slots1)
-                            else:
-                                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
-                                load_row(raw, sw, r, idx[r], q, XW, XS, rows2, stride2, slots2)
+                        load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
                         if j + 1 < je:  # the next tile's indices, read while this one's rows arrive
                             for r in T.unroll(ROWS):
                                 entry(nidx, r, j + 1, n1, base_row + r * 32, t, I1, L1, I2, L2)

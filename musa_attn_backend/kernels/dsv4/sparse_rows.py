@@ -51,7 +51,7 @@ def nope_bytes_to_bf16(word, perm=byte_perm):
 class RowMacros(NamedTuple):
     load_q: object
     entry: object
-    load_row: object
+    load_rows: object
     store_row: object
     store_half: object
 
@@ -115,6 +115,18 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2) -> RowMacros:
                 sw[r, v] = 0
 
     @T.macro
+    def load_rows(raw, sw, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
+        """This lane's loads of its ``ROWS`` rows of a tile (slots ``idx``): from the main cache where ``main``,
+        else from the extra one; ``ok[r]``: whether row ``r``'s slot is valid (read) or not (zeros)."""
+        for r in T.unroll(ROWS):
+            if main:
+                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
+                load_row(raw, sw, r, idx[r], q, CW, CS, rows1, stride1, slots1)
+            else:
+                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
+                load_row(raw, sw, r, idx[r], q, XW, XS, rows2, stride2, slots2)
+
+    @T.macro
     def dequant_step(raw, sw, r, s, outw, fac):
         """Nope step ``s`` of row ``r`` (this lane's 16 bytes of it) as 16 bf16 values in ``outw``."""
         outb = T.view(outw, [16], q_dtype)
@@ -172,4 +184,4 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2) -> RowMacros:
                 for v in T.vectorized(8):
                     K_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
 
-    return RowMacros(load_q, entry, load_row, store_row, store_half)
+    return RowMacros(load_q, entry, load_rows, store_row, store_half)

@@ -344,31 +344,40 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
     combine(plan.combine, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse)
 
 
+def _launch_inputs(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, views):
+    """What the unplanned programs take besides ``q``: ``(has_extra, main, extra, sinks)``, each set ``(views of
+    its cache, their geometry, indices, lengths)`` (``views(cache, name)``: the program's views; without an
+    extra set, the main cache's views stand in and its lists are empty), the sinks (zeros without)."""
+    T, H, _ = q.shape
+    dev = q.device
+    has_extra = extra_cache is not None and extra_indices.shape[1] > 0
+    i1 = indices.contiguous()
+    main = (*views(cache, "cache"), i1, _lengths(lengths, T, i1.shape[1], dev))
+    if has_extra:
+        i2 = extra_indices.contiguous()
+        extra = (*views(extra_cache, "extra_cache"), i2, _lengths(extra_lengths, T, i2.shape[1], dev))
+    else:
+        extra = (main[0], (1, 1, 0), torch.empty(T, 0, dtype=torch.int32, device=dev),
+                 torch.zeros(T, dtype=torch.int32, device=dev))
+    sinks = sink.contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
+    return has_extra, main, extra, sinks
+
+
 def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale, out,
                        return_lse, empty_lse_inf, op):
     """Launch the paired program (:mod:`.sparse_mqa_paired_kernel`): one block a token and 64 heads, no split."""
     T, H, _ = q.shape
     dev = q.device
-    has_extra = extra_cache is not None and extra_indices.shape[1] > 0
-    main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
-    i1 = indices.contiguous()
-    l1 = _lengths(lengths, T, i1.shape[1], dev)
-    if has_extra:
-        extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
-        i2 = extra_indices.contiguous()
-        l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
-    else:
-        extra_views, extra_geo = main_views, (1, 1, 0)
-        i2 = torch.empty(T, 0, dtype=torch.int32, device=dev)
-        l2 = torch.zeros(T, dtype=torch.int32, device=dev)
+    views = lambda c, name: _cache_word_views(c, dev, op, name)  # noqa: E731
+    has_extra, main, extra, sinks = _launch_inputs(q, cache, indices, lengths, extra_cache, extra_indices,
+                                                   extra_lengths, sink, views)
     has_sink = sink is not None
-    sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
     out = _alloc(q.shape, q.dtype, dev) if out is None else out
     lse = _alloc((T, H), torch.float32, dev)
     if T:
         empty = float("inf") if empty_lse_inf else float("-inf")
-        paired_kernel(H, has_extra, has_sink, "bfloat16")(q, *main_views, i1, l1, *extra_views, i2, l2, sinks,
-                                                         float(sm_scale), empty, *main_geo, *extra_geo, out, lse)
+        paired_kernel(H, has_extra, has_sink, "bfloat16")(q, *main[0], *main[2:], *extra[0], *extra[2:], sinks,
+                                                         float(sm_scale), empty, *main[1], *extra[1], out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -423,21 +432,10 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     if program == "paired":
         return _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
                                   sm_scale, out, return_lse, empty_lse_inf, op)
-    main_views, main_geo = _flat_views(L.kv_pages(cache, op=op), dev, op, "cache", units=True)
-    has_extra = extra_cache is not None and extra_indices.shape[1] > 0
-    if has_extra:
-        extra_views, extra_geo = _flat_views(L.kv_pages(extra_cache, "extra_cache", op=op), dev, op, "extra_cache",
-                                             units=True)
-        i2 = extra_indices.contiguous()
-        l2 = _lengths(extra_lengths, T, i2.shape[1], dev)
-    else:
-        extra_views, extra_geo = main_views, (1, 1, 0)
-        i2 = torch.empty(T, 0, dtype=torch.int32, device=dev)
-        l2 = torch.zeros(T, dtype=torch.int32, device=dev)
-    i1 = indices.contiguous()
-    l1 = _lengths(lengths, T, i1.shape[1], dev)
+    views = lambda c, name: _flat_views(L.kv_pages(c, name, op=op), dev, op, name, units=True)  # noqa: E731
+    has_extra, (main_views, main_geo, i1, l1), (extra_views, extra_geo, i2, l2), sinks = _launch_inputs(
+        q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, views)
     has_sink = sink is not None
-    sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
