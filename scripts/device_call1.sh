@@ -31,7 +31,7 @@ stamp "ncu"
   python3 scripts/profile_dsv4_attention.py --ncu --cases flash:4096:1 > "$out/ncu.txt" 2>&1
 echo "rc=$?"; grep -E "^  [a-z_]|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occ|Block Size|Grid Size|Warp Cycles Per Issued|No Eligible|Dynamic Shared" "$out/ncu.txt" | head -150 | cut -c1-160
 stamp "attention bench"
-timeout "${T_ATTN:-90}" python3 benchmarks/bench_dsv4_attention.py --programs scheduled,paired --no-portable --ops decode,prefill --out "$out" \
+timeout "${T_ATTN:-90}" python3 benchmarks/bench_dsv4_attention.py --quick --programs scheduled,paired --no-portable --ops decode,prefill --out "$out" \
   > "$out/bench_attn.txt" 2>&1
 echo "rc=$?"; grep -vE "^precompile|^ *$" "$out/bench_attn.txt" | tail -8 | cut -c1-220
 stamp "end"
