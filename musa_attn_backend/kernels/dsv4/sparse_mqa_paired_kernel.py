@@ -149,6 +149,27 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                     LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
                                                     (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
 
+    @T.macro
+    def store_stage(st, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l, full_r, empty_l,
+                    empty_r):
+        """The producer's rows of a tile into stage ``st`` (a Python int), the half its group frees first first:
+        stage 0's left half (group 0 alone reads it), stage 1's right half (group 1 alone), then the other."""
+        K_first, K_second = (Kl_s, Kr_s) if st == 0 else (Kr_s, Kl_s)
+        full_first, full_second = (full_l, full_r) if st == 0 else (full_r, full_l)
+        empty_first, empty_second = (empty_l, empty_r) if st == 0 else (empty_r, empty_l)
+        T.mbarrier_wait_parity(empty_first[st], par ^ 1)
+        for r in T.unroll(ROWS):
+            store_half(K_first, st, base_row + r * 32, raw, sw, r, q, outw, fac, st)
+            if q == 0:
+                ok_s[st, base_row + r * 32] = ok[r]
+        T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
+        T.mbarrier_arrive(full_first[st])
+        T.mbarrier_wait_parity(empty_second[st], par ^ 1)
+        for r in T.unroll(ROWS):
+            store_half(K_second, st, base_row + r * 32, raw, sw, r, q, outw, fac, 1 - st)
+        T.fence_proxy_async()
+        T.mbarrier_arrive(full_second[st])
+
     @T.prim_func
     def sparse_mqa_paired(
         Q: T.Tensor((NT, H, D), q_dtype),
@@ -220,38 +241,18 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                     par = (j // 2) & 1
                     for r in T.unroll(ROWS):
                         entry(idx, r, j, n1, base_row + r * 32, t, I1, L1, I2, L2)
-                    load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
+                    load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2,
+                              slots2)
                     if j == 0:  # the query rows, their copies' latency beside the first tile's loads
                         load_q(Q, Ql_s, Qr_s, t, h0, p)
                         T.ptx_wait_group(0)
                         T.fence_proxy_async()
                         T.mbarrier_arrive(q_full)
-                    # stage 0: left half first (group 0 frees it first); stage 1: right half first
                     if st == 0:
-                        T.mbarrier_wait_parity(empty_l[0], par ^ 1)
-                        for r in T.unroll(ROWS):
-                            store_half(Kl_s, 0, base_row + r * 32, raw, sw, r, q, outw, fac, 0)
-                            if q == 0:
-                                ok_s[0, base_row + r * 32] = ok[r]
-                        T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
-                        T.mbarrier_arrive(full_l[0])
-                        T.mbarrier_wait_parity(empty_r[0], par ^ 1)
-                        for r in T.unroll(ROWS):
-                            store_half(Kr_s, 0, base_row + r * 32, raw, sw, r, q, outw, fac, 1)
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(full_r[0])
+                        store_stage(0, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l, full_r,
+                                    empty_l, empty_r)
                     else:
-                        T.mbarrier_wait_parity(empty_r[1], par ^ 1)
-                        for r in T.unroll(ROWS):
-                            store_half(Kr_s, 1, base_row + r * 32, raw, sw, r, q, outw, fac, 1)
-                            if q == 0:
-                                ok_s[1, base_row + r * 32] = ok[r]
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(full_r[1])
-                        T.mbarrier_wait_parity(empty_l[1], par ^ 1)
-                        for r in T.unroll(ROWS):
-                            store_half(Kl_s, 1, base_row + r * 32, raw, sw, r, q, outw, fac, 0)
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(full_l[1])
+                        store_stage(1, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l, full_r,
+                                    empty_l, empty_r)
 
     return sparse_mqa_paired
