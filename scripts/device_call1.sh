@@ -10,12 +10,12 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 stamp "phase 1"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-[ "${FORMS:-0}" = 1 ] && (JOBS=4 timeout "${P1:-150}" scripts/device_mp31.sh forms > "$out/p1_forms.txt" 2>&1) &
-(JOBS=4 timeout "${P1:-150}" scripts/device_v4_attention.sh tests "paired or scheduled" > "$out/p1_tests.txt" 2>&1) &
-(timeout "${P1:-150}" python3 -m pytest -q -m gpu tests/moe/test_gpu_moe.py -k "route" -p no:cacheprovider \
+[ "${FORMS:-0}" = 1 ] && (JOBS=4 timeout "${P1:-125}" scripts/device_mp31.sh forms > "$out/p1_forms.txt" 2>&1) &
+(JOBS=4 timeout "${P1:-125}" scripts/device_v4_attention.sh tests "paired or scheduled" > "$out/p1_tests.txt" 2>&1) &
+(timeout "${P1:-125}" python3 -m pytest -q -m gpu tests/moe/test_gpu_moe.py -k "route" -p no:cacheprovider \
    > "$out/p1_route.txt" 2>&1) &
-(timeout 140 python3 scripts/deepgemm_suite.py --out "$out/deepgemm_suite.json" > "$out/p1_deepgemm.txt" 2>&1) &
-(timeout "${P1:-150}" python3 -c "
+(timeout 120 python3 scripts/deepgemm_suite.py --out "$out/deepgemm_suite.json" > "$out/p1_deepgemm.txt" 2>&1) &
+(timeout "${P1:-125}" python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); import bench_dsv4_attention as b
 b.precompile(['flash', 'pro'], [], False, '', workers=4, programs=['scheduled', 'paired', 'warp_specialized'])" \
   > "$out/p1_attn_compile.txt" 2>&1) &
@@ -31,7 +31,7 @@ stamp "ncu"
   python3 scripts/profile_dsv4_attention.py --ncu --cases flash:4096:1 > "$out/ncu.txt" 2>&1
 echo "rc=$?"; grep -E "^  [a-z_]|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occ|Block Size|Grid Size|Warp Cycles Per Issued|No Eligible|Dynamic Shared" "$out/ncu.txt" | head -150 | cut -c1-160
 stamp "attention bench"
-timeout "${T_ATTN:-90}" python3 benchmarks/bench_dsv4_attention.py --quick --programs scheduled,paired --no-portable --ops decode,prefill --out "$out" \
+timeout "${T_ATTN:-80}" python3 benchmarks/bench_dsv4_attention.py --quick --programs scheduled,paired --no-portable --ops decode,prefill --out "$out" \
   > "$out/bench_attn.txt" 2>&1
 echo "rc=$?"; grep -vE "^precompile|^ *$" "$out/bench_attn.txt" | tail -8 | cut -c1-220
 stamp "end"
