@@ -52,9 +52,8 @@ SWITCHES: tuple[Switch, ...] = (
            "the ping-pong prefill with a gathering (cp.async) producer, for pages of any size, is a prefill "
            "candidate ahead of the row-gather kernel (0: removed)"),
     Switch("pdl", "MUSA_ATTN_PDL", "bool", True, True,
-           "the split-KV combine is a programmatic dependent launch of the decode kernel (and DeepSeek-V4's of the "
-           "scheduled sparse MQA) where the target has it (CUDA sm_90+), so its launch overlaps the decode's last "
-           "wave (0: an ordinary launch)"),
+           "the split-KV combine is a programmatic dependent launch of the decode kernel where the target has it "
+           "(CUDA sm_90+), so its launch overlaps the decode's last wave (0: an ordinary launch)"),
     Switch("tma_chunks", "MUSA_ATTN_TMA_CHUNKS", "bool", True, True,
            "the ping-pong prefill with TMA copies of page chunks (16/32/64 rows) is a candidate for pages of a "
            "multiple of 16 that hold no whole key tile: the default kernel for pages of 64 (0: removed)"),
