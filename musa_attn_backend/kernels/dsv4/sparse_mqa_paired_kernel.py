@@ -60,6 +60,10 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
     head_blocks = (H + BH - 1) // BH
     load_q, entry, load_rows, _, store_half = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
 
+    def half(h, left, right):
+        """The left (``h`` 0: columns 0-255) or right buffer of a pair: group ``w``'s output columns are half ``w``."""
+        return left if h == 0 else right
+
     @T.macro
     def consumer(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l, empty_r,
                  q_full, t, h0, pairs, scale_log2, empty_lse):
@@ -77,21 +81,20 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
         T.fill(l_i, 0)
         T.fill(m_i, NEG_INF)
         T.mbarrier_wait_parity(q_full, 0)
-        # the column half this group's output owns (its tile's first, its P V's) and the other half
-        Q_mine, Q_theirs = (Ql_s, Qr_s) if w == 0 else (Qr_s, Ql_s)
-        K_mine, K_theirs = (Kl_s, Kr_s) if w == 0 else (Kr_s, Kl_s)
-        full_mine, full_theirs = (full_l, full_r) if w == 0 else (full_r, full_l)
-        empty_mine, empty_theirs = (empty_l, empty_r) if w == 0 else (empty_r, empty_l)
+        # half(w, ...): the column half this group's output owns (its tile's first Q K^T half, its P V's operand);
+        # half(1 - w, ...): the other (picked inline: a buffer bound to a new name in a macro takes that name in the
+        # generated code)
         for i in T.serial(pairs):
             par = i & 1
             # the scores of this group's tile (stage w): the half filled first, then the other
-            T.mbarrier_wait_parity(full_mine[w], par)
-            T.wgmma_gemm(Q_mine, K_mine[w, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                         clear_accum=True)
-            T.mbarrier_wait_parity(full_theirs[w], par)
-            T.wgmma_gemm(Q_theirs, K_theirs[w, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.mbarrier_wait_parity(half(w, full_l, full_r)[w], par)
+            T.wgmma_gemm(half(w, Ql_s, Qr_s), half(w, Kl_s, Kr_s)[w, :, :], acc_s, transpose_B=True,
+                         policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.mbarrier_wait_parity(half(1 - w, full_l, full_r)[w], par)
+            T.wgmma_gemm(half(1 - w, Ql_s, Qr_s), half(1 - w, Kl_s, Kr_s)[w, :, :], acc_s, transpose_B=True,
+                         policy=T.GemmWarpPolicy.FullRow)
             T.wait_wgmma(0)
-            T.mbarrier_arrive(empty_theirs[w])  # the other group's P V still reads it
+            T.mbarrier_arrive(half(1 - w, empty_l, empty_r)[w])  # the other group's P V still reads it
             for r, jj in T.Parallel(BH, BN):
                 acc_s[r, jj] = T.if_then_else(ok_s[w, jj] != 0, acc_s[r, jj], NEG_INF)
             # the running maximum over both tiles of the pair
@@ -118,14 +121,14 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
             T.fence_proxy_async()  # P_s is read by the other group's WGMMA (async proxy)
             T.named_barrier_arrive(P_READY[w], CONSUMER_THREADS)
             # this group's tile: P from registers, V = the stage's rows, this group's columns
-            T.wgmma_gemm(acc_p, K_mine[w, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.wgmma_gemm(acc_p, half(w, Kl_s, Kr_s)[w, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
             T.wait_wgmma(0)
-            T.mbarrier_arrive(empty_mine[w])
+            T.mbarrier_arrive(half(w, empty_l, empty_r)[w])
             # the other group's tile: its P from shared memory
             T.sync_threads(P_READY[other], CONSUMER_THREADS)
-            T.wgmma_gemm(P_s[other, :, :], K_mine[other, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+            T.wgmma_gemm(P_s[other, :, :], half(w, Kl_s, Kr_s)[other, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
             T.wait_wgmma(0)
-            T.mbarrier_arrive(empty_mine[other])
+            T.mbarrier_arrive(half(w, empty_l, empty_r)[other])
             T.named_barrier_arrive(P_FREE[other], CONSUMER_THREADS)
         T.sync_threads(P_FREE[w], CONSUMER_THREADS)  # pairs the other group's arrival after the last pair
         # epilogue: the row sums of both groups, the sink, this group's columns; the LSE from group 0
@@ -154,21 +157,18 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                     empty_r):
         """The producer's rows of a tile into stage ``st`` (a Python int), the half its group frees first first:
         stage 0's left half (group 0 alone reads it), stage 1's right half (group 1 alone), then the other."""
-        K_first, K_second = (Kl_s, Kr_s) if st == 0 else (Kr_s, Kl_s)
-        full_first, full_second = (full_l, full_r) if st == 0 else (full_r, full_l)
-        empty_first, empty_second = (empty_l, empty_r) if st == 0 else (empty_r, empty_l)
-        T.mbarrier_wait_parity(empty_first[st], par ^ 1)
+        T.mbarrier_wait_parity(half(st, empty_l, empty_r)[st], par ^ 1)
         for r in T.unroll(ROWS):
-            store_half(K_first, st, base_row + r * 32, raw, sw, r, q, outw, fac, st)
+            store_half(half(st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, r, q, outw, fac, st)
             if q == 0:
                 ok_s[st, base_row + r * 32] = ok[r]
         T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
-        T.mbarrier_arrive(full_first[st])
-        T.mbarrier_wait_parity(empty_second[st], par ^ 1)
+        T.mbarrier_arrive(half(st, full_l, full_r)[st])
+        T.mbarrier_wait_parity(half(1 - st, empty_l, empty_r)[st], par ^ 1)
         for r in T.unroll(ROWS):
-            store_half(K_second, st, base_row + r * 32, raw, sw, r, q, outw, fac, 1 - st)
+            store_half(half(1 - st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, r, q, outw, fac, 1 - st)
         T.fence_proxy_async()
-        T.mbarrier_arrive(full_second[st])
+        T.mbarrier_arrive(half(1 - st, full_l, full_r)[st])
 
     @T.prim_func
     def sparse_mqa_paired(
