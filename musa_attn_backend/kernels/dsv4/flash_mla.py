@@ -54,7 +54,7 @@ def _per_token(lengths: Optional[torch.Tensor], b: int, s_q: int, name: str, op:
     change across the calls that share ``meta``)."""
     if lengths is None:
         return None
-    if meta is not None and s_q > 1:
+    if meta is not None:
         key = (name, lengths.data_ptr(), lengths.numel(), s_q)
         hit = meta.per_token.get(key)
         if hit is None:
@@ -62,7 +62,8 @@ def _per_token(lengths: Optional[torch.Tensor], b: int, s_q: int, name: str, op:
         return hit
     check(isinstance(lengths, torch.Tensor) and lengths.dim() == 1 and lengths.numel() == b
           and not lengths.is_floating_point(), lambda: f"{op}: {name} must be an int tensor of shape ({b},)")
-    lengths = lengths.to(torch.int32)
+    if lengths.dtype != torch.int32:
+        lengths = lengths.to(torch.int32)
     return lengths if s_q == 1 else lengths.repeat_interleave(s_q)  # decode: the lengths as they are
 
 
@@ -106,9 +107,9 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     scale = L.D ** -0.5 if softmax_scale is None else softmax_scale
     ot = None if out is None else out.view(T, h, L.D)
     if fast:
-        L.kv_pages(k_cache, op=op)
+        L.check_kv_cache(k_cache, op=op)
         if extra_k_cache is not None:
-            L.kv_pages(extra_k_cache, "extra_cache", op=op)
+            L.check_kv_cache(extra_k_cache, "extra_cache", op=op)
     else:
         check_sparse_mqa_args(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
                               extra_lengths=xlengths, sink=attn_sink, sm_scale=scale, out=ot)
@@ -160,10 +161,15 @@ def _check_entry(op, q, indices, extra_indices, extra_topk_length, out, causal, 
 
 
 def _signature(*args) -> tuple:
-    """What the full argument check of a call depends on, besides its caches: each tensor's shape, dtype and device
-    (None stays None), the scale as given."""
-    return tuple((a.shape, a.dtype, a.device, a.is_contiguous()) if isinstance(a, torch.Tensor) else
-                 (type(a), a) for a in args)
+    """What the full argument check of a call depends on, besides its caches: each tensor's shape, strides, dtype
+    and device (None stays None), the scale as given."""
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig += (a.shape, a.stride(), a.dtype, a.get_device())
+        else:
+            sig += (type(a), a)
+    return tuple(sig)
 
 
 def _sched_plan(meta: Optional[FlashMLASchedMeta], op: str, config: tuple, make):

@@ -79,7 +79,8 @@ _CHECKED: dict = {}
 _CHECKED_KEPT = 1024
 
 
-def _as_pages(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> Pages:
+def _geometry(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> tuple:
+    """The checked ``(pages, extent, page stride, rows)`` of a cache view (the checks run once per geometry)."""
     check(isinstance(cache, torch.Tensor) and cache.dtype == torch.uint8,
           lambda: f"{op}: {name} must be a uint8 tensor of {row_bytes}-byte rows, got "
                   f"{getattr(cache, 'dtype', type(cache).__name__)}")
@@ -90,6 +91,11 @@ def _as_pages(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> Pages:
         if len(_CHECKED) >= _CHECKED_KEPT:
             _CHECKED.clear()
         _CHECKED[key] = geo
+    return geo
+
+
+def _as_pages(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> Pages:
+    geo = _geometry(cache, row_bytes, name, op)
     return Pages(cache.as_strided((geo[0], geo[1]), (geo[2], 1)), geo[3])
 
 
@@ -115,6 +121,11 @@ def _check_pages(cache: torch.Tensor, row_bytes: int, name: str, op: str) -> tup
 def kv_pages(cache: torch.Tensor, name: str = "cache", op: str = "dsv4") -> Pages:
     """The pages of a 584-byte-row KV cache view (see the module docstring), checked."""
     return _as_pages(cache, ROW_BYTES, name, op)
+
+
+def check_kv_cache(cache: torch.Tensor, name: str = "cache", op: str = "dsv4") -> None:
+    """:func:`kv_pages`' checks without making the pages' view."""
+    _geometry(cache, ROW_BYTES, name, op)
 
 
 def index_pages(cache: torch.Tensor, name: str = "cache", op: str = "dsv4") -> Pages:

@@ -265,6 +265,8 @@ def num_splits_for(tokens: int, heads: int, tiles: int, sm_count: int) -> int:
 def _lengths(lengths: Optional[torch.Tensor], T: int, K: int, device) -> torch.Tensor:
     if lengths is None:
         return torch.full((T,), K, dtype=torch.int32, device=device)
+    if lengths.dtype == torch.int32 and lengths.is_contiguous():
+        return lengths
     return lengths.to(torch.int32).contiguous()
 
 
