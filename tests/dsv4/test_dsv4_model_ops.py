@@ -59,15 +59,21 @@ def test_rope_in_place_on_a_strided_view(inverse):
     close(o[..., 448:], before[..., 448:].double())
 
 
-def test_norm_rope_in_place():
+def norm_rope_case(n: int):
+    """``(kv, w, cos, sin, pos, want)``: ``n`` rows, their weights, the RoPE tables and positions, and the RMS norm
+    (eps 1e-6) then RoPE of the last 64 values in float64."""
     g = torch.Generator().manual_seed(3)
     ang, cos, sin = tables()
-    kv = (torch.randn(6, 512, generator=g) * 2).to(torch.bfloat16)
+    kv = (torch.randn(n, 512, generator=g) * 2).to(torch.bfloat16)
     w = torch.rand(512, generator=g) + 0.5
-    pos = torch.randint(0, 50, (6,), generator=g)
+    pos = torch.randint(0, 50, (n,), generator=g)
     x = kv.double()
     y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w.double()
-    want = torch.cat([y[:, :448], rotate64(y[:, 448:], ang, pos)], 1)
+    return kv, w, cos, sin, pos, torch.cat([y[:, :448], rotate64(y[:, 448:], ang, pos)], 1)
+
+
+def test_norm_rope_in_place():
+    kv, w, cos, sin, pos, want = norm_rope_case(6)
     close(ops.norm_rope_(kv, w, 1e-6, cos, sin, pos), want)
 
 

@@ -11,7 +11,7 @@ import torch
 from musa_attn_backend.kernels import dsv4
 from musa_attn_backend.kernels.dsv4 import model as ops
 
-from test_dsv4_model_ops import close, rotate64, tables
+from test_dsv4_model_ops import close, norm_rope_case, rotate64, tables
 
 pytestmark = pytest.mark.gpu
 
@@ -62,14 +62,7 @@ def test_rope_in_place_on_a_strided_view(gpu_device, inverse):
 
 
 def test_norm_rope_in_place(gpu_device):
-    g = torch.Generator().manual_seed(3)
-    ang, cos, sin = tables()
-    kv = (torch.randn(100, 512, generator=g) * 2).to(torch.bfloat16)
-    w = torch.rand(512, generator=g) + 0.5
-    pos = torch.randint(0, 50, (100,), generator=g)
-    x = kv.double()
-    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w.double()
-    want = torch.cat([y[:, :448], rotate64(y[:, 448:], ang, pos)], 1)
+    kv, w, cos, sin, pos, want = norm_rope_case(100)
     kd, wd, cd, sd, pd = _on(gpu_device, kv, w, cos, sin, pos)
     close(ops.norm_rope_(kd, wd, 1e-6, cd, sd, pd, impl="tilelang").cpu(), want)
 
