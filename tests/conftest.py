@@ -47,15 +47,15 @@ def load_bench():
 
 @pytest.fixture
 def smoke_doc(tmp_path, load_bench):
-    """``smoke_doc(bench, prefix)``: ``benchmarks/<bench>.py --smoke`` run into a temporary folder (``bench``: the
-    module or its name); the one results document it wrote (``<prefix>-smoke-*.json``), which must hold the keys
-    every run records."""
-    def run(bench, prefix):
+    """``smoke_doc(bench, prefix, keys=...)``: ``benchmarks/<bench>.py --smoke`` run into a temporary folder
+    (``bench``: the module or its name); the one results document it wrote (``<prefix>-*.json``), which must hold
+    ``keys`` (default: the keys every run records)."""
+    def run(bench, prefix, keys=("device", "commit", "date", "versions", "rows")):
         bench = load_bench(bench) if isinstance(bench, str) else bench
         assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
-        (path,) = tmp_path.glob(f"{prefix}-smoke-*.json")
+        (path,) = tmp_path.glob(f"{prefix}-*.json")
         doc = json.loads(path.read_text())
-        assert {"device", "commit", "date", "versions", "rows"} <= set(doc), sorted(doc)
+        assert set(keys) <= set(doc), sorted(doc)
         return doc
     return run
 

@@ -3,7 +3,7 @@ writes the documented JSON."""
 
 
 def test_smoke_writes_json(smoke_doc):
-    doc = smoke_doc("bench_moe", "moe")
+    doc = smoke_doc("bench_moe", "moe-smoke")
     assert {r["op"] for r in doc["rows"]} == {"moe_gate_up", "moe_down", "moe_layer"}
     for r in doc["rows"]:
         assert "errors" not in r, r

@@ -16,7 +16,7 @@ def bench(load_bench):
 def test_smoke_run_writes_the_json(bench, smoke_doc):
     kit = bench.import_kit()
     before = (kit.DeepSeekV4TokenToKVPool, kit._make_forward_batch)
-    doc = smoke_doc(bench, "sglang-dsv4")
+    doc = smoke_doc(bench, "sglang-dsv4-smoke")
     assert (kit.DeepSeekV4TokenToKVPool, kit._make_forward_batch) == before  # the kit is left as it was
     assert {r["shape"]["compress_ratio"] for r in doc["rows"]} == {0, 4, 128}
     for r in doc["rows"]:

@@ -12,14 +12,9 @@ pytest.importorskip("vllm", reason="vLLM is not importable here")
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_backend.py"
 
 
-def test_smoke_writes_json_and_matches_reference(tmp_path, capsys, load_bench):
-    bench = load_bench("bench_vllm_backend")
-    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
-    files = list(tmp_path.glob("vllm-backend-*.json"))
-    assert len(files) == 1, files
-    doc = json.loads(files[0].read_text())
-    for key in ("device", "commit", "date", "torch", "tilelang", "vllm", "timing", "rows"):
-        assert key in doc, key
+def test_smoke_writes_json_and_matches_reference(smoke_doc, capsys):
+    doc = smoke_doc("bench_vllm_backend", "vllm-backend", ("device", "commit", "date", "torch", "tilelang", "vllm",
+                                                           "timing", "rows"))
     assert doc["commit"] and doc["timing"]["statistic"] == "median"
     # TRITON_ATTN cannot run on a CPU, but its builder and impl construct and build metadata here
     assert doc["checks"]["TRITON_ATTN_cpu_construct"].startswith("ok"), doc["checks"]

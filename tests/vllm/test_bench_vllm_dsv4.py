@@ -3,7 +3,7 @@ slot translation and sparse MQA (references) and writes the documented JSON."""
 
 
 def test_smoke_writes_json(smoke_doc):
-    doc = smoke_doc("bench_vllm_dsv4", "vllm-dsv4")
+    doc = smoke_doc("bench_vllm_dsv4", "vllm-dsv4-smoke")
     assert {r["shape"]["compress_ratio"] for r in doc["rows"]} == {0, 4, 128}
     for r in doc["rows"]:
         assert "errors" not in r, r
