@@ -61,7 +61,8 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
     load_q, entry, load_rows, _, store_half = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
 
     def half(h, left, right):
-        """The left (``h`` 0: columns 0-255) or right buffer of a pair: group ``w``'s output columns are half ``w``."""
+        """The left (``h`` 0: columns 0-255) or right buffer of a pair; group ``w``'s output columns are half
+        ``w``."""
         return left if h == 0 else right
 
     @T.macro

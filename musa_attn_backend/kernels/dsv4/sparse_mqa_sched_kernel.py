@@ -7,19 +7,11 @@ decode divides it, in a program of our own.
 
 - Warp group 2, the producer (152 registers a thread). Per piece it loads the token's 64 query rows into shared
   memory (``cp.async``; rows past ``H`` zero-filled without a read) once the scores group is done with the last
-  ones (the ``q_free`` barrier). Per key tile it fills a stage of the ``num_stages`` ring: four lanes per cache row, two rows per thread,
-  lane ``q`` of a row loading the row's 16-byte units ``q, q + 4, ..., q + 24`` (the 448 FP8 nope bytes) and
-  ``28 + q, 32 + q`` (the 64 bf16 RoPE values), so that eight rows' 64 contiguous bytes make one warp load. All
-  eighteen loads and the rows' scale bytes are in flight before the stage is waited for; the next tile's indices
-  (the next piece's first, at a piece's last tile) are read meanwhile, and a piece's query copies are issued once
-  its first tile's loads are out, so the two latencies overlap. Each
-  nope byte becomes bf16 by integer moves: the magnitude ``eeeemmm`` shifted into the bf16 exponent and mantissa
-  fields and the sign into its bit, which is the value times ``2^-120`` exactly (subnormals included; byte
-  permutes, a multiply-add and masks, nothing on the conversion pipe); then ``x 2^120`` and ``x 2^(e - 127)`` for
-  the tile's UE8M0 exponent ``e``, two packed bf16 multiplies, exact but for the final rounding of a
-  result below bf16's normal range, as the reference rounds it (an e4m3 NaN byte, which no writer stores,
-  decodes to 480 times the scale instead of NaN). An invalid entry (past its length, negative, at or
-  past its cache's slot count) is not read: its row is zeros and its flag in ``ok_s`` is 0.
+  ones (the ``q_free`` barrier). Per key tile it fills a stage of the ``num_stages`` ring with the tile's FP8 rows
+  as bf16 (:mod:`.sparse_rows`: the lanes' loads, the dequantisation, invalid entries as zero rows; their flags in
+  ``ok_s``). All eighteen loads and the rows' scale bytes are in flight before the stage is waited for; the next
+  tile's indices (the next piece's first, at a piece's last tile) are read meanwhile, and a piece's query copies
+  are issued once its first tile's loads are out, so the two latencies overlap.
 - Warp group 0, the scores group (192 registers): per tile ``S = Q K^T`` over all 512 dims (two GEMMs from
   shared memory, one per column half), the invalid entries masked, the online softmax, P in bf16 to shared memory
   (with the rows' rescale factors) for warp group 1, then ``O[:, :256] += P V[:, :256]`` with P in registers.
@@ -279,7 +271,8 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         st = kp % NS
                         for r in T.unroll(ROWS):
                             idx[r] = nidx[r]
-                        load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
+                        load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2,
+                                  stride2, slots2)
                         if j + 1 < je:  # the next tile's indices, read while this one's rows arrive
                             for r in T.unroll(ROWS):
                                 entry(nidx, r, j + 1, n1, base_row + r * 32, t, I1, L1, I2, L2)
