@@ -101,9 +101,9 @@ def check_portable(key, func, target) -> None:
     """Raise a ValueError naming the kernel where ``func`` breaks a rule of ``target``'s lowering (the registered
     check, :func:`.kernels._tir.violations`: a register A operand where GEMMs take A from shared memory only, one
     tile in two majornesses, a 16-bit GEMM extent the target's layouts refuse, a slice at a run-time offset, a
-    float vector wider than its code generator prints). Before any lowering, so the error names the program and
-    the rule instead of failing deep in the target's GEMM lowering. Nothing is checked for a target with every
-    capability (CUDA)."""
+    float vector wider than its code generator prints), and on every target the invariants (warp groups' register
+    counts within the block's share). Before any lowering, so the error names the program and the rule instead
+    of failing deep in the target's GEMM lowering or hanging on the device."""
     from . import program_checks
     from .platform import features_of
 
@@ -117,8 +117,8 @@ def check_portable(key, func, target) -> None:
     bad = check_fn(func, feats)
     if bad:
         raise ValueError(
-            f"kernel {key!r} does not lower for {target!r}: " + "; ".join(f"{v.detail} [platform.{v.flag} is false]"
-                                                                          for v in bad))
+            f"kernel {key!r} does not lower for {target!r}: " + "; ".join(
+            f"{v.detail} [" + (f"platform.{v.flag} is false" if v.flag else "every target") + "]" for v in bad))
 
 
 @contextlib.contextmanager

@@ -350,6 +350,57 @@ def _float_vectors(func) -> list[str]:
     return bad
 
 
+# the 32-bit registers an SM gives its one block of a warp-specialised program, and setmaxnreg's bounds
+REGISTER_FILE, NREG_MIN, NREG_MAX = 65536, 24, 256
+WARP_GROUP = 128
+
+
+def _set_max_nregs(func) -> list[tuple[int, int]]:
+    """``(registers, is_inc)`` of each ``T.set_max_nreg`` the program calls (one a warp group: each sits in its
+    own ``T.ws`` branch); ``(-1, -1)`` where not constant."""
+    tir = _tir_of(func)
+    found = []
+
+    def visit(node):
+        if isinstance(node, tir.Call) and getattr(node.op, "name", "") == "tl.set_max_nreg":
+            n, inc = (_const(tir, a) for a in node.args[:2])
+            found.append((n, inc) if isinstance(n, int) and isinstance(inc, int) else (-1, -1))
+
+    tir.stmt_functor.post_order_visit(func.body, visit)
+    return found
+
+
+def _register_budget(func) -> list[str]:
+    """setmaxnreg only moves registers between a block's warp groups: at launch every thread holds the launch
+    bound's share (ptxas gives a warp-specialised kernel 65,536 / threads rounded down to 8, e.g. 168 at 384
+    threads), a decrease returns registers to the block's pool and an increase *waits* until the pool holds
+    them. Warp groups asking for more than the block was given therefore wait forever: the kernel hangs with
+    no error (the paired V4 program's first GPU run: 2 x 208 + 96 > 3 x 168). Each count is a multiple of 8 in
+    [24, 256]."""
+    calls = _set_max_nregs(func)
+    if not calls:
+        return []
+    threads = block_threads(func)
+    if threads is None or threads % WARP_GROUP:
+        return [f"setmaxnreg in a block of {threads} threads (warp-specialised blocks are whole warp groups)"]
+    groups = threads // WARP_GROUP
+    share = min(REGISTER_FILE // threads // 8 * 8, NREG_MAX)
+    bad = [f"setmaxnreg({n}): a count is a multiple of 8 in [{NREG_MIN}, {NREG_MAX}]" for n, _ in calls
+           if n % 8 or not NREG_MIN <= n <= NREG_MAX]
+    if len(calls) > groups:
+        bad.append(f"{len(calls)} setmaxnreg calls for {groups} warp groups")
+    asked = sum(n for n, _ in calls) + share * max(groups - len(calls), 0)
+    if not bad and asked > share * groups:
+        bad.append(f"warp groups asking {' + '.join(str(n) for n, _ in calls)} registers a thread exceed the block's "
+                   f"{groups} x {share} (its launch share at {threads} threads): the increases would wait forever")
+    return bad
+
+
+# checked on every target: a program breaking one fails (hangs) wherever it runs
+INVARIANTS: dict[str, tuple[str, Callable[[Any], list[str]]]] = {
+    "register_budget": ("warp groups' setmaxnreg counts within the block's registers", _register_budget),
+}
+
 # flag -> (what the rule says, the check): a target without the flag must pass the check
 RULES: dict[str, tuple[str, Callable[[Any], list[str]]]] = {
     "gemm_a_in_registers": ("GEMM operands from shared memory", _shared_operands),
@@ -362,8 +413,10 @@ RULES: dict[str, tuple[str, Callable[[Any], list[str]]]] = {
 
 def violations(func, flags: dict) -> list[Violation]:
     """The rules ``func`` breaks on a target with the capability ``flags`` (:func:`..platform.features_of`): for
-    every flag of :data:`RULES` the target lacks, what its check finds."""
-    return [Violation(flag, d) for flag, (_, rule) in RULES.items() if not flags.get(flag, True) for d in rule(func)]
+    every flag of :data:`RULES` the target lacks, what its check finds; then what the :data:`INVARIANTS` find on
+    any target (their violations' ``flag`` is empty: no capability lifts them)."""
+    return [Violation(flag, d) for flag, (_, rule) in RULES.items() if not flags.get(flag, True) for d in rule(func)] \
+        + [Violation("", d) for _, rule in INVARIANTS.values() for d in rule(func)]
 
 
 program_checks.register(violations)

@@ -36,7 +36,10 @@ from . import layout as L
 from .sparse_rows import BH, BN, HD, LOADS, PRODUCER, ROWS, fp8_row_macros
 
 CONSUMER_THREADS = 256
-MATH_REGS, PRODUCER_REGS = 208, 96  # 2 x 128 x 208 + 128 x 96 = 65,536 registers (ptxas serialises the WGMMAs at 200)
+# a 384-thread block is given 168 registers a thread at launch, 3 x 168 in all: setmaxnreg moves them between
+# the groups and an increase waits for the pool (2 x 208 + 96 hung on the H100; kernels/_tir.py checks the sum).
+# ptxas serialises the WGMMAs at 200; the producer spills about 250 bytes at 88.
+MATH_REGS, PRODUCER_REGS = 208, 88
 # named barriers (0 is __syncthreads)
 MAX_READY, EPILOGUE = 4, 5
 P_READY = (6, 7)
