@@ -28,7 +28,8 @@ def _tiles(T, K1, l1, K2, l2):
 
 def check_plan(plan, T, n):
     """Every tile ``(t, j)`` visited by exactly one part, in the part the line cut puts it; pieces contiguous;
-    partial rows distinct and within the buffers; the combine list exactly the split tokens, in order."""
+    partial rows distinct and within the buffers; the combine list exactly the split tokens, in order, and its
+    length counted."""
     assert plan.tiles.tolist() == n.tolist()
     owner = {}
     for p, pieces in enumerate(schedule.visits(plan)):
@@ -52,6 +53,7 @@ def check_plan(plan, T, n):
             assert 0 <= r < plan.num_partials and r not in rows
             rows.add(r)
     assert comb[:len(listed)] == listed and all(c[0] == -1 for c in comb[len(listed):])
+    assert plan.num_split.tolist() == [len(listed)] and plan.num_split.dtype == torch.int32  # the merge walks these
     assert len(listed) <= plan.parts - 1 or plan.parts == 1 and not listed
 
 

@@ -40,7 +40,8 @@ class SparseMQAPlan:
     has ``t0 > t1``. ``tiles [T]``: ``n_t``. ``first_part [T]``: the part that visits token ``t``'s first tile.
     ``split_row [T]``: for a split token, the partial row of its first piece (piece ``p - first_part[t]`` at row
     ``split_row[t] + p - first_part[t]``); -1 for an unsplit token. ``combine [parts, 2]``: (token, pieces) of each
-    split token in order, token -1 past the last.
+    split token in order, token -1 past the last. ``num_split [1]``: how many tokens are split (the combine list's
+    length: the merge walks that many entries, not all ``parts``).
 
     ``tokens``, ``topk``, ``extra_topk`` (0: no extra set) and ``parts`` are the shapes it was made for;
     :meth:`check_matches` refuses a call of other shapes."""
@@ -54,6 +55,7 @@ class SparseMQAPlan:
     first_part: torch.Tensor
     split_row: torch.Tensor
     combine: torch.Tensor
+    num_split: torch.Tensor
     # per-token lengths of calls that pass none (every entry counts), made once for the batch's layers by the
     # launcher (tilelang_impl._plan_lengths), outside graph capture
     full_lengths: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -109,7 +111,7 @@ def plan_sparse_mqa(tokens: int, topk: int, lengths: Optional[torch.Tensor] = No
         meta[:, 0] = 1
         combine = torch.full((parts, 2), -1, dtype=torch.int32, device=device)
         combine[:, 1] = 0
-        return SparseMQAPlan(0, topk, extra_topk, parts, meta, i32(0), i32(0), i32(0), combine)
+        return SparseMQAPlan(0, topk, extra_topk, parts, meta, i32(0), i32(0), i32(0), combine, i32(1))
     l1 = _lengths(lengths, tokens, topk, device).clamp(0, topk)
     n = (l1 + BLOCK_N - 1) // BLOCK_N
     if extra_topk:
@@ -142,7 +144,8 @@ def plan_sparse_mqa(tokens: int, topk: int, lengths: Optional[torch.Tensor] = No
     combine.index_copy_(0, order, torch.stack([ids, pieces], dim=1))  # places past the list: overwritten by the last
     combine = combine[:parts]
     i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return SparseMQAPlan(tokens, topk, extra_topk, parts, i32(meta), i32(n), i32(first), i32(split_row), i32(combine))
+    return SparseMQAPlan(tokens, topk, extra_topk, parts, i32(meta), i32(n), i32(first), i32(split_row), i32(combine),
+                         i32(split.sum(dtype=torch.int64).view(1)))
 
 
 def visits(plan: SparseMQAPlan) -> list:

@@ -348,7 +348,7 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
     program(q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
             plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
     groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
-    combine(plan.combine, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse)
+    combine(plan.combine, plan.num_split, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse)
 
 
 def _launch_inputs(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, views):
