@@ -53,3 +53,27 @@ def test_dsv4_table_takes_the_newest_run_with_the_peer_and_the_default_program(t
     assert "dsv4-attention-20261206T000000Z.json" in table and "20261207" not in table
     line = next(x for x in table.splitlines() if x.startswith("| V4 sparse decode, Flash, batch 32 "))
     assert "| 40.0 µs | FlashMLA 30.0 µs | 0.75x | 15% |" in line, line
+
+
+def test_dsv4_table_takes_each_line_from_the_newest_run_that_timed_it(tmp_path):
+    """A quick run (fewer shapes) updates its lines and leaves the others as the last full run timed them; both
+    runs are named, and a line no run timed is left out."""
+    import json
+
+    import perf_table
+
+    def row(tokens, ours, peer):
+        return {"op": "decode", "shape": {"config": "flash", "tokens": tokens, "s_q": 1}, "ours_ms": ours,
+                "peers": {"flashmla": peer}, "roofline_frac": 0.1}
+
+    full = {"device": "NVIDIA H100", "commit": "aaaaaaa", "date": "2026-12-06T00:00:00",
+            "rows": [row(1, 0.04, 0.02), row(32, 0.05, 0.03)]}
+    quick = dict(full, commit="bbbbbbb", rows=[row(1, 0.025, 0.02)])
+    (tmp_path / "dsv4-attention-20261206T000000Z.json").write_text(json.dumps(full))
+    (tmp_path / "dsv4-attention-20261207T000000Z.json").write_text(json.dumps(quick))
+    table = perf_table.dsv4_table(tmp_path)
+    lines = {x.split(" | ")[0][2:]: x for x in table.splitlines() if x.startswith("| V4")}
+    assert "| 25.0 µs | FlashMLA 20.0 µs | 0.80x |" in lines["V4 sparse decode, Flash, batch 1"]
+    assert "| 50.0 µs | FlashMLA 30.0 µs | 0.60x |" in lines["V4 sparse decode, Flash, batch 32"]
+    assert set(lines) == {"V4 sparse decode, Flash, batch 1", "V4 sparse decode, Flash, batch 32"}
+    assert "20261207T000000Z" in table and "20261206T000000Z" in table
