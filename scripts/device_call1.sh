@@ -16,7 +16,7 @@ stamp "phase 1"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=cs
 (JOBS=4 timeout "${P1:-125}" scripts/device_v4_attention.sh tests "${progs//,/ or }" > "$out/p1_tests.txt" 2>&1) &
 (timeout "${P1:-125}" python3 -m pytest -q -m gpu tests/moe/test_gpu_moe.py -k "route" -p no:cacheprovider \
    > "$out/p1_route.txt" 2>&1) &
-(timeout 120 python3 scripts/deepgemm_suite.py --out "$out/deepgemm_suite.json" > "$out/p1_deepgemm.txt" 2>&1) &
+(timeout "${T_DG:-200}" python3 scripts/deepgemm_suite.py --out "$out/deepgemm_suite.json" > "$out/p1_deepgemm.txt" 2>&1) &
 (timeout "${P1:-125}" python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); import bench_dsv4_attention as b
 b.precompile(['flash', 'pro'], [], False, '', workers=4, programs='$progs,warp_specialized'.split(','))" \
