@@ -18,7 +18,8 @@ eager, its scheduler metadata made once and reused, as the engines reuse it acro
 plan, ``plan_ms`` its cost) on the same FP8 caches and indices, with ``flashmla_max_abs_diff`` between the two
 outputs; prefill through its bf16-workspace kernel (``flashmla_prefill_ms``: the kernel alone, on a workspace of
 every row of both caches; ``workspace_floor_ms``: the copy-rate time of the bf16 rows an engine must build before
-it, which ours does not need). ``--programs`` times each named sparse MQA program on every row (``<program>_ms``,
+it, which ours does not need; ``flashmla_fp8_decode_ms``: the same tokens through its FP8 decode kernel, which
+reads the cache as ours does). ``--programs`` times each named sparse MQA program on every row (``<program>_ms``,
 ``<program>_eager_ms``); ``ours_ms`` is the first. ``entry_eager_ms``: our ``flash_mla_with_kvcache`` called
 eagerly as the engines call it (one metadata object across calls), beside ``flashmla_eager_ms``.
 """
@@ -300,6 +301,13 @@ def main(argv=None):
                         extra["workspace_floor_ms"] = ws_bytes / ceilings["copy_tbps"] / 1e9
                         extra["flashmla_max_abs_diff"] = (fn()[0].float() - ours_out.float()).abs().max().item()
                         del fn
+                        # the same tokens through FlashMLA's FP8 decode kernel (each a one-query request): the
+                        # kernel that reads the FP8 cache as ours does, where its prefill reads a bf16 workspace
+                        out4 = torch.empty(T, 1, H, 512, device="cuda", dtype=torch.bfloat16)
+                        fn = flashmla_decode(fm, q.view(T, 1, H, 512), swa, i1.view(T, 1, 128), c4,
+                                             i2.view(T, 1, K), sink, out4)
+                        extra["flashmla_fp8_decode_ms"] = bench_ms(fn, rep=10)
+                        del fn, out4
                 except Exception as e:  # noqa: BLE001 - a FlashMLA failure is recorded, the run goes on
                     errors.setdefault("flashmla", f"{type(e).__name__}: {str(e)[:300]}")
             if program != "portable" and not args.no_portable:
