@@ -357,8 +357,11 @@ WARP_GROUP = 128
 
 def _set_max_nregs(func) -> list[tuple[int, int]]:
     """``(registers, is_inc)`` of each ``T.set_max_nreg`` the program calls (one a warp group: each sits in its
-    own ``T.ws`` branch); ``(-1, -1)`` where not constant."""
+    own ``T.ws`` branch); ``(-1, -1)`` where not constant. Nothing for what is not a TIR function (a test's stand-in
+    build)."""
     tir = _tir_of(func)
+    if not hasattr(tir, "stmt_functor") or not hasattr(func, "body"):
+        return []
     found = []
 
     def visit(node):
