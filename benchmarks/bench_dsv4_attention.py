@@ -155,14 +155,14 @@ def flashmla_prefill(ops, q, swa, i1, c4, i2, sink):
 
 def _compile(job):
     """One kernel of :func:`precompile` (in a worker process: it lands in the kernel cache on disk)."""
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
-
     from musa_attn_backend import config
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+    from musa_attn_backend.kernels.dsv4.writers import tilelang_impl as wti
 
     kind, args, kwargs = job
     kwargs = dict(kwargs)
     with config.override(musa_forms=kwargs.pop("musa_forms", False)):
-        getattr(ti, kind)(*args, **kwargs)
+        getattr(wti if kind.startswith("write_") else ti, kind)(*args, **kwargs)
     return job
 
 
@@ -172,7 +172,7 @@ def precompile(configs, producers, portable: bool, tilings: str, workers: int = 
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     ws = ti.sparse_mqa_program() != "portable"
     variants = [dict(program=ti.sparse_mqa_program(), producer=ti.WS_PRODUCER)]
@@ -224,7 +224,7 @@ def main(argv=None):
                          "portable); ours_ms is the default program's")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     producers = [p for p in args.producers.split(",") if p]
     programs = [p for p in args.programs.split(",") if p]
@@ -360,7 +360,7 @@ def run_document(ceilings: dict, errors: dict, rows: list) -> dict:
 def writer_rows(rows, ceilings, g, tilings: str):
     """Writer throughput at 16k rows (random distinct slots), at the default tiling and at each of ``tilings``
     ("T:threads,..."), against the copy rate."""
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+    from musa_attn_backend.kernels.dsv4.writers import tilelang_impl
 
     extra_tilings = [tuple(int(v) for v in t.split(":")) for t in tilings.split(",") if t]
     for name, width, row_bytes in (("write_kv_v4", 512, L.ROW_BYTES), ("write_index_k", 128, L.INDEX_ROW_BYTES)):

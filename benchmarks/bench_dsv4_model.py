@@ -35,7 +35,7 @@ from bench_attention import bench_ms, measure_ceilings, write_run  # noqa: E402
 from bench_dsv4_attention import run_document  # noqa: E402
 
 from musa_attn_backend.kernels.dsv4 import model as M  # noqa: E402
-from musa_attn_backend.kernels.dsv4.model_tilelang import mhc_pre_rows  # noqa: E402
+from musa_attn_backend.kernels.dsv4.model.tilelang_impl import mhc_pre_rows  # noqa: E402
 
 LIMIT = 10.0
 N_HC, ITERS, PRE_EPS, SK_EPS, POST_MULT, RMS_EPS = 4, 20, 1e-6, 1e-6, 2.0, 1e-6

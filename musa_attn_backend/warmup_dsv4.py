@@ -3,7 +3,7 @@ an engine's V4 path launches for it, as :class:`..warmup.Job` s of the launchers
 
 What each engine launches, per rank (``tp``):
 
-- **Attention** (both): the sparse MQA program (:mod:`.kernels.dsv4.tilelang_impl`) for the heads the engine hands
+- **Attention** (both): the sparse MQA program (:mod:`.kernels.dsv4.sparse.tilelang_impl`) for the heads the engine hands
   it (SGLang pads a rank's heads to 64 under attention tensor parallelism, as FlashMLA wants; vLLM does not), with
   the sink, once with and once without the compressed set (window-only layers take none), unsplit and, where a
   token's index tiles can reach the split threshold (window plus compressed set, :func:`num_splits_for`), split
@@ -121,7 +121,7 @@ def _index_tiles(model: V4Model, ratio: int, block_n: int) -> int:
 
 
 def _attention(model: V4Model, engine: str) -> list[Job]:
-    from .kernels.dsv4.tilelang_impl import sparse_mqa_block_n, sparse_mqa_program
+    from .kernels.dsv4.sparse.tilelang_impl import sparse_mqa_block_n, sparse_mqa_program
 
     H = attention_heads(model, engine)
     jobs = []

@@ -9,7 +9,7 @@ import torch
 
 from musa_attn_backend.kernels import dsv4
 from musa_attn_backend.kernels.dsv4 import layout as L
-from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
 
 def main() -> int:

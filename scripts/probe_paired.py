@@ -8,7 +8,7 @@ if len(sys.argv) > 1:
     import torch
     sys.path.insert(0, "benchmarks")
     from bench_dsv4_attention import caches, inputs
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
     T, H, K = (int(x) for x in sys.argv[1:4])
     g = torch.Generator(device="cuda").manual_seed(0)
     swa, c4 = caches(4096)

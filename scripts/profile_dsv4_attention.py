@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from bench_dsv4_attention import CONFIGS, caches, flashmla_decode, flashmla_peer, inputs  # noqa: E402
 
 from musa_attn_backend.kernels import dsv4  # noqa: E402
-from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti  # noqa: E402
+from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti  # noqa: E402
 
 
 def candidates(cfg: str, T: int, s_q: int, swa, c4, g):

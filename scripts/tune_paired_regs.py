@@ -27,7 +27,8 @@ sys.path.insert(0, str(HERE.parent))
 def _build(split: tuple, H: int):
     """The paired program of ``split`` for ``H`` heads (extra set and sink), compiled for this GPU."""
     from musa_attn_backend._tilelang import compile_cached
-    from musa_attn_backend.kernels.dsv4 import sparse_mqa_paired_kernel as pk, tilelang_impl as ti
+    from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     pk.MATH_REGS, pk.PRODUCER_REGS = split
     return compile_cached(("tune_paired", H, split), lambda: pk.build_sparse_mqa_paired.__wrapped__(
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
     from bench_attention import bench_ms, git_commit
     from bench_dsv4_attention import CONFIGS, caches, inputs
 
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     splits = [tuple(int(x) for x in s.split("/")) for s in args.splits.split(",")]
     cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]

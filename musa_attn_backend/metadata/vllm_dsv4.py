@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.dsv4.slots import attention_slots, dense_local, local_to_global, window_local
+from ..kernels.dsv4.model.slots import attention_slots, dense_local, local_to_global, window_local
 
 __all__ = ["token_to_req", "token_positions", "local_to_global", "compressed_slot_mapping", "window_local",
            "dense_local", "all_candidates", "attention_indices"]

@@ -409,7 +409,7 @@ def _(dev, impl):
                               "drives sparse_mqa to the reference's result")
 def _(dev, impl):
     from ..kernels import dsv4
-    from ..kernels.dsv4 import schedule
+    from ..kernels.dsv4.sparse import schedule
 
     for T, bad in ((0, ()), (5, (0, 1, 2, 3, 4)), (GRAPH_MAX_BATCH, (0, 100, 511))):
         (o, lse), (q, cache, extra, idx, xidx, lens, xlens, s) = _sparse(dev, impl, T, bad=bad)

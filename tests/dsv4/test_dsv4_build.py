@@ -11,7 +11,9 @@ from musa_attn_backend import _tilelang, config
 from musa_attn_backend.kernels import dsv4
 from musa_attn_backend.kernels._tir import gemm_operands, register_a_gemms
 from musa_attn_backend.kernels.dsv4 import layout as L
-from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
+from musa_attn_backend.kernels.dsv4.model import tilelang_impl as mti
+from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+from musa_attn_backend.kernels.dsv4.writers import tilelang_impl as wti
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
 
 TORCH_OF = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "int64": torch.int64,
@@ -150,7 +152,7 @@ def test_sparse_mqa_compiles_for_sm90a(split, program, producer):
 def test_warp_specialized_program_fits_hopper_shared_memory():
     """Two dequantised 64-row stages, the query block and the score exchange: within sm_90's 227 KB."""
     from musa_attn_backend.kernels.attention.tilelang_impl import tl
-    from musa_attn_backend.kernels.dsv4.sparse_mqa_ws_kernel import build_sparse_mqa_ws
+    from musa_attn_backend.kernels.dsv4.sparse.ws_kernel import build_sparse_mqa_ws
 
     lowered = _tilelang.lower(build_sparse_mqa_ws(128, True, True, True), HOPPER,
                               {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
@@ -169,9 +171,9 @@ def test_writer_glue_matches_the_programs(use_settings):
     kernels = {}
     with _tilelang.intercepting(lambda key, build, target, pc: kernels.setdefault(key[0], SignatureCheck(build()))):
         cache = L.new_kv_cache(3, 64, page_stride=93888)
-        ti.write_kv_v4_tilelang(torch.randn(5, 512).to(torch.bfloat16), cache, torch.arange(5))
+        wti.write_kv_v4_tilelang(torch.randn(5, 512).to(torch.bfloat16), cache, torch.arange(5))
         icache = dsv4.paged_view(torch.zeros(3, L.index_page_bytes(64), dtype=torch.uint8), 64, dsv4.INDEX_ROW_BYTES)
-        ti.write_index_k_tilelang(torch.randn(5, 128).to(torch.bfloat16), icache, torch.arange(5, dtype=torch.int32))
+        wti.write_index_k_tilelang(torch.randn(5, 128).to(torch.bfloat16), icache, torch.arange(5, dtype=torch.int32))
     assert set(kernels) == {"dsv4_write_kv", "dsv4_write_index_k"}
     assert all(len(k.calls) == 1 for k in kernels.values())
 
@@ -204,17 +206,17 @@ def test_unguarded_store_checker_sees_a_store_outside_the_guard():
 # the default tilings, the ones the bench sweeps, and the shape TileLang 0.1.15 once lowered with the cast guarded
 # but the store not (32 x 256)
 WRITER_TILINGS = [(4, 128), (8, 128), (16, 256), (32, 256), (64, 256), (64, 512), (128, 512), (1, 64), (1, 32),
-                  ti.WRITE_KV_TILING, ti.WRITE_INDEX_K_TILING]
+                  wti.WRITE_KV_TILING, wti.WRITE_INDEX_K_TILING]
 
 
 @pytest.mark.parametrize("tiling", sorted(set(WRITER_TILINGS)))
 def test_writer_tilings_lower_with_every_store_guarded(tiling):
     """Each writer tiling lowers for sm_90a, and every store into the cache in the lowered code sits under the
     row's slot guard: a skipped token writes nothing."""
-    from musa_attn_backend.kernels.dsv4.write_kernel import build_write_index_k, build_write_kv_v4
+    from musa_attn_backend.kernels.dsv4.writers.kernel import build_write_index_k, build_write_kv_v4
 
     for build in (build_write_kv_v4, build_write_index_k):
-        src = _tilelang.lower(build("bfloat16", *tiling), HOPPER, ti._no_race_check()).source
+        src = _tilelang.lower(build("bfloat16", *tiling), HOPPER, wti._no_race_check()).source
         assert "__global__" in src
         assert unguarded_cache_stores(src) == [], f"{build.__name__} {tiling}"
 
@@ -222,9 +224,9 @@ def test_writer_tilings_lower_with_every_store_guarded(tiling):
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 def test_writers_compile_for_sm90a():
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    src = ti.write_kv_v4_kernel("bfloat16", target=HOPPER).get_kernel_source()
+    src = wti.write_kv_v4_kernel("bfloat16", target=HOPPER).get_kernel_source()
     assert "ceilf(log2f(" in src and "fp8_e4_t" in src  # the exponent rule, the e4m3 conversion
-    assert "__global__" in ti.write_index_k_kernel("bfloat16", target=HOPPER).get_kernel_source()
+    assert "__global__" in wti.write_index_k_kernel("bfloat16", target=HOPPER).get_kernel_source()
 
 
 def test_mp22_programs_decode_e4m3_without_fp8(use_settings):
@@ -239,7 +241,7 @@ def test_mp22_programs_decode_e4m3_without_fp8(use_settings):
     assert "float8" not in func.script() and "uint8" in str(func.buffer_map[func.params[1]].dtype)
     assert not register_a_gemms(func)
     with pytest.raises(ValueError, match="need an FP8 conversion, which mp_22 lacks"):
-        ti.write_kv_v4_tilelang(torch.zeros(1, 512, dtype=torch.bfloat16), L.new_kv_cache(1, 64), torch.arange(1))
+        wti.write_kv_v4_tilelang(torch.zeros(1, 512, dtype=torch.bfloat16), L.new_kv_cache(1, 64), torch.arange(1))
 
 
 @pytest.mark.parametrize("fp8_convert", [True, False])
@@ -247,7 +249,7 @@ def test_e4m3_decode_by_integer_arithmetic_compiles_for_sm90a(fp8_convert):
     """Both decodings build for sm_90a (the integer one is what MP22 runs; the GPU tests run it on the H200)."""
     if not NVCC and not in_ci():
         pytest.skip("nvcc not installed")
-    from musa_attn_backend.kernels.dsv4.sparse_mqa_kernel import build_sparse_mqa
+    from musa_attn_backend.kernels.dsv4.sparse.mqa_kernel import build_sparse_mqa
 
     kernel = _tilelang.compile_cached(("test_dsv4_int_decode", fp8_convert), lambda: build_sparse_mqa(
         64, True, True, False, fp8_convert=fp8_convert), target=HOPPER)
@@ -261,7 +263,7 @@ def test_e4m3_decode_by_integer_arithmetic_compiles_for_sm90a(fp8_convert):
 def test_indexer_glue_matches_the_programs(use_settings):
     """Both logits launches hand their programs arguments of the parameters' dtypes and ranks, with the cache
     as views of its storage (a packed page stride)."""
-    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
+    from musa_attn_backend.kernels.dsv4.indexer import tilelang_impl as it
 
     use_settings(target="sm_90a")
     kernels = {}
@@ -293,12 +295,12 @@ def test_indexer_glue_matches_the_programs(use_settings):
 def test_indexer_programs_lower_for_sm90a_with_shared_operands(kind, args):
     """The logits programs lower for sm_90a with FP8 tensor-core GEMMs whose operands are both in shared memory
     (what MUSA MP31 lowers), and their key loads are bounds-checked copies."""
-    from musa_attn_backend.kernels.dsv4.indexer_logits_kernel import build_indexer_logits, build_paged_indexer_logits
+    from musa_attn_backend.kernels.dsv4.indexer.logits_kernel import build_indexer_logits, build_paged_indexer_logits
 
     func = (build_indexer_logits if kind == "prefill" else build_paged_indexer_logits)(*args)
     ops = gemm_operands(func)
     assert len(ops) == 1 and ops[0].a_scope.startswith("shared") and ops[0].b_scope.startswith("shared")
-    src = _tilelang.lower(func, HOPPER, ti._no_race_check()).source
+    src = _tilelang.lower(func, HOPPER, wti._no_race_check()).source
     assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3" in src
     assert "cp_async_gs_conditional" in src
 
@@ -307,8 +309,8 @@ def test_indexer_programs_lower_for_sm90a_with_shared_operands(kind, args):
 def test_topk_program_lowers_for_sm90a(k, page_rows):
     """The top-k program lowers for sm_90a with its hand-placed barriers only (TileLang's automatic placement
     off), its histogram and output-slot atomics in shared memory, and NaN told apart on the bits."""
-    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
-    from musa_attn_backend.kernels.dsv4.topk_kernel import build_indexer_topk
+    from musa_attn_backend.kernels.dsv4.indexer import tilelang_impl as it
+    from musa_attn_backend.kernels.dsv4.indexer.topk_kernel import build_indexer_topk
 
     src = _tilelang.lower(build_indexer_topk(k, page_rows), HOPPER, it._topk_pass_configs()).source
     assert src.count("__syncthreads()") == 16 and "AtomicAddRet((&(count[0]))" in src
@@ -323,7 +325,7 @@ def test_topk_program_lowers_for_sm90a(k, page_rows):
 
 
 def test_indexer_kernels_refuse_a_target_without_fp8(use_settings):
-    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
+    from musa_attn_backend.kernels.dsv4.indexer import tilelang_impl as it
 
     use_settings(target="mp_22")
     q = torch.randn(1, 64, 128).to(torch.float8_e4m3fn)
@@ -339,7 +341,7 @@ def test_indexer_kernels_refuse_a_target_without_fp8(use_settings):
 def test_compressor_glue_matches_the_programs(use_settings, ratio, d, state_dims):
     """The compressor's two launches get arguments of their parameters' dtypes and ranks (the state as a flat
     view of a packed 3-D buffer or a 2-D ring)."""
-    from musa_attn_backend.kernels.dsv4.compressor_tilelang import compress_tilelang
+    from musa_attn_backend.kernels.dsv4.compressor.tilelang_impl import compress_tilelang
 
     use_settings(target="sm_90a")
     coff = 2 if ratio == 4 else 1
@@ -365,8 +367,8 @@ def test_compressor_glue_matches_the_programs(use_settings, ratio, d, state_dims
 @pytest.mark.parametrize("args", [(512, 4, False, True, "bfloat16"), (512, 128, False, False, "bfloat16"),
                                   (128, 4, True, False, "float32"), (128, 4, False, True, "bfloat16")])
 def test_compressor_programs_lower_for_sm90a(args):
-    from musa_attn_backend.kernels.dsv4.compress_kernel import build_compress_rows, build_save_state
-    from musa_attn_backend.kernels.dsv4.compressor_tilelang import _pass_configs
+    from musa_attn_backend.kernels.dsv4.compressor.kernel import build_compress_rows, build_save_state
+    from musa_attn_backend.kernels.dsv4.compressor.tilelang_impl import _pass_configs
 
     src = _tilelang.lower(build_compress_rows(*args), HOPPER, _pass_configs()).source
     # the hand-placed barriers only: after the window's slots are located, before the row's store (the row may
@@ -378,17 +380,17 @@ def test_compressor_programs_lower_for_sm90a(args):
 
 
 def test_exact_scale_index_writer_lowers_with_every_store_guarded():
-    from musa_attn_backend.kernels.dsv4.write_kernel import build_write_index_k
+    from musa_attn_backend.kernels.dsv4.writers.kernel import build_write_index_k
 
-    src = _tilelang.lower(build_write_index_k("float32", *ti.WRITE_INDEX_K_TILING, exact=True), HOPPER,
-                          ti._no_race_check()).source
+    src = _tilelang.lower(build_write_index_k("float32", *wti.WRITE_INDEX_K_TILING, exact=True), HOPPER,
+                          wti._no_race_check()).source
     assert unguarded_cache_stores(src) == [] and "log2f" not in src  # no power-of-two rounding
 
 
 @pytest.mark.parametrize("rotate,pow2,bf16_rope", [(True, False, False), (False, True, True)])
 def test_indexer_q_program_lowers_and_matches_its_glue(use_settings, rotate, pow2, bf16_rope):
-    from musa_attn_backend.kernels.dsv4 import indexer_tilelang as it
-    from musa_attn_backend.kernels.dsv4.indexer_q_kernel import build_indexer_q
+    from musa_attn_backend.kernels.dsv4.indexer import tilelang_impl as it
+    from musa_attn_backend.kernels.dsv4.indexer.q_kernel import build_indexer_q
 
     src = _tilelang.lower(build_indexer_q(64, "bfloat16", rotate, pow2, bf16_rope), HOPPER,
                           it._topk_pass_configs()).source
@@ -408,7 +410,7 @@ def test_model_op_glue_matches_the_programs(use_settings):
     strided view, the K norm + RoPE, the SWA store's norm + RoPE, the clamped SwiGLU, mHC before a sublayer (with
     the fused norm), before the head, and after a sublayer."""
     from musa_attn_backend.kernels.dsv4 import model
-    from musa_attn_backend.kernels.dsv4 import model_tilelang as mt
+    from musa_attn_backend.kernels.dsv4.model import tilelang_impl as mt
 
     use_settings(target="sm_90a")
     kernels = {}
@@ -446,10 +448,10 @@ def test_model_op_glue_matches_the_programs(use_settings):
 def test_model_programs_lower_for_sm90a(args):
     """The norm + RoPE program lowers for sm_90a with its hand-placed barriers only (the norm: the squares, the
     tree's loop, the read of the sum; the RoPE exchange: one); the SwiGLU program has none."""
-    from musa_attn_backend.kernels.dsv4 import model_tilelang as mt
-    from musa_attn_backend.kernels.dsv4.model_kernel import build_norm_rope, build_silu_mul_clamp
+    from musa_attn_backend.kernels.dsv4.model import tilelang_impl as mt
+    from musa_attn_backend.kernels.dsv4.model.kernel import build_norm_rope, build_silu_mul_clamp
 
-    from musa_attn_backend.kernels.dsv4.model_kernel import build_mhc_post, build_mhc_pre
+    from musa_attn_backend.kernels.dsv4.model.kernel import build_mhc_post, build_mhc_pre
 
     src = _tilelang.lower(build_norm_rope(*args), HOPPER, mt.pass_configs()).source
     D = args[0]
@@ -475,7 +477,7 @@ def test_attention_slots_glue_matches_the_program(use_settings):
         for ratio, extra in ((1, {}), (4, dict(main_table=table, main_rows=64, topk_local=torch.zeros(T, 16,
                                                                                                   dtype=torch.int32))),
                              (128, dict(main_table=table, main_rows=2, width=3))):
-            win, comp = ti.attention_slots_tilelang(pos, req, table, 64, 128, ratio, extra.get("main_table"),
+            win, comp = mti.attention_slots_tilelang(pos, req, table, 64, 128, ratio, extra.get("main_table"),
                                                     extra.get("main_rows", 0), extra.get("topk_local"),
                                                     extra.get("width", 0))
             assert win.shape == (T, 128) and (comp is None) == (ratio == 1)
@@ -486,7 +488,7 @@ def test_attention_slots_glue_matches_the_program(use_settings):
 
 @pytest.mark.parametrize("mode", [4, 128])
 def test_attention_slots_program_lowers_for_sm90a(mode):
-    from musa_attn_backend.kernels.dsv4.slots_kernel import build_attention_slots
+    from musa_attn_backend.kernels.dsv4.model.slots_kernel import build_attention_slots
 
     src = _tilelang.lower(build_attention_slots(128, mode), HOPPER).source
     assert "attention_slots" in src and "__syncthreads()" not in src  # a pure map: no exchange

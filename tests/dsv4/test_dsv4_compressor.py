@@ -157,7 +157,7 @@ def test_state_rows_hold_each_engines_format(has_ape):
 def test_default_state_rows_keep_nothing_past_the_table_or_the_state():
     """The rows both paths save tokens to when the caller names none: the table's row of the position, ``-1`` for
     padding, a column past the table, a negative entry, a row past the state."""
-    from musa_attn_backend.kernels.dsv4.compressor_reference import default_state_rows
+    from musa_attn_backend.kernels.dsv4.compressor.reference import default_state_rows
 
     table = torch.tensor([[3, 0], [-1, 2]], dtype=torch.int32)  # 2 requests, 2 blocks of 4 positions, ring 4
     req = torch.tensor([0, 0, 0, 1, 1, -1, 0])

@@ -1,5 +1,5 @@
 """The paired sparse MQA program's synchronisation, modelled and run on the CPU: the three warp groups of
-:mod:`musa_attn_backend.kernels.dsv4.sparse_mqa_paired_kernel` as three actors making the program's barrier
+:mod:`musa_attn_backend.kernels.dsv4.sparse.paired_kernel` as three actors making the program's barrier
 operations in the program's order (the producer and the two math groups), for tokens of 1 to 9 pairs, in
 thousands of random interleavings. Every run must end (no deadlock), and no shared buffer may be overwritten while
 a group can still read what it held:
@@ -19,7 +19,7 @@ import random
 
 import pytest
 
-from musa_attn_backend.kernels.dsv4 import sparse_mqa_paired_kernel as pk
+from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
 from musa_attn_backend.testing.protocol import STEP, MBarrier, Named, run_actors, sync, wait
 
 # arrivals per stage half, in groups (the program counts threads: 128 a group)

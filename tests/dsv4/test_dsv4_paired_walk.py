@@ -1,4 +1,4 @@
-"""The paired sparse MQA program's arithmetic (:mod:`musa_attn_backend.kernels.dsv4.sparse_mqa_paired_kernel`), walked
+"""The paired sparse MQA program's arithmetic (:mod:`musa_attn_backend.kernels.dsv4.sparse.paired_kernel`), walked
 in float32 on the CPU step by step as its two math groups do it: each group's tile scored, the running maximum
 shared, each group's row sum kept apart and added at the end, P rounded to bf16 before ``P V``, both groups' tiles
 added to each output half. Against softmax attention in float64 with the sink in the denominator: the division of

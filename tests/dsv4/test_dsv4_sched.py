@@ -11,9 +11,10 @@ import torch
 
 from musa_attn_backend import _tilelang
 from musa_attn_backend.kernels import dsv4
-from musa_attn_backend.kernels.dsv4 import flash_mla, schedule
-from musa_attn_backend.kernels.dsv4 import tilelang_impl as ti
-from musa_attn_backend.kernels.dsv4.sparse_mqa_sched_kernel import TWO_POW_120, nope_bytes_to_bf16
+from musa_attn_backend.kernels.dsv4.sparse import flash_mla
+from musa_attn_backend.kernels.dsv4.sparse import schedule
+from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+from musa_attn_backend.kernels.dsv4.sparse.sched_kernel import TWO_POW_120, nope_bytes_to_bf16
 from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
 
 from test_dsv4_build import SignatureCheck, _batch
@@ -213,7 +214,7 @@ def test_scheduled_program_compiles_for_sm90a(use_settings, H, extra):
 
 def test_scheduled_program_fits_hopper_shared_memory():
     """The query block, two 64-row stages, P and the small arrays: within sm_90's 227 KB."""
-    from musa_attn_backend.kernels.dsv4.sparse_mqa_sched_kernel import build_sparse_mqa_sched
+    from musa_attn_backend.kernels.dsv4.sparse.sched_kernel import build_sparse_mqa_sched
 
     lowered = _tilelang.lower(build_sparse_mqa_sched(128, True, True), HOPPER, ti._ws_pass_configs())
     assert 190 * 1024 < lowered.shared_bytes <= 227 * 1024

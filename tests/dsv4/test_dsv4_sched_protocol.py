@@ -1,5 +1,5 @@
 """The scheduled sparse MQA program's synchronisation, modelled and run on the CPU: the three warp groups of
-:mod:`musa_attn_backend.kernels.dsv4.sparse_mqa_sched_kernel` as three actors making the program's barrier
+:mod:`musa_attn_backend.kernels.dsv4.sparse.sched_kernel` as three actors making the program's barrier
 operations in the program's order (the producer, the scores group, the second group), over parts of real plans, in
 thousands of random interleavings. Every run must end (no deadlock), and no shared buffer may be overwritten while
 another group can still read what it held:
@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from musa_attn_backend.kernels.dsv4 import schedule
+from musa_attn_backend.kernels.dsv4.sparse import schedule
 from musa_attn_backend.testing.protocol import STEP, WAIT, MBarrier, Named, run_actors, sync
 
 NS = 2  # stages, as the program

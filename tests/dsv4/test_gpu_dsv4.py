@@ -64,7 +64,7 @@ PROGRAMS = ("scheduled", "paired", "warp_specialized", "warp_specialized:async",
 def program(request, monkeypatch, use_settings):
     """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), each producer of
     the warp-specialised one, and the portable one in MUSA's form."""
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
     if producer == "musa":
@@ -171,7 +171,7 @@ def test_write_index_k_kernel_is_byte_exact(gpu_device, pages, T):
 @pytest.mark.parametrize("kv_tiling,k_tiling", [((4, 128), (8, 128)), ((128, 512), (64, 512)), ((1, 64), (1, 32))])
 def test_writers_byte_exact_at_other_tilings(gpu_device, monkeypatch, kv_tiling, k_tiling):
     """The writers at the tilings the bench's sweep measures (tokens per block, threads): the same bytes."""
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+    from musa_attn_backend.kernels.dsv4.writers import tilelang_impl
 
     monkeypatch.setattr(tilelang_impl, "WRITE_KV_TILING", kv_tiling)
     monkeypatch.setattr(tilelang_impl, "WRITE_INDEX_K_TILING", k_tiling)
@@ -182,9 +182,10 @@ def test_writers_byte_exact_at_other_tilings(gpu_device, monkeypatch, kv_tiling,
 def test_sparse_mqa_integer_e4m3_decode(gpu_device, monkeypatch):
     """The decoding of e4m3 bytes by integer arithmetic (what targets without an FP8 conversion, MP22, run),
     forced here on the H200: the same results as the reference."""
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+    from musa_attn_backend.kernels.dsv4 import _glue
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
-    monkeypatch.setattr(tilelang_impl, "_fp8_convert", lambda target: False)
+    monkeypatch.setattr(_glue, "_fp8_convert", lambda target: False)
     monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: "portable")
     check_case(gpu_device, *CASES[0])
     check_case(gpu_device, *CASES[2])
@@ -221,7 +222,7 @@ def test_scheduled_plan_is_reused_across_layers_and_captured_in_a_graph(gpu_devi
     """The scheduled program with one plan for several calls (FlashMLA's metadata object, as both engines pass it
     to every layer), then the plan and the launches captured in a CUDA graph and replayed over new index values
     and lengths of the same shapes: every result equal to the reference of its inputs."""
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: "scheduled")
     dev = gpu_device

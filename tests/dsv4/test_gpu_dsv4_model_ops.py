@@ -1,4 +1,4 @@
-"""The model-side TileLang programs (:mod:`musa_attn_backend.kernels.dsv4.model_kernel`) on a GPU against the
+"""The model-side TileLang programs (:mod:`musa_attn_backend.kernels.dsv4.model.kernel`) on a GPU against the
 float64 formulas of ``test_dsv4_model_ops.py`` (same tolerance, ``close``) and against the ops' torch form on
 the same device: q norm + RoPE (1-128 heads, with and without the norm, into bf16 and FP8 outputs), the in-place
 RoPE and its inverse on a strided view, the K norm + RoPE, the SWA store's norm + RoPE + FP8 write, the clamped

@@ -54,7 +54,7 @@ def asked(tmp_path_factory):
 def _attention_kinds(target: str) -> set:
     """The sparse attention kernels a V4 step launches on ``target``: the program ``auto`` picks there."""
     from musa_attn_backend import config
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     with config.override(target=target):
         scheduled = tilelang_impl.sparse_mqa_program() == "scheduled"

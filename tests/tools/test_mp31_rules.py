@@ -21,7 +21,7 @@ VLAY = (4 * 128, 4 * 128, 128)
 
 
 def _sparse_mqa(separate_v):
-    from musa_attn_backend.kernels.dsv4.sparse_mqa_kernel import build_sparse_mqa
+    from musa_attn_backend.kernels.dsv4.sparse.mqa_kernel import build_sparse_mqa
 
     return build_sparse_mqa(64, True, True, False, "bfloat16", 64, 32 if separate_v else 64, 256, True, True,
                             separate_v)
@@ -88,7 +88,7 @@ def test_the_launchers_choose_musas_forms_for_mp31(use_settings):
     """The glue builds each MUSA form for mp_31 (and keeps CUDA's for sm_90a): K and V tiles of their own for the
     sparse MQA, the head dim cut in two, one span a step for FP4 on FP8, 256 threads for masked FP8."""
     from musa_attn_backend.kernels.attention import tilelang_impl as ti
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl as dti
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as dti
     from musa_attn_backend.kernels.moe import tilelang_impl as mi
 
     for target, musa in (("mp_31", True), ("sm_90a", False)):

@@ -14,19 +14,19 @@ CUDA = {flag: True for flag in RULES}
 
 
 def _sched():
-    from musa_attn_backend.kernels.dsv4.sparse_mqa_sched_kernel import build_sparse_mqa_sched
+    from musa_attn_backend.kernels.dsv4.sparse.sched_kernel import build_sparse_mqa_sched
 
     return build_sparse_mqa_sched.__wrapped__(64, True, True)
 
 
 def _paired(extra=True):
-    from musa_attn_backend.kernels.dsv4.sparse_mqa_paired_kernel import build_sparse_mqa_paired
+    from musa_attn_backend.kernels.dsv4.sparse.paired_kernel import build_sparse_mqa_paired
 
     return build_sparse_mqa_paired.__wrapped__(128, extra, True)
 
 
 def _ws():
-    from musa_attn_backend.kernels.dsv4.sparse_mqa_ws_kernel import build_sparse_mqa_ws
+    from musa_attn_backend.kernels.dsv4.sparse.ws_kernel import build_sparse_mqa_ws
 
     return build_sparse_mqa_ws.__wrapped__(64, True, True, False)
 
@@ -55,7 +55,7 @@ def test_every_warp_specialised_program_fits_its_block_registers(name):
 
 def test_the_paired_programs_first_counts_are_refused_before_lowering(monkeypatch):
     """208 + 208 + 96 (what hung) is a violation on CUDA too, and compile_cached's check names it for sm_90a."""
-    from musa_attn_backend.kernels.dsv4 import sparse_mqa_paired_kernel as pk
+    from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
 
     monkeypatch.setattr(pk, "PRODUCER_REGS", 96)
     func = _paired()
@@ -69,7 +69,7 @@ def test_the_paired_programs_first_counts_are_refused_before_lowering(monkeypatc
                                                (216, 80, "exceed")])
 def test_counts_off_the_grid_or_over_the_pool_are_named(monkeypatch, math, producer, why):
     """A count that is no multiple of 8 or outside [24, 256], or a sum over the pool, each named."""
-    from musa_attn_backend.kernels.dsv4 import sparse_mqa_paired_kernel as pk
+    from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
 
     monkeypatch.setattr(pk, "MATH_REGS", math)
     monkeypatch.setattr(pk, "PRODUCER_REGS", producer)

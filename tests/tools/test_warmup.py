@@ -188,7 +188,7 @@ def test_lower_only_reports_a_register_operand_for_musa(use_settings):
 def test_lower_only_names_the_rule_a_program_breaks(use_settings, monkeypatch):
     """A program that breaks an MP31 rule (the sparse MQA program with one K/V tile for both GEMMs, as it was
     before MUSA's form) is reported by ``--lower-only`` with the rule's flag."""
-    from musa_attn_backend.kernels.dsv4 import tilelang_impl as dti
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as dti
 
     use_settings(target="mp_31")
     monkeypatch.setattr(dti, "portable_form", lambda target=None: {"block_N": 64, "separate_v": False})

@@ -93,7 +93,7 @@ def test_the_warmup_plan_holds_every_kernel_the_layer_asks_for(report, target):
     mixed, decode, verify; all four layer kinds), recorded by the CPU trace, is in the plan of the layer's model
     (the tiny V4 with the driver's top-k) on ``target``; the plan of another model lacks some."""
     from musa_attn_backend import _tilelang, config, warmup, warmup_dsv4
-    from musa_attn_backend.kernels.dsv4.tilelang_impl import sparse_mqa_program
+    from musa_attn_backend.kernels.dsv4.sparse.tilelang_impl import sparse_mqa_program
     from musa_attn_backend.testing.vllm_dsv4_layer import TOPK
 
     sys.path.insert(0, str(ROOT / "integration_tests"))

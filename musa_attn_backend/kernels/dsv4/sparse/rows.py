@@ -1,0 +1,187 @@
+"""The FP8 row producer the Hopper sparse MQA programs share (:mod:`.sparse_mqa_sched_kernel`,
+:mod:`.sparse_mqa_paired_kernel`): a producer warp group of 128 threads gathers a 64-row key tile of DeepSeek-V4's
+FP8 cache (584-byte rows: 448 e4m3 nope bytes, 64 bf16 RoPE values, a UE8M0 scale a 64 columns) and writes it to
+shared memory as bf16, in two 256-column halves (``Kl`` columns 0-255, ``Kr`` 256-511).
+
+Four lanes a cache row, two rows a thread (rows ``r`` and ``r + 32`` of the tile): lane ``q`` of a row loads the
+row's 16-byte units ``q, q + 4, ..., q + 24`` (the nope bytes) and ``28 + q, 32 + q`` (the RoPE values), so that
+eight rows' 64 contiguous bytes make one warp load. Each nope byte becomes bf16 by integer moves: the magnitude
+``eeeemmm`` shifted into the bf16 exponent and mantissa fields and the sign into its bit, which is the value times
+``2^-120`` exactly (subnormals included; byte permutes, a multiply-add and masks, nothing on the conversion pipe);
+then ``x 2^120`` and ``x 2^(e - 127)`` for the tile's UE8M0 exponent ``e``, two packed bf16 multiplies, exact but
+for the final rounding of a result below bf16's normal range, as the reference rounds it (an e4m3 NaN byte, which
+no writer stores, decodes to 480 times the scale instead of NaN). An invalid entry (past its length, negative, at
+or past its cache's slot count) is not read: its row is zeros.
+"""
+
+from typing import NamedTuple
+
+from ...._tilelang import tl_lang as T
+from .. import layout as L
+
+BH, BN = 64, 64  # query heads a block, index entries a key tile
+HD = L.D // 2  # the columns of a half tile
+UNITS = L.DATA_BYTES // 16  # a data row in 16-byte units (36)
+NOPE_STEPS = L.D_NOPE // 64  # 64-byte steps over the nope bytes (7): one 16-byte unit a lane each
+ROPE_STEPS = L.D_ROPE * 2 // 64  # and over the RoPE bytes (2)
+LOADS = NOPE_STEPS + ROPE_STEPS  # 16-byte loads a lane makes per row (9)
+LEFT_STEPS = HD // 64  # nope steps in the left half (4); the rest of the nope and the RoPE are the right half's
+ROWS = 2  # rows a producer thread loads per tile: 64 rows over 32 groups of four lanes
+PRODUCER = 128
+TWO_POW_120 = 0x7B80  # bf16 bits of 2^120
+
+
+def byte_perm(x, y, sel):
+    """CUDA's ``__byte_perm(x, y, sel)`` (the ``PRMT`` instruction) on 32-bit words."""
+    return T.call_extern("int32", "__byte_perm", x, y, sel)
+
+
+def nope_bytes_to_bf16(word, perm=byte_perm):
+    """``(lo, hi)``: the four e4m3 bytes of the 32-bit ``word`` (int32) as two words of two bf16 each, each value
+    times ``2^-120`` (exact): bf16 bits ``(b & 0x7F) << 4 | (b & 0x80) << 8`` per byte ``b``, the bytes spread by
+    ``perm`` (CUDA's byte permute; the tests pass a model of it). No sum below overflows: the magnitudes' words
+    are at most ``0x07F007F0``."""
+    mag = word & 0x7F7F7F7F
+    sign = word ^ mag
+    lo = perm(mag, 0, 0x4140) * 16 + perm(sign, 0, 0x1404)
+    hi = perm(mag, 0, 0x4342) * 16 + perm(sign, 0, 0x3424)
+    return lo, hi
+
+
+class RowMacros(NamedTuple):
+    load_q: object
+    entry: object
+    load_rows: object
+    store_row: object
+    store_half: object
+
+
+def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2) -> RowMacros:
+    """The producer's macros for ``H`` query heads (blocks of ``BH``) and index lists of ``K1`` / ``K2`` entries
+    (the program's dynamic sizes)."""
+    D = L.D
+
+    # ---- producer ---------------------------------------------------------------------------------------------
+
+    @T.macro
+    def load_q(Q, Ql_s, Qr_s, t, h0, p):
+        """The token's 64 query rows into shared memory: 16-byte ``cp.async`` copies, rows past ``H`` zero-filled
+        without a read; committed here, waited for once the first key tile's loads are in flight."""
+        for i in T.unroll(BH * D // 8 // PRODUCER):
+            u = i * PRODUCER + p
+            h = u // (D // 8)
+            c = u % (D // 8)
+            ok = h0 + h < H
+            if c < HD // 8:
+                T.ptx_cp_async(T.access_ptr(Ql_s[h, c * 8], "w", 8),
+                               T.access_ptr(Q[t, T.min(h0 + h, H - 1), c * 8], "r", 8), 8, ok)
+            else:
+                T.ptx_cp_async(T.access_ptr(Qr_s[h, (c - HD // 8) * 8], "w", 8),
+                               T.access_ptr(Q[t, T.min(h0 + h, H - 1), c * 8], "r", 8), 8, ok)
+        T.ptx_commit_group()
+
+    @T.macro
+    def entry(dst, r, gi, n1, e_in_tile, t, I1, L1, I2, L2):
+        """``dst[r]`` <- the index of entry ``e_in_tile`` of token ``t``'s key tile ``gi`` (the main set's ``n1``
+        tiles, then the extra set's); -1 past its set's length (or with no extra set)."""
+        if gi < n1:
+            e1 = gi * BN + e_in_tile
+            dst[r] = T.if_then_else(e1 < T.min(L1[t], K1), I1[t, T.min(e1, K1 - 1)], -1)
+        else:
+            if has_extra:
+                e2 = (gi - n1) * BN + e_in_tile
+                dst[r] = T.if_then_else(e2 < T.min(L2[t], K2), I2[t, T.min(e2, K2 - 1)], -1)
+            else:
+                dst[r] = -1
+
+    @T.macro
+    def load_row(raw, sw, r, idx, q, CW, CS, rows, stride16, slots):
+        """Row ``r``'s loads for lane ``q`` of its four: the nope and RoPE units into ``raw[r]`` (zeros for an
+        invalid index, not read) and the row's eight scale bytes into ``sw[r]``."""
+        page = T.Cast("int64", idx // rows)
+        base = page * stride16 + T.Cast("int64", idx % rows * UNITS)
+        sbase = page * stride16 * 2 + T.Cast("int64", rows * (L.DATA_BYTES // 8) + idx % rows)
+        if T.And(idx >= 0, idx < slots):
+            for s in T.unroll(LOADS):
+                for v in T.vectorized(4):
+                    raw[r, s * 4 + v] = CW[base + s * 4 + q, v]
+            for v in T.vectorized(2):
+                sw[r, v] = CS[sbase, v]
+        else:
+            for s in T.unroll(LOADS):
+                for v in T.vectorized(4):
+                    raw[r, s * 4 + v] = 0
+            for v in T.vectorized(2):
+                sw[r, v] = 0
+
+    @T.macro
+    def load_rows(raw, sw, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
+        """This lane's loads of its ``ROWS`` rows of a tile (slots ``idx``): from the main cache where ``main``,
+        else from the extra one; ``ok[r]``: whether row ``r``'s slot is valid (read) or not (zeros)."""
+        for r in T.unroll(ROWS):
+            if main:
+                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
+                load_row(raw, sw, r, idx[r], q, CW, CS, rows1, stride1, slots1)
+            else:
+                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
+                load_row(raw, sw, r, idx[r], q, XW, XS, rows2, stride2, slots2)
+
+    @T.macro
+    def dequant_step(raw, sw, r, s, outw, fac):
+        """Nope step ``s`` of row ``r`` (this lane's 16 bytes of it) as 16 bf16 values in ``outw``."""
+        outb = T.view(outw, [16], q_dtype)
+        facb = T.view(fac, [2], q_dtype)
+        e = (sw[r, s // 4] >> ((s % 4) * 8)) & 255
+        # 2^(e - 127) as bf16 bits (e = 0: the subnormal 2^-127)
+        fac[1] = T.Cast("uint16", T.if_then_else(e == 0, 0x40, e * 128))
+        fac[0] = T.uint16(TWO_POW_120)
+        for i in T.unroll(4):
+            lo, hi = nope_bytes_to_bf16(raw[r, s * 4 + i])
+            outw[2 * i] = lo
+            outw[2 * i + 1] = hi
+        for v in T.vectorized(16):
+            outb[v] = outb[v] * facb[0] * facb[1]
+
+    @T.macro
+    def store_row(Kl_s, Kr_s, st, row, raw, sw, r, q, outw, fac):
+        """Row ``r`` of this lane (tile row ``row``) dequantised into stage ``st``: nope step ``s`` covers columns
+        ``64 s + 16 q ..``; the RoPE values land at columns ``448 + 32 s + 8 q ..``."""
+        outb = T.view(outw, [16], q_dtype)
+        for s in T.unroll(NOPE_STEPS):
+            dequant_step(raw, sw, r, s, outw, fac)
+            col = s * 64 + q * 16
+            if s < 4:
+                for v in T.vectorized(8):
+                    Kl_s[st, row, col + v] = outb[v]
+                for v in T.vectorized(8):
+                    Kl_s[st, row, col + 8 + v] = outb[8 + v]
+            else:
+                for v in T.vectorized(8):
+                    Kr_s[st, row, col - HD + v] = outb[v]
+                for v in T.vectorized(8):
+                    Kr_s[st, row, col - HD + 8 + v] = outb[8 + v]
+        rope = T.view(raw, [ROWS, LOADS * 8], q_dtype)
+        for s in T.unroll(ROPE_STEPS):
+            for v in T.vectorized(8):
+                Kr_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
+
+    @T.macro
+    def store_half(K_s, st, row, raw, sw, r, q, outw, fac, half):
+        """Like ``store_row``, one half of the row into ``K_s`` (``half`` 0: columns 0-255, 1: 256-511 with the
+        RoPE values), so that a consumer done with one half of a stage frees it apart from the other."""
+        outb = T.view(outw, [16], q_dtype)
+        for s0 in T.unroll(LEFT_STEPS if half == 0 else NOPE_STEPS - LEFT_STEPS):
+            s = s0 + half * LEFT_STEPS
+            dequant_step(raw, sw, r, s, outw, fac)
+            col = s * 64 + q * 16 - half * HD
+            for v in T.vectorized(8):
+                K_s[st, row, col + v] = outb[v]
+            for v in T.vectorized(8):
+                K_s[st, row, col + 8 + v] = outb[8 + v]
+        if half == 1:
+            rope = T.view(raw, [ROWS, LOADS * 8], q_dtype)
+            for s in T.unroll(ROPE_STEPS):
+                for v in T.vectorized(8):
+                    K_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
+
+    return RowMacros(load_q, entry, load_rows, store_row, store_half)

@@ -1,0 +1,300 @@
+"""TileLang sparse MQA over DeepSeek-V4's FP8 caches for Hopper-class GPUs, on a per-batch plan (:mod:`.schedule`):
+a fixed grid of ``parts`` blocks per 64 query heads, each visiting the key tiles the plan gives it, token after
+token. Same math and conventions as :mod:`.sparse_mqa_kernel`; the work is divided as FlashMLA's SM90 sparse
+decode divides it, in a program of our own.
+
+384 threads, three warp groups:
+
+- Warp group 2, the producer (152 registers a thread). Per piece it loads the token's 64 query rows into shared
+  memory (``cp.async``; rows past ``H`` zero-filled without a read) once the scores group is done with the last
+  ones (the ``q_free`` barrier). Per key tile it fills a stage of the ``num_stages`` ring with the tile's FP8 rows
+  as bf16 (:mod:`.sparse_rows`: the lanes' loads, the dequantisation, invalid entries as zero rows; their flags in
+  ``ok_s``). All eighteen loads and the rows' scale bytes are in flight before the stage is waited for; the next
+  tile's indices (the next piece's first, at a piece's last tile) are read meanwhile, and a piece's query copies
+  are issued once its first tile's loads are out, so the two latencies overlap.
+- Warp group 0, the scores group (192 registers): per tile ``S = Q K^T`` over all 512 dims (two GEMMs from
+  shared memory, one per column half), the invalid entries masked, the online softmax, P in bf16 to shared memory
+  (with the rows' rescale factors) for warp group 1, then ``O[:, :256] += P V[:, :256]`` with P in registers.
+- Warp group 1 (160 registers): per tile, once P is in shared memory, rescales ``O[:, 256:]`` and adds
+  ``P V[:, 256:]`` with P from shared memory.
+
+The K tile of a stage is the V tile too (V = K's rows), so a stage is read by three GEMMs: K-inner by ``Q K^T``
+and MN-major by the two ``P V`` halves (CUDA lays a tile out for both; MUSA runs :mod:`.sparse_mqa_kernel`).
+
+An unsplit token's output (``O``, the sink in the denominator) and LSE (natural log; ``empty_lse``, an argument,
+where no entry is valid) are written by the part that visits it; a split token's pieces write their partials
+(``O_part``, ``L_part``) at the rows the plan gives, merged by :mod:`.sparse_combine_kernel`.
+
+Synchronisation: ``full`` / ``empty`` mbarriers per stage (the producer; both consumers release), ``q_full`` /
+``q_free`` per piece (the query block), and named barriers between the consumers: P ready (group 0 arrives,
+group 1 waits), P free (group 1 arrives after each tile, group 0 waits before writing P again, once more at the
+end), and the epilogue (both wait: the rows' output scale, double-buffered by piece parity).
+"""
+
+import functools
+
+from ...._tilelang import tl_lang as T
+from ...attention.tl_common import ACC, LOG2E
+from .. import layout as L
+from .rows import (BH, BN, HD, LOADS, PRODUCER, ROWS, TWO_POW_120, byte_perm,  # noqa: F401 (the tests')
+                          fp8_row_macros, nope_bytes_to_bf16)
+
+CONSUMER_THREADS = 256
+SCORES_REGS, SECOND_REGS, PRODUCER_REGS = 192, 160, 152
+# named barriers (0 is __syncthreads)
+P_READY, P_FREE, EPILOGUE = 4, 5, 6
+
+
+@functools.lru_cache(maxsize=None)
+def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
+                           num_stages: int = 2, pdl: bool = False):
+    """The scheduled sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A
+    token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
+    ``pdl``: every block triggers the dependent launch of the combine at its start (programmatic dependent launch:
+    the combine's blocks are resident when the last parts finish; it waits for this grid's completion before it
+    reads a partial)."""
+    assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
+    D, NS = L.D, num_stages
+    NT = T.dynamic("num_tokens")
+    K1 = T.dynamic("topk")
+    K2 = T.dynamic("extra_topk")
+    NU1, NS1 = T.dynamic("cache_units16", "int64"), T.dynamic("cache_units8", "int64")
+    NU2, NS2 = T.dynamic("extra_units16", "int64"), T.dynamic("extra_units8", "int64")
+    PARTS = T.dynamic("num_parts")
+    NP = T.dynamic("num_partials")
+    NEG_INF = -T.infinity(ACC)
+    head_blocks = (H + BH - 1) // BH
+
+    load_q, entry, load_rows, store_row, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
+
+    # ---- the program ------------------------------------------------------------------------------------------
+
+    @T.prim_func
+    def sparse_mqa_sched(
+        Q: T.Tensor((NT, H, D), q_dtype),
+        CW: T.Tensor((NU1, 4), "int32"),
+        CS: T.Tensor((NS1, 2), "int32"),
+        I1: T.Tensor((NT, K1), "int32"),
+        L1: T.Tensor((NT,), "int32"),
+        XW: T.Tensor((NU2, 4), "int32"),
+        XS: T.Tensor((NS2, 2), "int32"),
+        I2: T.Tensor((NT, K2), "int32"),
+        L2: T.Tensor((NT,), "int32"),
+        sinks: T.Tensor((H,), "float32"),
+        part_meta: T.Tensor((PARTS, 4), "int32"),
+        tiles: T.Tensor((NT,), "int32"),
+        first_part: T.Tensor((NT,), "int32"),
+        split_row: T.Tensor((NT,), "int32"),
+        sm_scale: T.float32,
+        empty_lse: T.float32,
+        rows1: T.int32,
+        stride1: T.int64,
+        slots1: T.int32,
+        rows2: T.int32,
+        stride2: T.int64,
+        slots2: T.int32,
+        O: T.Tensor((NT, H, D), q_dtype),
+        LSE: T.Tensor((NT, H), "float32"),
+        O_part: T.Tensor((NP, H, D), ACC),
+        L_part: T.Tensor((NP, H), ACC),
+    ):
+        with T.Kernel(head_blocks, PARTS, threads=CONSUMER_THREADS + PRODUCER) as (bh, bp):
+            if pdl:
+                T.pdl_trigger()
+            Ql_s = T.alloc_shared([BH, HD], q_dtype)
+            Qr_s = T.alloc_shared([BH, HD], q_dtype)
+            Kl_s = T.alloc_shared([NS, BN, HD], q_dtype)
+            Kr_s = T.alloc_shared([NS, BN, HD], q_dtype)
+            P_s = T.alloc_shared([BH, BN], q_dtype)
+            ok_s = T.alloc_shared([NS, BN], "int32", scope="shared")
+            alpha_s = T.alloc_shared([BH], ACC, scope="shared")
+            oscale_s = T.alloc_shared([2, BH], ACC, scope="shared")
+            full = T.alloc_barrier([PRODUCER] * NS)
+            empty = T.alloc_barrier([CONSUMER_THREADS] * NS)
+            q_full = T.alloc_barrier(PRODUCER)
+            q_free = T.alloc_barrier(CONSUMER_THREADS // 2)
+            tx = T.get_thread_binding()
+            h0 = bh * BH
+            t0 = part_meta[bp, 0]
+            j0 = part_meta[bp, 1]
+            t1 = part_meta[bp, 2]
+            j1 = part_meta[bp, 3]
+            scale_log2 = sm_scale * LOG2E
+
+            # ---- warp group 0: scores, softmax, O[:, :256] ----
+            with T.ws(0):
+                T.set_max_nreg(SCORES_REGS, 1)
+                acc_s = T.alloc_fragment([BH, BN], ACC)
+                acc_p = T.alloc_fragment([BH, BN], q_dtype)
+                acc_o = T.alloc_fragment([BH, HD], ACC)
+                m_i = T.alloc_fragment([BH], ACC)
+                m_prev = T.alloc_fragment([BH], ACC)
+                alpha = T.alloc_fragment([BH], ACC)
+                row_sum = T.alloc_fragment([BH], ACC)
+                l_i = T.alloc_fragment([BH], ACC)
+                k = T.alloc_var("int32")
+                k = 0
+                for t in T.serial(t0, t1 + 1):
+                    pc = t - t0
+                    jb = T.if_then_else(t == t0, j0, 0)
+                    je = T.if_then_else(t == t1, j1, tiles[t])
+                    T.fill(acc_o, 0)
+                    T.fill(l_i, 0)
+                    T.fill(m_i, NEG_INF)
+                    T.mbarrier_wait_parity(q_full, pc & 1)
+                    for j in T.serial(jb, je):
+                        st = k % NS
+                        T.mbarrier_wait_parity(full[st], (k // NS) & 1)
+                        T.wgmma_gemm(Ql_s, Kl_s[st, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                                     clear_accum=True)
+                        T.wgmma_gemm(Qr_s, Kr_s[st, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        if j == je - 1:
+                            T.mbarrier_arrive(q_free)  # the producer may load the next token's query rows
+                        for i, jj in T.Parallel(BH, BN):
+                            acc_s[i, jj] = T.if_then_else(ok_s[st, jj] != 0, acc_s[i, jj], NEG_INF)
+                        T.copy(m_i, m_prev)
+                        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                        for i in T.Parallel(BH):
+                            alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 1.0,
+                                                      T.exp2((m_prev[i] - m_i[i]) * scale_log2))
+                        for i, jj in T.Parallel(BH, BN):
+                            acc_s[i, jj] = T.if_then_else(m_i[i] == NEG_INF, 0.0,
+                                                          T.exp2(acc_s[i, jj] * scale_log2 - m_i[i] * scale_log2))
+                        T.reduce_sum(acc_s, row_sum, dim=1)
+                        for i in T.Parallel(BH):
+                            l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+                        T.copy(acc_s, acc_p)
+                        for i, d in T.Parallel(BH, HD):
+                            acc_o[i, d] *= alpha[i]
+                        if k > 0:
+                            T.sync_threads(P_FREE, CONSUMER_THREADS)  # group 1 is done with the last P
+                        T.copy(acc_p, P_s)
+                        for i in T.Parallel(BH):
+                            alpha_s[i] = alpha[i]
+                        T.fence_proxy_async()  # P_s is read by group 1's WGMMA (async proxy)
+                        T.named_barrier_arrive(P_READY, CONSUMER_THREADS)
+                        T.wgmma_gemm(acc_p, Kl_s[st, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.mbarrier_arrive(empty[st])
+                        k = k + 1
+                    # epilogue: the rows' output scale (shared with group 1), the left half, the LSE
+                    row = split_row[t]
+                    piece = row + bp - first_part[t]
+                    for i in T.Parallel(BH):
+                        if has_sink:
+                            row_sum[i] = T.if_then_else(
+                                T.Or(m_i[i] == NEG_INF, row >= 0), 0.0,
+                                T.exp2(sinks[T.min(h0 + i, H - 1)] * LOG2E - m_i[i] * scale_log2))
+                        else:
+                            row_sum[i] = 0.0
+                        alpha[i] = T.if_then_else(l_i[i] == 0.0, 0.0, 1.0 / (l_i[i] + row_sum[i]))
+                        oscale_s[pc % 2, i] = alpha[i]
+                    T.sync_threads(EPILOGUE, CONSUMER_THREADS)
+                    if row < 0:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O[t, h0 + i, d] = T.Cast(q_dtype, acc_o[i, d] * alpha[i])
+                        for i in T.Parallel(BH):
+                            if h0 + i < H:
+                                LSE[t, h0 + i] = T.if_then_else(
+                                    l_i[i] == 0.0, empty_lse, (T.log2(l_i[i]) + m_i[i] * scale_log2) / LOG2E)
+                    else:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O_part[piece, h0 + i, d] = acc_o[i, d] * alpha[i]
+                        for i in T.Parallel(BH):
+                            if h0 + i < H:
+                                L_part[piece, h0 + i] = T.if_then_else(
+                                    l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_i[i] * scale_log2)
+                if k > 0:
+                    T.sync_threads(P_FREE, CONSUMER_THREADS)  # pairs group 1's arrival after its last tile
+
+            # ---- warp group 1: O[:, 256:] ----
+            with T.ws(1):
+                T.set_max_nreg(SECOND_REGS, 0)
+                acc_o2 = T.alloc_fragment([BH, HD], ACC)
+                k2 = T.alloc_var("int32")
+                k2 = 0
+                for t in T.serial(t0, t1 + 1):
+                    pc = t - t0
+                    jb = T.if_then_else(t == t0, j0, 0)
+                    je = T.if_then_else(t == t1, j1, tiles[t])
+                    T.fill(acc_o2, 0)
+                    for j in T.serial(jb, je):
+                        st = k2 % NS
+                        T.sync_threads(P_READY, CONSUMER_THREADS)
+                        for i, d in T.Parallel(BH, HD):
+                            acc_o2[i, d] *= alpha_s[i]
+                        T.wgmma_gemm(P_s, Kr_s[st, :, :], acc_o2, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(0)
+                        T.mbarrier_arrive(empty[st])
+                        T.named_barrier_arrive(P_FREE, CONSUMER_THREADS)
+                        k2 = k2 + 1
+                    T.sync_threads(EPILOGUE, CONSUMER_THREADS)
+                    row = split_row[t]
+                    piece = row + bp - first_part[t]
+                    if row < 0:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O[t, h0 + i, HD + d] = T.Cast(q_dtype, acc_o2[i, d] * oscale_s[pc % 2, i])
+                    else:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O_part[piece, h0 + i, HD + d] = acc_o2[i, d] * oscale_s[pc % 2, i]
+
+            # ---- warp group 2: the producer ----
+            with T.ws(2):
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                p = tx - CONSUMER_THREADS
+                q = (p % 32) // 8  # this lane's 16-byte column of each 64-byte step
+                base_row = (p // 32) * 8 + p % 8  # this thread's first row; the second is 32 rows on
+                raw = T.alloc_local([ROWS, LOADS * 4], "int32")
+                sw = T.alloc_local([ROWS, 2], "int32")
+                idx = T.alloc_local([ROWS], "int32")
+                nidx = T.alloc_local([ROWS], "int32")
+                ok = T.alloc_local([ROWS], "int32")
+                outw = T.alloc_local([8], "int32")
+                fac = T.alloc_local([2], "uint16")
+                kp = T.alloc_var("int32")
+                kp = 0
+                if t0 <= t1:  # the first tile's indices (later pieces': read during the piece before)
+                    for r in T.unroll(ROWS):
+                        entry(nidx, r, j0, T.ceildiv(T.max(T.min(L1[t0], K1), 0), BN), base_row + r * 32, t0, I1,
+                              L1, I2, L2)
+                for t in T.serial(t0, t1 + 1):
+                    pc = t - t0
+                    jb = T.if_then_else(t == t0, j0, 0)
+                    je = T.if_then_else(t == t1, j1, tiles[t])
+                    n1 = T.ceildiv(T.max(T.min(L1[t], K1), 0), BN)
+                    for j in T.serial(jb, je):
+                        st = kp % NS
+                        for r in T.unroll(ROWS):
+                            idx[r] = nidx[r]
+                        load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2,
+                                  stride2, slots2)
+                        if j + 1 < je:  # the next tile's indices, read while this one's rows arrive
+                            for r in T.unroll(ROWS):
+                                entry(nidx, r, j + 1, n1, base_row + r * 32, t, I1, L1, I2, L2)
+                        elif t < t1:  # or the next piece's first
+                            for r in T.unroll(ROWS):
+                                entry(nidx, r, 0, T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN), base_row + r * 32,
+                                      t + 1, I1, L1, I2, L2)
+                        if j == jb:  # the query rows, once the scores group is done with the last ones; their
+                            # copies' latency runs beside this tile's loads
+                            if pc > 0:
+                                T.mbarrier_wait_parity(q_free, (pc - 1) & 1)
+                            load_q(Q, Ql_s, Qr_s, t, h0, p)
+                            T.ptx_wait_group(0)
+                            T.fence_proxy_async()
+                            T.mbarrier_arrive(q_full)
+                        T.mbarrier_wait_parity(empty[st], ((kp // NS) & 1) ^ 1)
+                        for r in T.unroll(ROWS):
+                            store_row(Kl_s, Kr_s, st, base_row + r * 32, raw, sw, r, q, outw, fac)
+                            if q == 0:
+                                ok_s[st, base_row + r * 32] = ok[r]
+                        T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
+                        T.mbarrier_arrive(full[st])
+                        kp = kp + 1
+
+    return sparse_mqa_sched

@@ -1,0 +1,420 @@
+"""Launch the TileLang DeepSeek-V4 kernels: the flat byte views of the caches, the split count, the combine."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+
+from ...._tilelang import compile_cached, tl, tl_dtype
+from ....config import on_change, settings
+from ....platform import features_of, get_platform, stream_capturing
+from ..._common import check
+from ...attention.combine_kernel import build_combine
+from .. import _glue, layout as L
+from .._glue import _flat_views, _no_race_check
+from .mqa_kernel import build_sparse_mqa
+from .ws_kernel import build_sparse_mqa_ws
+
+BLOCK_H = 64
+BLOCK_N = 64
+MAX_SPLITS = 64
+
+
+# the scheduled program's word views of the caches an engine passes (each layer's, every call), by the identity of
+# the tensor that owns the memory (a view's ``_base``: engines and FlashMLA's entry pass fresh views of persistent
+# caches on every call) and then by the view's pointer, shape, strides and dtype. The views are made from an alias
+# of the storage that holds no reference to that tensor, so when the engine drops it the weak reference's callback
+# drops its views and the memory is freed; no view outlives its cache.
+_WORD_VIEWS: dict = {}
+_WORD_VIEWS_PER_TENSOR = 1024  # views of one buffer (an engine's layers slice one pool): the memo is cleared past it
+
+
+def _storage_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s bytes, shape and strides that references its storage, not ``t`` (nor its base)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                                t.stride())
+
+
+def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
+    """:func:`_flat_views` (``words``) of a checked KV cache view, made once per view geometry of a cache buffer."""
+    root = cache if cache._base is None else cache._base
+    sig = (cache.data_ptr(), tuple(cache.shape), cache.stride(), cache.dtype)
+    entry = _WORD_VIEWS.get(id(root))
+    if entry is not None and entry[0]() is root:
+        hit = entry[1].get(sig)
+        if hit is not None:
+            return hit
+    made = _flat_views(L.kv_pages(_storage_alias(cache), name, op=op), device, op, name, words=True)
+    if entry is None or entry[0]() is not root:
+        try:
+            ref = weakref.ref(root, lambda _, key=id(root): _WORD_VIEWS.pop(key, None))
+        except TypeError:  # a tensor that cannot be weakly referenced: no memo
+            return made
+        entry = _WORD_VIEWS[id(root)] = (ref, {})
+    if len(entry[1]) >= _WORD_VIEWS_PER_TENSOR:
+        entry[1].clear()
+    entry[1][sig] = made
+    return made
+
+
+PROGRAMS = ("scheduled", "paired", "warp_specialized", "portable")
+# the programs that need warp specialisation, GEMMs reading A from registers and an FP8 conversion
+HOPPER_PROGRAMS = ("scheduled", "paired", "warp_specialized")
+# the warp-specialised program's producer (see build_sparse_mqa_ws): "rows" is the one measured on the H200;
+# "async" (cp.async copies, widened in place) is a measured miss kept for comparison
+WS_PRODUCER = "rows"
+WS_PRODUCERS = ("rows", "async")
+
+
+def _hopper_capable(target=None) -> bool:
+    f = features_of(target)
+    return bool(f["warp_specialized"] and f["gemm_a_in_registers"] and f["fp8"])
+
+
+def sparse_mqa_program(target=None) -> str:
+    """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
+    ``auto`` is ``scheduled`` (:mod:`.sparse_mqa_sched_kernel`: a per-batch plan, FlashMLA's division of the work)
+    where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
+    ``portable`` (:mod:`.sparse_mqa_kernel`); ``warp_specialized`` (:mod:`.sparse_mqa_ws_kernel`) stays
+    selectable (how the two compare: docs/dsv4.md). A named program the target cannot run is refused when it is
+    built."""
+    chosen = settings().dsv4_program
+    if chosen != "auto":
+        return chosen
+    return "scheduled" if _hopper_capable(target) else "portable"
+
+
+def portable_form(target=None) -> dict:
+    """The portable program's tiles on ``target`` (None: this platform's): one K/V tile of ``BLOCK_N`` rows where a
+    shared tile may be read in both majornesses (``platform.gemm_tile_two_majors``), else a K and a V tile of 32
+    rows each (MUSA: two tiles of 64 rows would not fit beside the query tile)."""
+    if features_of(target)["gemm_tile_two_majors"]:
+        return {"block_N": BLOCK_N, "separate_v": False}
+    return {"block_N": 32, "separate_v": True}
+
+
+def sparse_mqa_block_n(target=None, program: Optional[str] = None) -> int:
+    """The key tile of the sparse MQA program ``target`` runs (``program``: as :func:`sparse_mqa_kernel`)."""
+    program = program or sparse_mqa_program(target)
+    return BLOCK_N if program == "warp_specialized" else portable_form(target)["block_N"]
+
+
+def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None,
+                      program: Optional[str] = None, producer: str = "rows"):
+    """The compiled sparse MQA program (``program``: one of :data:`PROGRAMS`, default
+    :func:`sparse_mqa_program`; ``producer``: the warp-specialised program's, see
+    :func:`.sparse_mqa_ws_kernel.build_sparse_mqa_ws`)."""
+    program = program or sparse_mqa_program(target)
+    _check_program(program, target)
+    if program == "scheduled":
+        return sched_kernel(H, has_extra, has_sink, q_dtype, target=target)
+    if program == "paired":
+        return paired_kernel(H, has_extra, has_sink, q_dtype, target=target)
+    if program == "warp_specialized":
+        check(producer in WS_PRODUCERS,
+              lambda: f"sparse_mqa: producer must be one of {WS_PRODUCERS}, got {producer!r}")
+        pc = _ws_pass_configs()
+        key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, program, BLOCK_N, producer)
+        return compile_cached(key, lambda: build_sparse_mqa_ws(H, has_extra, has_sink, split, q_dtype, BLOCK_N,
+                                                               producer=producer),
+                              target=target, pass_configs=pc)
+    # the portable program: P through shared memory on every target (what MUSA needs)
+    shared_p = True
+    fp8_convert = _glue._fp8_convert(target)
+    form = portable_form(target)
+    key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, BLOCK_H, form["block_N"], shared_p,
+           fp8_convert) + (("separate_v",) if form["separate_v"] else ())
+    return compile_cached(key, lambda: build_sparse_mqa(H, has_extra, has_sink, split, q_dtype, BLOCK_H,
+                                                        form["block_N"], 256, shared_p, fp8_convert,
+                                                        form["separate_v"]), target=target)
+
+
+def _check_program(program: str, target=None) -> None:
+    check(program in PROGRAMS, lambda: f"sparse_mqa: program must be one of {PROGRAMS}, got {program!r} "
+                                       f"(MUSA_ATTN_DSV4_PROGRAM or the program argument)")
+    check(program not in HOPPER_PROGRAMS or _hopper_capable(target),
+          lambda: f"sparse_mqa: the {program} program needs warp specialisation, GEMMs reading A from registers "
+                  f"and an FP8 conversion, which this target lacks: {features_of(target)}")
+
+
+def _ws_pass_configs() -> dict:
+    """The warp-specialised programs sync their warp groups themselves (named barriers and mbarriers); TileLang's
+    automatic syncs would put a whole-block barrier inside one warp group's code. Every read is in bounds by
+    construction (index entries clamped into their rows and guarded by the length; cache rows read only for a
+    valid slot; output rows guarded), so the per-access checks would only add instructions to the producer's
+    loads. Rows a fragment holds in several threads are stored by each (the same value), and the score exchange's
+    XOR-swizzled columns are a permutation: the race check is off."""
+    return {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+            tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True, **_no_race_check()}
+
+
+def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
+    """The compiled scheduled sparse MQA program (:mod:`.sparse_mqa_sched_kernel`)."""
+    from .sched_kernel import build_sparse_mqa_sched
+
+    _check_program("scheduled", target)
+    check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
+    pdl = _sched_pdl(target)
+    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl",) if pdl else ())
+    return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl),
+                          target=target, pass_configs=_ws_pass_configs())
+
+
+def _sched_pdl(target) -> bool:
+    """The scheduled program's combine as its programmatic dependent launch: where the target has it (CUDA sm_90+)
+    and ``MUSA_ATTN_PDL`` allows it (both kernels are built alike), once :data:`SCHED_PDL` is on."""
+    return SCHED_PDL and settings().pdl and features_of(target)["dependent_launch"]
+
+
+# Off until the scheduled program's GPU tests and FlashMLA's cases have passed with it (written 2026-12-06, when no
+# device was lent): the dense decode's combine has run this way since issue 7, this pair has not.
+SCHED_PDL = False
+
+
+def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
+    """The compiled paired sparse MQA program (:mod:`.sparse_mqa_paired_kernel`: one block a token, the key tiles in
+    pairs over two math warp groups; many-token batches)."""
+    from .paired_kernel import build_sparse_mqa_paired
+
+    _check_program("paired", target)
+    check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the paired program takes bfloat16 q, got {q_dtype}")
+    key = ("dsv4_sparse_mqa_paired", H, has_extra, has_sink, q_dtype)
+    return compile_cached(key, lambda: build_sparse_mqa_paired(H, has_extra, has_sink, q_dtype),
+                          target=target, pass_configs=_ws_pass_configs())
+
+
+from .combine_kernel import MAX_GROUPS  # noqa: E402
+
+
+def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
+    """The compiled merge of the scheduled program's split tokens (:mod:`.sparse_combine_kernel`)."""
+    from .combine_kernel import build_sparse_combine
+
+    pdl = _sched_pdl(target)
+    return compile_cached(("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ()),
+                          lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl), target=target)
+
+
+def combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
+    max_splits = MAX_SPLITS if settings().chunked_combine else 0
+    return compile_cached(("dsv4_combine", H, has_sink, q_dtype, max_splits),
+                          lambda: build_combine(H, L.D, q_dtype, has_sink, max_splits=max_splits, sink_in_lse=False),
+                          target=target)
+
+
+def num_splits_for(tokens: int, heads: int, tiles: int, sm_count: int) -> int:
+    """Enough splits of the index tiles that the blocks fill every SM about twice, each split keeping >= 2
+    tiles; 1 when the tokens alone fill the GPU (prefill)."""
+    blocks = tokens * math.ceil(heads / BLOCK_H)
+    if blocks >= sm_count or tiles < 4:
+        return 1
+    return max(1, min(MAX_SPLITS, math.ceil(2 * sm_count / blocks), tiles // 2))
+
+
+def _lengths(lengths: Optional[torch.Tensor], T: int, K: int, device) -> torch.Tensor:
+    if lengths is None:
+        return torch.full((T,), K, dtype=torch.int32, device=device)
+    if lengths.dtype == torch.int32 and lengths.is_contiguous():
+        return lengths
+    return lengths.to(torch.int32).contiguous()
+
+
+def _plan_lengths(plan, K: int, device) -> torch.Tensor:
+    """``[plan.tokens]`` int32 lengths of ``K`` (every entry counts) for the calls of ``plan``'s batch that pass
+    none: made once per ``K`` and kept on the plan, so a batch's layers launch no fill each; made afresh while a
+    graph is being captured (a tensor filled by a captured launch holds its values only once the graph replays).
+    ``plan`` None: a call with no tokens."""
+    if plan is None or stream_capturing(device):
+        return _lengths(None, 0 if plan is None else plan.tokens, K, device)
+    hit = plan.full_lengths.get(K)
+    if hit is None:
+        hit = plan.full_lengths[K] = _lengths(None, plan.tokens, K, device)
+    return hit
+
+
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    # MUSA_ATTN_POISON (a debug aid the tests turn on): NaN, so an element no kernel writes shows up
+    if settings().poison:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths=None, extra_indices=None, extra_lengths=None):
+    """The scheduled program's plan (:mod:`.schedule`) of a :func:`sparse_mqa` call's shapes and lengths, over one
+    wave of this GPU's SMs. Without lengths the plan depends on the shapes alone: it is made once per shape and
+    kept (vLLM's layer passes its index lists without lengths, -1 marking the entries that do not count)."""
+    from .schedule import default_parts, plan_sparse_mqa
+
+    T, H = q.shape[0], q.shape[1]
+    K2 = 0 if extra_indices is None else extra_indices.shape[1]
+    parts = default_parts(H, get_platform().sm_count or 132)
+    if lengths is None and (extra_lengths is None or not K2):
+        key = (T, indices.shape[1], K2, parts, q.device)
+        plan = _CAPTURED_PLANS.get(key)
+        if plan is not None:
+            return plan
+        plan = _SHAPE_PLANS.pop(key, None)
+        if plan is None:
+            plan = plan_sparse_mqa(T, indices.shape[1], None, K2, None, parts=parts, device=q.device)
+        if stream_capturing(q.device):
+            # a graph captured now reads this plan's tensors at every replay: kept for good, never evicted (and so
+            # never freed and reused) by the shapes eager calls bring later
+            _CAPTURED_PLANS[key] = plan
+            return plan
+        _SHAPE_PLANS[key] = plan  # most recently used last
+        while len(_SHAPE_PLANS) > _SHAPE_PLANS_KEPT:
+            _SHAPE_PLANS.pop(next(iter(_SHAPE_PLANS)))
+        return plan
+    return plan_sparse_mqa(T, indices.shape[1], lengths, K2, extra_lengths if K2 else None, parts=parts,
+                           device=q.device)
+
+
+# plans of calls without lengths, by (tokens, topk, extra topk, parts, device): the least recently used dropped
+_SHAPE_PLANS: dict = {}
+_SHAPE_PLANS_KEPT = 256
+on_change(_SHAPE_PLANS.clear)
+# plans a graph capture used, by the same key: never evicted (a settings change leaves them: graphs may hold them)
+_CAPTURED_PLANS: dict = {}
+
+
+def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
+                          plan, empty_lse_inf, op):
+    """Launch the scheduled program and its combine (:mod:`.sparse_mqa_sched_kernel`) on ``plan``, checked by the
+    caller against the call's shapes."""
+    T, H, _ = q.shape
+    dev = q.device
+    main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
+    if has_extra:
+        extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
+    else:
+        extra_views, extra_geo = main_views, (1, 1, 0)
+    # partials from the caching allocator on the current stream (a buffer shared across calls would race where an
+    # engine runs attention on two streams)
+    o_part = _alloc((plan.num_partials, H, L.D), torch.float32, dev)
+    l_part = _alloc((plan.num_partials, H), torch.float32, dev)
+    empty = float("inf") if empty_lse_inf else float("-inf")
+    program, combine = _sched_kernels(H, has_extra, has_sink)
+    program(q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
+            plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
+    groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
+    combine(plan.combine, plan.num_split, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse)
+
+
+def _launch_inputs(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, views):
+    """What the unplanned programs take besides ``q``: ``(has_extra, main, extra, sinks)``, each set ``(views of
+    its cache, their geometry, indices, lengths)`` (``views(cache, name)``: the program's views; without an
+    extra set, the main cache's views stand in and its lists are empty), the sinks (zeros without)."""
+    T, H, _ = q.shape
+    dev = q.device
+    has_extra = extra_cache is not None and extra_indices.shape[1] > 0
+    i1 = indices.contiguous()
+    main = (*views(cache, "cache"), i1, _lengths(lengths, T, i1.shape[1], dev))
+    if has_extra:
+        i2 = extra_indices.contiguous()
+        extra = (*views(extra_cache, "extra_cache"), i2, _lengths(extra_lengths, T, i2.shape[1], dev))
+    else:
+        extra = (main[0], (1, 1, 0), torch.empty(T, 0, dtype=torch.int32, device=dev),
+                 torch.zeros(T, dtype=torch.int32, device=dev))
+    sinks = sink.contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
+    return has_extra, main, extra, sinks
+
+
+def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale, out,
+                       return_lse, empty_lse_inf, op):
+    """Launch the paired program (:mod:`.sparse_mqa_paired_kernel`): one block a token and 64 heads, no split."""
+    T, H, _ = q.shape
+    dev = q.device
+    views = lambda c, name: _cache_word_views(c, dev, op, name)  # noqa: E731
+    has_extra, main, extra, sinks = _launch_inputs(q, cache, indices, lengths, extra_cache, extra_indices,
+                                                   extra_lengths, sink, views)
+    has_sink = sink is not None
+    out = _alloc(q.shape, q.dtype, dev) if out is None else out
+    lse = _alloc((T, H), torch.float32, dev)
+    if T:
+        empty = float("inf") if empty_lse_inf else float("-inf")
+        paired_kernel(H, has_extra, has_sink, "bfloat16")(q, *main[0], *main[2:], *extra[0], *extra[2:], sinks,
+                                                         float(sm_scale), empty, *main[1], *extra[1], out, lse)
+    return (out, lse) if return_lse else out
+
+
+_SCHED_KERNELS: dict = {}
+on_change(_SCHED_KERNELS.clear)
+
+
+def _sched_kernels(H: int, has_extra: bool, has_sink: bool) -> tuple:
+    """The scheduled program and its combine for this platform, looked up once per shape (a launch then costs no
+    compile-cache key)."""
+    key = (H, has_extra, has_sink)
+    hit = _SCHED_KERNELS.get(key)
+    if hit is None:
+        hit = _SCHED_KERNELS[key] = (sched_kernel(H, has_extra, has_sink, "bfloat16"),
+                                     sched_combine_kernel(H, has_sink, "bfloat16"))
+    return hit
+
+
+def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, extra_indices=None,
+                        extra_lengths=None, sink=None, sm_scale=L.D ** -0.5, out=None, return_lse=False,
+                        program: Optional[str] = None, plan=None, empty_lse_inf: bool = False):
+    """The TileLang path of :func:`musa_attn_backend.kernels.dsv4.sparse_mqa` (arguments checked there;
+    ``program``: see :func:`sparse_mqa_kernel`; ``plan``: the scheduled program's, made here when None, ignored
+    by the other programs; ``empty_lse_inf``: a token with no valid entry gets LSE ``+inf`` (FlashMLA's
+    convention) rather than ``-inf``)."""
+    op = "sparse_mqa(impl='tilelang')"
+    check(q.dtype == torch.bfloat16, lambda: f"{op}: q must be bfloat16 (the kernels' dtype), got {q.dtype}")
+    T, H, _ = q.shape
+    dev = q.device
+    q = q.contiguous()
+    program = program or sparse_mqa_program()
+    if program == "scheduled":
+        has_extra = extra_cache is not None and extra_indices.shape[1] > 0
+        i1 = indices.contiguous()
+        i2 = extra_indices.contiguous() if has_extra else torch.empty(T, 0, dtype=torch.int32, device=dev)
+        if plan is None and T:
+            plan = sparse_mqa_plan(q, i1, lengths, i2 if has_extra else None, extra_lengths if has_extra else None)
+        if T:  # before the plan's kept lengths are used: they are the plan's token count long
+            plan.check_matches(op, T, i1.shape[1], i2.shape[1], dev)
+        l1 = _lengths(lengths, T, i1.shape[1], dev) if lengths is not None else _plan_lengths(plan, i1.shape[1], dev)
+        # every extra entry counts, or no extra set (no entry: lengths 0)
+        l2 = (_lengths(extra_lengths, T, i2.shape[1], dev) if has_extra and extra_lengths is not None
+              else _plan_lengths(plan, i2.shape[1], dev))
+        has_sink = sink is not None
+        sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
+        out = _alloc(q.shape, q.dtype, dev) if out is None else out
+        lse = _alloc((T, H), torch.float32, dev)
+        if T:
+            _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out,
+                                  lse, plan, empty_lse_inf, op)
+        return (out, lse) if return_lse else out
+    if program == "paired":
+        return _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
+                                  sm_scale, out, return_lse, empty_lse_inf, op)
+    views = lambda c, name: _flat_views(L.kv_pages(c, name, op=op), dev, op, name, units=True)  # noqa: E731
+    has_extra, (main_views, main_geo, i1, l1), (extra_views, extra_geo, i2, l2), sinks = _launch_inputs(
+        q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, views)
+    has_sink = sink is not None
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    if T == 0:
+        return (out, lse) if return_lse else out
+    bn = sparse_mqa_block_n(program=program)
+    tiles = math.ceil(i1.shape[1] / bn) + math.ceil(i2.shape[1] / bn)
+    splits = num_splits_for(T, H, tiles, get_platform().sm_count or 132)
+    args = (q, *main_views, i1, l1, *extra_views, i2, l2, sinks, float(sm_scale), *main_geo, *extra_geo, splits)
+    if splits == 1:
+        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype), program=program,
+                          producer=WS_PRODUCER)(*args, out, lse)
+    else:
+        o_part = torch.empty(splits, T, H, L.D, dtype=torch.float32, device=dev)
+        l_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
+        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype), program=program,
+                          producer=WS_PRODUCER)(*args, o_part, l_part)
+        combine_kernel(H, has_sink, tl_dtype(q.dtype))(o_part, l_part, sinks, out, lse)
+    if empty_lse_inf:
+        lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))
+    return (out, lse) if return_lse else out
+
+
