@@ -2,8 +2,8 @@
 quantised row of the compressed cache. The running state between calls stays in the engine's own buffer,
 addressed through a table, so SGLang's rings and vLLM's paged state cache are both served without a copy.
 
-The math: :mod:`.compressor_reference` (the path on a CPU); on a GPU the TileLang programs of
-:mod:`.compress_kernel` and the writers. The op checks every argument before anything runs.
+The math: :mod:`.reference` (the path on a CPU); on a GPU the TileLang programs of
+:mod:`.kernel` and the writers. The op checks every argument before anything runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TileLang programs of DeepSeek-V4's compressors (the math: :mod:`.compressor_reference`).
+"""TileLang programs of DeepSeek-V4's compressors (the math: :mod:`.reference`).
 
 ``build_compress_rows``: one block per token, a thread per dim; a token at a window's end (``(pos + 1) % ratio ==
 0``, a request, an output slot) pools its window into a row, normalises it, rotates its last 64 dims (and, for
@@ -169,7 +169,7 @@ def build_compress_rows(d: int, ratio: int, rotate: bool, state_has_ape: bool, o
 def build_save_state(width: int, ratio: int, state_has_ape: bool, from_table: bool):
     """``state[row] = KVS[t]`` (the score half plus ``ape[pos % ratio]`` when ``state_has_ape``) for every token
     whose row is in ``[0, num_state_rows)``: ``rows[t]``, or with ``from_table`` the table's row of the token's
-    position (the rule of :func:`.compressor_reference.default_state_rows`: none for padding, a column past the
+    position (the rule of :func:`.reference.default_state_rows`: none for padding, a column past the
     table or a negative entry)."""
     half = width // 2
     NT, NS = T.dynamic("num_tokens"), T.dynamic("state_elems", "int64")

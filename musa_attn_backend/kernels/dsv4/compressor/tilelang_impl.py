@@ -1,4 +1,4 @@
-"""Launch the TileLang compressor (:mod:`.compress_kernel`): the rows (and the writers' slots: -1 where a token
+"""Launch the TileLang compressor (:mod:`.kernel`): the rows (and the writers' slots: -1 where a token
 emits none), then the writers' quantised store, then the state writes. Three launches and no other device work
 when the arguments come in the kernels' dtypes, so a decode step costs little beyond its reads. Arguments arrive
 checked by :mod:`.compressor`."""

@@ -1,7 +1,7 @@
 """DeepSeek-V4's indexer: the FP8 logits of the C4 layers' query rows against the indexer keys (contiguous for
 prefill, paged for decode), and the top-k of those logits as request-local positions or cache slots.
 
-Math: :mod:`.indexer_reference` (also the path on a CPU). Every op checks its arguments before anything runs and
+Math: :mod:`.reference` (also the path on a CPU). Every op checks its arguments before anything runs and
 names the one it refuses; none reads a device value on the host (no synchronisation: CUDA-graph safe).
 """
 

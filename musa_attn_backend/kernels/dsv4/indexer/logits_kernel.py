@@ -1,4 +1,4 @@
-"""TileLang indexer logits of DeepSeek-V4 (the math: :mod:`.indexer_reference`): FP8 query rows against FP8 keys,
+"""TileLang indexer logits of DeepSeek-V4 (the math: :mod:`.reference`): FP8 query rows against FP8 keys,
 ``relu``, weighted sum over the heads, times the key's scale.
 
 Both programs put the keys on the GEMM's M side and one token's heads on its N side

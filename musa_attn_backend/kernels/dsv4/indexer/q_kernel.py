@@ -1,4 +1,4 @@
-"""TileLang program of the indexer's query rows (the math: :func:`.indexer_reference.indexer_q_reference`): one
+"""TileLang program of the indexer's query rows (the math: :func:`.reference.indexer_q_reference`): one
 block of 128 threads per (token, head), thread ``x`` owning dim ``x``. The RoPE pairs, the Hadamard butterflies
 and the amax exchange values through shared memory; the barriers are placed by hand (every thread of a block
 passes each one)."""

@@ -1,4 +1,4 @@
-"""Launch the TileLang indexer kernels (:mod:`.indexer_logits_kernel`, :mod:`.topk_kernel`): the cache's byte
+"""Launch the TileLang indexer kernels (:mod:`.logits_kernel`, :mod:`.topk_kernel`): the cache's byte
 views, the split count of paged decode, the output buffers. Arguments arrive checked by :mod:`.indexer`."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def paged_indexer_logits_tilelang(q, w, cache, context_lens, block_table, max_le
 
 def _topk_pass_configs() -> dict:
     """The top-k and q programs place their barriers themselves (outside every branch the block does not share;
-    see :mod:`.topk_kernel`, :mod:`.indexer_q_kernel`)."""
+    see :mod:`.topk_kernel`, :mod:`.q_kernel`)."""
     return {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 

@@ -1,4 +1,4 @@
-"""TileLang top-k of the indexer logits (the semantics: :mod:`.indexer_reference`): one block per row, an exact
+"""TileLang top-k of the indexer logits (the semantics: :mod:`.reference`): one block per row, an exact
 radix select on the logits' order-preserving 32-bit keys, with the few keys that decide it kept in shared memory.
 
 A row whose range holds at most ``k`` columns writes its positions in order. Otherwise the key's 32 bits are

@@ -3,7 +3,7 @@ CUDA-only kernels: the q head norm + RoPE, the (inverse) RoPE of the attention o
 RoPE, the clamped SwiGLU, and the hyper-connections (mHC: the mixes, Sinkhorn, the combine before a sublayer,
 the update after it, the head). The math (and where it rounds to bf16) is that of DeepSeek-V4's reference
 ``inference/model.py`` as SGLang's kernels compute it. Every op is checked before it runs. The RoPE ops and the
-clamped SwiGLU run TileLang programs on a GPU (:mod:`.model_kernel`; ``impl``: ``"auto"``, ``"tilelang"`` or
+clamped SwiGLU run TileLang programs on a GPU (:mod:`.kernel`; ``impl``: ``"auto"``, ``"tilelang"`` or
 ``"reference"``, the vectorised torch form, which also runs on a CPU); mHC and the experts are torch ops on any
 device.
 

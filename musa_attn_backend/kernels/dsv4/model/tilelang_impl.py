@@ -1,4 +1,4 @@
-"""Launch glue of the model-side TileLang programs (:mod:`.model_kernel`): arguments are checked by the public ops
+"""Launch glue of the model-side TileLang programs (:mod:`.kernel`): arguments are checked by the public ops
 in :mod:`.model`; this copies strided inputs to contiguous ones, launches, and writes the result where the op
 promises it."""
 

@@ -1,4 +1,4 @@
-"""TileLang merge of the split tokens' partials of the scheduled sparse MQA program (:mod:`.sparse_mqa_sched_kernel`,
+"""TileLang merge of the split tokens' partials of the scheduled sparse MQA program (:mod:`.sched_kernel`,
 plan: :mod:`.schedule`).
 
 For token ``t`` with ``n`` pieces at partial rows ``r .. r + n``: ``m`` = the largest piece LSE (log2 units, the keys

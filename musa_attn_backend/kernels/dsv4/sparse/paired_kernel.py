@@ -1,11 +1,11 @@
 """TileLang sparse MQA over DeepSeek-V4's FP8 caches for Hopper-class GPUs, for batches of many query tokens
 (prefill, large decode batches): one block a token and 64 query heads, its two math warp groups taking the key
-tiles in pairs, one tile each. Same math and conventions as :mod:`.sparse_mqa_kernel`; the work is divided as
+tiles in pairs, one tile each. Same math and conventions as :mod:`.mqa_kernel`; the work is divided as
 FlashMLA's SM90 sparse prefill divides it (over bf16 rows there; FP8 rows dequantised in the block here).
 
 384 threads, three warp groups:
 
-- Warp group 2, the producer (:mod:`.sparse_rows`): the token's query rows once, then the key tiles, tile ``2i``
+- Warp group 2, the producer (:mod:`.rows`): the token's query rows once, then the key tiles, tile ``2i``
   into stage 0 and tile ``2i + 1`` into stage 1, each stage in two halves (columns 0-255 and 256-511) with a
   ``full`` and an ``empty`` barrier each, so that the half a consumer is done with first is refilled first:
   stage 0's left half, stage 1's right half, stage 0's right half, stage 1's left half. Tiles past the token's

@@ -1,5 +1,5 @@
-"""The FP8 row producer the Hopper sparse MQA programs share (:mod:`.sparse_mqa_sched_kernel`,
-:mod:`.sparse_mqa_paired_kernel`): a producer warp group of 128 threads gathers a 64-row key tile of DeepSeek-V4's
+"""The FP8 row producer the Hopper sparse MQA programs share (:mod:`.sched_kernel`,
+:mod:`.paired_kernel`): a producer warp group of 128 threads gathers a 64-row key tile of DeepSeek-V4's
 FP8 cache (584-byte rows: 448 e4m3 nope bytes, 64 bf16 RoPE values, a UE8M0 scale a 64 columns) and writes it to
 shared memory as bf16, in two 256-column halves (``Kl`` columns 0-255, ``Kr`` 256-511).
 

@@ -1,6 +1,6 @@
 """TileLang sparse MQA over DeepSeek-V4's FP8 caches for Hopper-class GPUs, on a per-batch plan (:mod:`.schedule`):
 a fixed grid of ``parts`` blocks per 64 query heads, each visiting the key tiles the plan gives it, token after
-token. Same math and conventions as :mod:`.sparse_mqa_kernel`; the work is divided as FlashMLA's SM90 sparse
+token. Same math and conventions as :mod:`.mqa_kernel`; the work is divided as FlashMLA's SM90 sparse
 decode divides it, in a program of our own.
 
 384 threads, three warp groups:
@@ -8,7 +8,7 @@ decode divides it, in a program of our own.
 - Warp group 2, the producer (152 registers a thread). Per piece it loads the token's 64 query rows into shared
   memory (``cp.async``; rows past ``H`` zero-filled without a read) once the scores group is done with the last
   ones (the ``q_free`` barrier). Per key tile it fills a stage of the ``num_stages`` ring with the tile's FP8 rows
-  as bf16 (:mod:`.sparse_rows`: the lanes' loads, the dequantisation, invalid entries as zero rows; their flags in
+  as bf16 (:mod:`.rows`: the lanes' loads, the dequantisation, invalid entries as zero rows; their flags in
   ``ok_s``). All eighteen loads and the rows' scale bytes are in flight before the stage is waited for; the next
   tile's indices (the next piece's first, at a piece's last tile) are read meanwhile, and a piece's query copies
   are issued once its first tile's loads are out, so the two latencies overlap.
@@ -19,11 +19,11 @@ decode divides it, in a program of our own.
   ``P V[:, 256:]`` with P from shared memory.
 
 The K tile of a stage is the V tile too (V = K's rows), so a stage is read by three GEMMs: K-inner by ``Q K^T``
-and MN-major by the two ``P V`` halves (CUDA lays a tile out for both; MUSA runs :mod:`.sparse_mqa_kernel`).
+and MN-major by the two ``P V`` halves (CUDA lays a tile out for both; MUSA runs :mod:`.mqa_kernel`).
 
 An unsplit token's output (``O``, the sink in the denominator) and LSE (natural log; ``empty_lse``, an argument,
 where no entry is valid) are written by the part that visits it; a split token's pieces write their partials
-(``O_part``, ``L_part``) at the rows the plan gives, merged by :mod:`.sparse_combine_kernel`.
+(``O_part``, ``L_part``) at the rows the plan gives, merged by :mod:`.combine_kernel`.
 
 Synchronisation: ``full`` / ``empty`` mbarriers per stage (the producer; both consumers release), ``q_full`` /
 ``q_free`` per piece (the query block), and named barriers between the consumers: P ready (group 0 arrives,

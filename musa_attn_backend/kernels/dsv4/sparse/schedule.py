@@ -1,4 +1,4 @@
-"""The work plan of the scheduled sparse MQA program (:mod:`.sparse_mqa_sched_kernel`): which key tiles each of a
+"""The work plan of the scheduled sparse MQA program (:mod:`.sched_kernel`): which key tiles each of a
 fixed number of blocks ("parts") visits, made once per batch and reused by every layer whose index lists have the
 same lengths (FlashMLA's ``get_mla_metadata`` pattern: plan once, run per layer).
 

@@ -76,9 +76,9 @@ def _hopper_capable(target=None) -> bool:
 
 def sparse_mqa_program(target=None) -> str:
     """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
-    ``auto`` is ``scheduled`` (:mod:`.sparse_mqa_sched_kernel`: a per-batch plan, FlashMLA's division of the work)
+    ``auto`` is ``scheduled`` (:mod:`.sched_kernel`: a per-batch plan, FlashMLA's division of the work)
     where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
-    ``portable`` (:mod:`.sparse_mqa_kernel`); ``warp_specialized`` (:mod:`.sparse_mqa_ws_kernel`) stays
+    ``portable`` (:mod:`.mqa_kernel`); ``warp_specialized`` (:mod:`.ws_kernel`) stays
     selectable (how the two compare: docs/dsv4.md). A named program the target cannot run is refused when it is
     built."""
     chosen = settings().dsv4_program
@@ -106,7 +106,7 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
                       program: Optional[str] = None, producer: str = "rows"):
     """The compiled sparse MQA program (``program``: one of :data:`PROGRAMS`, default
     :func:`sparse_mqa_program`; ``producer``: the warp-specialised program's, see
-    :func:`.sparse_mqa_ws_kernel.build_sparse_mqa_ws`)."""
+    :func:`.ws_kernel.build_sparse_mqa_ws`)."""
     program = program or sparse_mqa_program(target)
     _check_program(program, target)
     if program == "scheduled":
@@ -152,7 +152,7 @@ def _ws_pass_configs() -> dict:
 
 
 def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
-    """The compiled scheduled sparse MQA program (:mod:`.sparse_mqa_sched_kernel`)."""
+    """The compiled scheduled sparse MQA program (:mod:`.sched_kernel`)."""
     from .sched_kernel import build_sparse_mqa_sched
 
     _check_program("scheduled", target)
@@ -175,7 +175,7 @@ SCHED_PDL = False
 
 
 def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
-    """The compiled paired sparse MQA program (:mod:`.sparse_mqa_paired_kernel`: one block a token, the key tiles in
+    """The compiled paired sparse MQA program (:mod:`.paired_kernel`: one block a token, the key tiles in
     pairs over two math warp groups; many-token batches)."""
     from .paired_kernel import build_sparse_mqa_paired
 
@@ -190,7 +190,7 @@ from .combine_kernel import MAX_GROUPS  # noqa: E402
 
 
 def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
-    """The compiled merge of the scheduled program's split tokens (:mod:`.sparse_combine_kernel`)."""
+    """The compiled merge of the scheduled program's split tokens (:mod:`.combine_kernel`)."""
     from .combine_kernel import build_sparse_combine
 
     pdl = _sched_pdl(target)
@@ -282,7 +282,7 @@ _CAPTURED_PLANS: dict = {}
 
 def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
                           plan, empty_lse_inf, op):
-    """Launch the scheduled program and its combine (:mod:`.sparse_mqa_sched_kernel`) on ``plan``, checked by the
+    """Launch the scheduled program and its combine (:mod:`.sched_kernel`) on ``plan``, checked by the
     caller against the call's shapes."""
     T, H, _ = q.shape
     dev = q.device
@@ -324,7 +324,7 @@ def _launch_inputs(q, cache, indices, lengths, extra_cache, extra_indices, extra
 
 def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale, out,
                        return_lse, empty_lse_inf, op):
-    """Launch the paired program (:mod:`.sparse_mqa_paired_kernel`): one block a token and 64 heads, no split."""
+    """Launch the paired program (:mod:`.paired_kernel`): one block a token and 64 heads, no split."""
     T, H, _ = q.shape
     dev = q.device
     views = lambda c, name: _cache_word_views(c, dev, op, name)  # noqa: E731

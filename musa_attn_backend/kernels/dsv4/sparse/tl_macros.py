@@ -1,4 +1,4 @@
-"""TileLang macros both sparse MQA programs share (:mod:`.sparse_mqa_kernel`, :mod:`.sparse_mqa_ws_kernel`): the
+"""TileLang macros both sparse MQA programs share (:mod:`.mqa_kernel`, :mod:`.ws_kernel`): the
 split's range of key tiles and the output epilogue."""
 
 from typing import Any, NamedTuple

@@ -1,6 +1,6 @@
 """TileLang sparse MQA over DeepSeek-V4's FP8 caches for Hopper-class GPUs (warp-group MMA from registers, named
 barriers, ``setmaxnreg``): a producer warp group that gathers and dequantises the rows, two consumer warp groups
-that share them. Same arguments, results and conventions as :mod:`.sparse_mqa_kernel` (the portable program,
+that share them. Same arguments, results and conventions as :mod:`.mqa_kernel` (the portable program,
 which MUSA and every target without warp specialisation runs).
 
 One block per (KV split, block of 64 query heads, query token), 384 threads:

@@ -1,6 +1,6 @@
 """The V4 cache writers and readers: the attention cache's 584-byte FP8 rows (:func:`write_kv_v4`, with the K
 path's norm and RoPE in :func:`norm_rope_write_kv_v4`) and the indexer-key cache's 132-byte rows
-(:func:`write_index_k`), checked, then the reference or the TileLang writer (:mod:`.write_kernel`). Byte formats:
+(:func:`write_index_k`), checked, then the reference or the TileLang writer (:mod:`.kernel`). Byte formats:
 :mod:`.layout`."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def norm_rope_write_kv_v4(kv: torch.Tensor, weight: torch.Tensor, eps: float, co
     """The attention K path of a V4 layer into the SWA cache: ``y = kv * rsqrt(mean(kv^2) + eps) * weight``
     (float32), GPT-J RoPE of ``y``'s last 64 dims at ``positions [T]`` (``cos``, ``sin [max_pos, 32]``), ``y``
     rounded to bf16, then :func:`write_kv_v4` at ``slots`` (SGLang's ``fused_k_norm_rope_flashmla``). On a GPU:
-    two TileLang programs, the norm + RoPE rows (:mod:`.model_kernel`) and the writer."""
+    two TileLang programs, the norm + RoPE rows (:mod:`..model.kernel`) and the writer."""
     from ..model import _rotate
 
     op = "norm_rope_write_kv_v4"
