@@ -1,10 +1,12 @@
 """The paired V4 program's register split, timed (H100/H200): each ``math/producer`` split of the 3 x 168
-registers a 384-thread block holds (``MATH_REGS`` for each math group, ``PRODUCER_REGS`` for the producer), built
+registers a 384-thread block holds (``MATH_REGS`` for each math group, ``PRODUCER_REGS`` for the producer; a third
+field, ``PRODUCER_ROWS_AT_ONCE``: 2 by default, 1 for the producer holding one row of bytes at a time), built
 as the launcher builds it, run on the attention bench's Flash and Pro inputs beside the scheduled program, outputs
 compared. 208/88 is the default: ptxas serialises the WGMMAs below 208 and the producer spills about 250 bytes at
-88 (ncu on the H100: 12.6 M local-memory requests a 4096-token prefill; the scheduled program's producer has 152).
+88 (ncu on the H100: 12.6 M local-memory requests a 4096-token prefill; the scheduled program's producer has 152);
+one row at a time it does not spill at 88 (ptxas), at the cost of each row's load latency after both halves free.
 
-    python3 scripts/tune_paired_regs.py --splits 208/88,200/104,216/72 --out $OUT
+    python3 scripts/tune_paired_regs.py --splits 208/88,208/88/1,216/72/1,200/104 --out $OUT
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ def _build(split: tuple, H: int):
     from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
-    pk.MATH_REGS, pk.PRODUCER_REGS = split
+    pk.MATH_REGS, pk.PRODUCER_REGS = split[:2]
     return compile_cached(("tune_paired", H, split), lambda: pk.build_sparse_mqa_paired.__wrapped__(
-        H, True, True, "bfloat16"), pass_configs=ti._ws_pass_configs())
+        H, True, True, "bfloat16", split[2] if len(split) > 2 else 2), pass_configs=ti._ws_pass_configs())
 
 
 def _compile(job) -> str:
@@ -42,7 +44,7 @@ def _compile(job) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--splits", default="208/88,200/104,216/72")
+    ap.add_argument("--splits", default="208/88,208/88/1,216/72/1,200/104")
     ap.add_argument("--cases", default="flash:4096,flash:64,pro:4096")
     ap.add_argument("--out", default="/tmp/out")
     args = ap.parse_args(argv)
@@ -83,10 +85,10 @@ def main(argv=None) -> None:
                 ti.paired_kernel = lambda *a, k=kern, **kw_: k
                 ms = bench_ms(lambda: ti.sparse_mqa_tilelang(q, swa, i1, program="paired", **kw))
                 diff = (out.float() - ref.float()).abs().max().item()
-                row["splits"][f"{split[0]}/{split[1]}"] = {"ms": ms, "max_abs_diff_vs_scheduled": diff}
+                row["splits"]["/".join(map(str, split))] = {"ms": ms, "max_abs_diff_vs_scheduled": diff}
                 print(f"{cfg:>5} T={T:>5} {split}: {ms:.4f} ms (scheduled {sched_ms:.4f}), diff {diff:.4f}", flush=True)
             except Exception as e:  # noqa: BLE001
-                row["splits"][f"{split[0]}/{split[1]}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row["splits"]["/".join(map(str, split))] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             finally:
                 ti.paired_kernel = saved
         rows.append(row)

@@ -492,3 +492,40 @@ def test_attention_slots_program_lowers_for_sm90a(mode):
 
     src = _tilelang.lower(build_attention_slots(128, mode), HOPPER).source
     assert "attention_slots" in src and "__syncthreads()" not in src  # a pure map: no exchange
+
+
+def _ptxas_spills(src: str, tmp_path) -> tuple:
+    """(spill store bytes, registers) ptxas reports for the CUDA source TileLang generated, built for sm_90a."""
+    import os
+    import subprocess
+
+    import tilelang
+
+    root = os.path.dirname(tilelang.__file__)
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    res = subprocess.run([nvcc_path(), "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "-w", "-I" + root + "/src",
+                          "-I" + root + "/3rdparty/cutlass/include", "-DENABLE_BF16", "-DENABLE_FP8",
+                          "--use_fast_math", "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    spills = re.search(r"(\d+) bytes spill stores", res.stderr)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    return (int(spills.group(1)) if spills else 0), int(regs.group(1))
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+@pytest.mark.parametrize("rows_at_once", [2, 1])
+def test_paired_program_builds_within_its_registers(tmp_path, rows_at_once):
+    """The paired program for sm_90a: math groups at 208 registers, the producer at 88 (3 x 168 in all); the
+    producer holding both rows' FP8 bytes spills (what the H100's ncu showed), the one holding a row at a time
+    does not."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
+
+    func = pk.build_sparse_mqa_paired.__wrapped__(64, True, True, "bfloat16", rows_at_once)
+    src = _tilelang.lower(func, HOPPER, ti._ws_pass_configs()).source
+    assert "warpgroup_reg_alloc<208>" in src and "warpgroup_reg_dealloc<88>" in src
+    spills, regs = _ptxas_spills(src, tmp_path)
+    assert regs == 168
+    assert (spills == 0) if rows_at_once == 1 else (spills > 0), spills

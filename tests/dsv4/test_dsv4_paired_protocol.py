@@ -30,8 +30,8 @@ READERS = {(0, "l"): {0}, (0, "r"): {0, 1}, (1, "r"): {1}, (1, "l"): {0, 1}}
 
 
 class State:
-    def __init__(self, pairs, broken=""):
-        self.pairs, self.broken = pairs, broken
+    def __init__(self, pairs, broken="", rows_at_once=2):
+        self.pairs, self.broken, self.rows_at_once = pairs, broken, rows_at_once
         self.full = {(st, h): MBarrier(1) for st in range(2) for h in "lr"}
         self.empty = {(st, "l"): MBarrier(LEFT[st]) for st in range(2)}
         self.empty.update({(st, "r"): MBarrier(RIGHT[st]) for st in range(2)})
@@ -48,19 +48,26 @@ class State:
 
 
 def producer(s):
+    """Both rows' bytes held (``PRODUCER_ROWS_AT_ONCE`` 2): each half waited for, filled and announced in turn, the
+    half freed first first. One row at a time (1): both halves waited for, then filled row by row, then both
+    announced."""
     order = {0: ("l", "r"), 1: ("r", "l")}  # the half freed first, first
     for j in range(2 * s.pairs):
         st, par = j % 2, (j // 2) & 1
         if j == 0:
             s.q_full.arrive()
-        for h in order[st]:
-            if s.broken != f"empty{st}{h}":
-                yield from wait(s.empty[st, h], par ^ 1)
-            assert s.released[st, h] == READERS[st, h], \
-                f"stage {st}{h} refilled with tile {j} while tile {s.half[st, h]} is in use"
-            s.half[st, h], s.released[st, h] = j, set()
-            yield STEP
-            s.full[st, h].arrive()
+        groups = [order[st]] if s.rows_at_once == 1 else [(h,) for h in order[st]]
+        for halves in groups:
+            for h in halves:
+                if s.broken != f"empty{st}{h}":
+                    yield from wait(s.empty[st, h], par ^ 1)
+            for h in halves:
+                assert s.released[st, h] == READERS[st, h], \
+                    f"stage {st}{h} refilled with tile {j} while tile {s.half[st, h]} is in use"
+                s.half[st, h], s.released[st, h] = j, set()
+                yield STEP
+            for h in halves:
+                s.full[st, h].arrive()
 
 
 def release(s, st, h, w):
@@ -108,16 +115,17 @@ def consumer(s, w):
     yield STEP  # the output
 
 
-def run(pairs, rng, broken=""):
-    s = State(pairs, broken)
+def run(pairs, rng, broken="", rows_at_once=2):
+    s = State(pairs, broken, rows_at_once)
     run_actors({"producer": producer(s), "group0": consumer(s, 0), "group1": consumer(s, 1)}, rng)
 
 
+@pytest.mark.parametrize("rows_at_once", [2, 1])
 @pytest.mark.parametrize("pairs", [1, 2, 3, 9])
-def test_every_interleaving_ends_and_no_buffer_is_overwritten_in_use(pairs):
+def test_every_interleaving_ends_and_no_buffer_is_overwritten_in_use(pairs, rows_at_once):
     rng = random.Random(pairs)
     for _ in range(300):
-        run(pairs, rng)
+        run(pairs, rng, rows_at_once=rows_at_once)
 
 
 def test_the_stage_halves_are_released_by_whoever_reads_them():
@@ -127,16 +135,17 @@ def test_the_stage_halves_are_released_by_whoever_reads_them():
         assert counts[st] == 128 * len(readers), (st, h)
 
 
+@pytest.mark.parametrize("rows_at_once", [2, 1])
 @pytest.mark.parametrize("broken,what", [("p_free", ("P of pair", "P_FREE")), ("empty0r", ("stage 0r refilled",)),
                                          ("empty1l", ("stage 1l refilled",))])
-def test_the_model_catches_a_broken_protocol(broken, what):
+def test_the_model_catches_a_broken_protocol(broken, what, rows_at_once):
     """Without a group's wait for its P to be free (some interleaving overwrites the P, or the other group's
     arrivals pile up on the barrier), or the producer's wait for a stage half both groups read (refilled while in
     use), the model fails."""
     caught = ""
     for seed in range(2000):
         try:
-            run(3, random.Random(seed), broken=broken)
+            run(3, random.Random(seed), broken=broken, rows_at_once=rows_at_once)
         except AssertionError as e:
             caught = str(e)
             break

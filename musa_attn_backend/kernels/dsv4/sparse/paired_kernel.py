@@ -40,6 +40,9 @@ CONSUMER_THREADS = 256
 # the groups and an increase waits for the pool (2 x 208 + 96 hung on the H100; kernels/_tir.py checks the sum).
 # ptxas serialises the WGMMAs at 200; the producer spills about 250 bytes at 88.
 MATH_REGS, PRODUCER_REGS = 208, 88
+# rows of FP8 bytes the producer holds at once: 2 (both its rows' loads in flight, then each half stored as soon as
+# its consumers free it) or 1 (one row at a time, after both halves are free: 36 words of bytes instead of 72)
+PRODUCER_ROWS_AT_ONCE = 1
 # named barriers (0 is __syncthreads)
 MAX_READY, EPILOGUE = 4, 5
 P_READY = (6, 7)
@@ -49,9 +52,12 @@ RIGHT_ARRIVALS = (256, 128)  # stage 0 right: both; stage 1 right: group 1 alone
 
 
 @functools.lru_cache(maxsize=None)
-def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16"):
+def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
+                            rows_at_once: int = 2):
     """The paired sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A token
-    with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``)."""
+    with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
+    ``rows_at_once``: the rows of FP8 bytes the producer holds (:data:`PRODUCER_ROWS_AT_ONCE`)."""
+    assert rows_at_once in (1, 2), rows_at_once
     assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -61,7 +67,9 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
     NU2, NS2 = T.dynamic("extra_units16", "int64"), T.dynamic("extra_units8", "int64")
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
-    load_q, entry, load_rows, _, store_half = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
+    seq = rows_at_once == 1
+    load_q, entry, load_rows, _, store_half, load_one = fp8_row_macros(H, has_extra, q_dtype, K1, K2,
+                                                                       1 if seq else ROWS)
 
     def half(h, left, right):
         """The left (``h`` 0: columns 0-255) or right buffer of a pair; group ``w``'s output columns are half
@@ -174,6 +182,23 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
         T.fence_proxy_async()
         T.mbarrier_arrive(half(1 - st, full_l, full_r)[st])
 
+    @T.macro
+    def store_stage_seq(st, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac, main, CW, CS, rows1,
+                        stride1, slots1, XW, XS, rows2, stride2, slots2, full_l, full_r, empty_l, empty_r):
+        """``store_stage`` holding one row's bytes at a time: both halves of stage ``st`` free first, then each row
+        loaded and stored whole, then both halves announced."""
+        T.mbarrier_wait_parity(half(st, empty_l, empty_r)[st], par ^ 1)
+        T.mbarrier_wait_parity(half(1 - st, empty_l, empty_r)[st], par ^ 1)
+        for r in T.unroll(ROWS):
+            load_one(raw, sw, 0, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
+            store_half(half(st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, 0, q, outw, fac, st)
+            store_half(half(1 - st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, 0, q, outw, fac, 1 - st)
+            if q == 0:
+                ok_s[st, base_row + r * 32] = ok[r]
+        T.fence_proxy_async()
+        T.mbarrier_arrive(half(st, full_l, full_r)[st])
+        T.mbarrier_arrive(half(1 - st, full_l, full_r)[st])
+
     @T.prim_func
     def sparse_mqa_paired(
         Q: T.Tensor((NT, H, D), q_dtype),
@@ -234,8 +259,8 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                 p = tx - CONSUMER_THREADS
                 q = (p % 32) // 8  # this lane's 16-byte column of each 64-byte step
                 base_row = (p // 32) * 8 + p % 8  # this thread's first row; the second is 32 rows on
-                raw = T.alloc_local([ROWS, LOADS * 4], "int32")
-                sw = T.alloc_local([ROWS, 2], "int32")
+                raw = T.alloc_local([1 if seq else ROWS, LOADS * 4], "int32")
+                sw = T.alloc_local([1 if seq else ROWS, 2], "int32")
                 idx = T.alloc_local([ROWS], "int32")
                 ok = T.alloc_local([ROWS], "int32")
                 outw = T.alloc_local([8], "int32")
@@ -245,18 +270,33 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                     par = (j // 2) & 1
                     for r in T.unroll(ROWS):
                         entry(idx, r, j, n1, base_row + r * 32, t, I1, L1, I2, L2)
-                    load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2,
-                              slots2)
-                    if j == 0:  # the query rows, their copies' latency beside the first tile's loads
-                        load_q(Q, Ql_s, Qr_s, t, h0, p)
-                        T.ptx_wait_group(0)
-                        T.fence_proxy_async()
-                        T.mbarrier_arrive(q_full)
-                    if st == 0:
-                        store_stage(0, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l, full_r,
-                                    empty_l, empty_r)
+                    if seq:
+                        if j == 0:
+                            load_q(Q, Ql_s, Qr_s, t, h0, p)
+                            T.ptx_wait_group(0)
+                            T.fence_proxy_async()
+                            T.mbarrier_arrive(q_full)
+                        if st == 0:
+                            store_stage_seq(0, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac,
+                                            j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2,
+                                            slots2, full_l, full_r, empty_l, empty_r)
+                        else:
+                            store_stage_seq(1, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac,
+                                            j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2,
+                                            slots2, full_l, full_r, empty_l, empty_r)
                     else:
-                        store_stage(1, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l, full_r,
-                                    empty_l, empty_r)
+                        load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2,
+                                  stride2, slots2)
+                        if j == 0:  # the query rows, their copies' latency beside the first tile's loads
+                            load_q(Q, Ql_s, Qr_s, t, h0, p)
+                            T.ptx_wait_group(0)
+                            T.fence_proxy_async()
+                            T.mbarrier_arrive(q_full)
+                        if st == 0:
+                            store_stage(0, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l,
+                                        full_r, empty_l, empty_r)
+                        else:
+                            store_stage(1, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l,
+                                        full_r, empty_l, empty_r)
 
     return sparse_mqa_paired

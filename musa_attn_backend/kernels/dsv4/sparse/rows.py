@@ -54,11 +54,13 @@ class RowMacros(NamedTuple):
     load_rows: object
     store_row: object
     store_half: object
+    load_one: object
 
 
-def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2) -> RowMacros:
+def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int = ROWS) -> RowMacros:
     """The producer's macros for ``H`` query heads (blocks of ``BH``) and index lists of ``K1`` / ``K2`` entries
-    (the program's dynamic sizes)."""
+    (the program's dynamic sizes); ``buf_rows``: the rows the producer's byte buffer holds (``ROWS``, or 1 for a
+    producer that loads and stores one row at a time)."""
     D = L.D
 
     # ---- producer ---------------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2) -> RowMacros:
                     Kr_s[st, row, col - HD + v] = outb[v]
                 for v in T.vectorized(8):
                     Kr_s[st, row, col - HD + 8 + v] = outb[8 + v]
-        rope = T.view(raw, [ROWS, LOADS * 8], q_dtype)
+        rope = T.view(raw, [buf_rows, LOADS * 8], q_dtype)
         for s in T.unroll(ROPE_STEPS):
             for v in T.vectorized(8):
                 Kr_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
@@ -179,9 +181,20 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2) -> RowMacros:
             for v in T.vectorized(8):
                 K_s[st, row, col + 8 + v] = outb[8 + v]
         if half == 1:
-            rope = T.view(raw, [ROWS, LOADS * 8], q_dtype)
+            rope = T.view(raw, [buf_rows, LOADS * 8], q_dtype)
             for s in T.unroll(ROPE_STEPS):
                 for v in T.vectorized(8):
                     K_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
 
-    return RowMacros(load_q, entry, load_rows, store_row, store_half)
+    @T.macro
+    def load_one(raw, sw, b, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
+        """Row ``r`` of this lane's ``ROWS`` (slot ``idx[r]``) into buffer row ``b``; ``ok[r]`` as in
+        ``load_rows``."""
+        if main:
+            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
+            load_row(raw, sw, b, idx[r], q, CW, CS, rows1, stride1, slots1)
+        else:
+            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
+            load_row(raw, sw, b, idx[r], q, XW, XS, rows2, stride2, slots2)
+
+    return RowMacros(load_q, entry, load_rows, store_row, store_half, load_one)

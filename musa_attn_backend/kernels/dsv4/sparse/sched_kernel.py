@@ -65,7 +65,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
 
-    load_q, entry, load_rows, store_row, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
+    load_q, entry, load_rows, store_row, _, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
 
     # ---- the program ------------------------------------------------------------------------------------------
 

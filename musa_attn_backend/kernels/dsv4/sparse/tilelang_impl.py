@@ -177,12 +177,13 @@ SCHED_PDL = False
 def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
     """The compiled paired sparse MQA program (:mod:`.paired_kernel`: one block a token, the key tiles in
     pairs over two math warp groups; many-token batches)."""
-    from .paired_kernel import build_sparse_mqa_paired
+    from . import paired_kernel as pk
 
     _check_program("paired", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the paired program takes bfloat16 q, got {q_dtype}")
-    key = ("dsv4_sparse_mqa_paired", H, has_extra, has_sink, q_dtype)
-    return compile_cached(key, lambda: build_sparse_mqa_paired(H, has_extra, has_sink, q_dtype),
+    rows = pk.PRODUCER_ROWS_AT_ONCE
+    key = ("dsv4_sparse_mqa_paired", H, has_extra, has_sink, q_dtype) + (("rows1",) if rows == 1 else ())
+    return compile_cached(key, lambda: pk.build_sparse_mqa_paired(H, has_extra, has_sink, q_dtype, rows),
                           target=target, pass_configs=_ws_pass_configs())
 
 
