@@ -42,7 +42,7 @@ CONSUMER_THREADS = 256
 MATH_REGS, PRODUCER_REGS = 208, 88
 # rows of FP8 bytes the producer holds at once: 2 (both its rows' loads in flight, then each half stored as soon as
 # its consumers free it) or 1 (one row at a time, after both halves are free: 36 words of bytes instead of 72)
-PRODUCER_ROWS_AT_ONCE = 1
+PRODUCER_ROWS_AT_ONCE = 2
 # named barriers (0 is __syncthreads)
 MAX_READY, EPILOGUE = 4, 5
 P_READY = (6, 7)
