@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TEXT = (Path(__file__).resolve().parent.parent / "README.md")
+# the tokenizer's training text: a frozen copy of the README of 7601a9e, not the README itself, whose every edit
+# retrained the tokenizer and so changed the tests' text prompts' token ids and the served sequences they check
+TEXT = Path(__file__).resolve().parent / "tokenizer_corpus.txt"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
@@ -19,7 +21,7 @@ SPECIALS = ("<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>")
 
 def build_tokenizer(out: Path, vocab: int = 512, specials: tuple[str, ...] = SPECIALS, bos: str = "<s>",
                     eos: str = "</s>"):
-    """A byte-level BPE tokenizer trained on the README (``specials`` first, ``bos`` and ``eos`` among them; with a
+    """A byte-level BPE tokenizer trained on :data:`TEXT` (``specials`` first, ``bos`` and ``eos`` among them; with a
     chat template), saved into ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
