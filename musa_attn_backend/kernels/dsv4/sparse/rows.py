@@ -117,16 +117,21 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
                 sw[r, v] = 0
 
     @T.macro
+    def load_one(raw, sw, b, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
+        """Row ``r`` of this lane's ``ROWS`` (slot ``idx[r]``) into buffer row ``b``: from the main cache where
+        ``main``, else from the extra one; ``ok[r]``: whether its slot is valid (read) or not (zeros)."""
+        if main:
+            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
+            load_row(raw, sw, b, idx[r], q, CW, CS, rows1, stride1, slots1)
+        else:
+            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
+            load_row(raw, sw, b, idx[r], q, XW, XS, rows2, stride2, slots2)
+
+    @T.macro
     def load_rows(raw, sw, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
-        """This lane's loads of its ``ROWS`` rows of a tile (slots ``idx``): from the main cache where ``main``,
-        else from the extra one; ``ok[r]``: whether row ``r``'s slot is valid (read) or not (zeros)."""
+        """This lane's loads of its ``ROWS`` rows of a tile (slots ``idx``), row ``r`` into buffer row ``r``."""
         for r in T.unroll(ROWS):
-            if main:
-                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
-                load_row(raw, sw, r, idx[r], q, CW, CS, rows1, stride1, slots1)
-            else:
-                ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
-                load_row(raw, sw, r, idx[r], q, XW, XS, rows2, stride2, slots2)
+            load_one(raw, sw, r, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
 
     @T.macro
     def dequant_step(raw, sw, r, s, outw, fac):
@@ -185,16 +190,5 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
             for s in T.unroll(ROPE_STEPS):
                 for v in T.vectorized(8):
                     K_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
-
-    @T.macro
-    def load_one(raw, sw, b, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
-        """Row ``r`` of this lane's ``ROWS`` (slot ``idx[r]``) into buffer row ``b``; ``ok[r]`` as in
-        ``load_rows``."""
-        if main:
-            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots1), 1, 0)
-            load_row(raw, sw, b, idx[r], q, CW, CS, rows1, stride1, slots1)
-        else:
-            ok[r] = T.if_then_else(T.And(idx[r] >= 0, idx[r] < slots2), 1, 0)
-            load_row(raw, sw, b, idx[r], q, XW, XS, rows2, stride2, slots2)
 
     return RowMacros(load_q, entry, load_rows, store_row, store_half, load_one)
