@@ -10,9 +10,9 @@ whose pieces saw no valid entry gets output 0 and the LSE ``empty_lse`` (an argu
 
 The grid is fixed by the launch's shapes (so it can be captured in a CUDA graph) and small: ``groups`` blocks
 along the plan's combine list, each walking every ``groups``-th of its ``num_split`` entries (a count on the device:
-walking all ``parts`` rows, most of them past the list's end, cost 20 µs of serial loads at one token on the H100),
-times blocks of 8 heads, one warp a head and 16 output columns a lane. A batch with no split token costs a few
-blocks that read one count each.
+walking all ``parts`` rows, most of them past the list's end, made serial loads the one-token decode's largest
+cost; docs/dsv4.md), times blocks of 8 heads, one warp a head and 16 output columns a lane. A batch with no split
+token costs a few blocks that read one count each.
 """
 
 import functools

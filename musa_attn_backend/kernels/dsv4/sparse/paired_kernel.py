@@ -165,39 +165,38 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                                                     (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
 
     @T.macro
-    def store_stage(st, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l, full_r, empty_l,
-                    empty_r):
-        """The producer's rows of a tile into stage ``st`` (a Python int), the half its group frees first first:
-        stage 0's left half (group 0 alone reads it), stage 1's right half (group 1 alone), then the other."""
-        T.mbarrier_wait_parity(half(st, empty_l, empty_r)[st], par ^ 1)
-        for r in T.unroll(ROWS):
-            store_half(half(st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, r, q, outw, fac, st)
-            if q == 0:
-                ok_s[st, base_row + r * 32] = ok[r]
-        T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
-        T.mbarrier_arrive(half(st, full_l, full_r)[st])
-        T.mbarrier_wait_parity(half(1 - st, empty_l, empty_r)[st], par ^ 1)
-        for r in T.unroll(ROWS):
-            store_half(half(1 - st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, r, q, outw, fac, 1 - st)
-        T.fence_proxy_async()
-        T.mbarrier_arrive(half(1 - st, full_l, full_r)[st])
-
-    @T.macro
-    def store_stage_seq(st, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac, main, CW, CS, rows1,
-                        stride1, slots1, XW, XS, rows2, stride2, slots2, full_l, full_r, empty_l, empty_r):
-        """``store_stage`` holding one row's bytes at a time: both halves of stage ``st`` free first, then each row
-        loaded and stored whole, then both halves announced."""
-        T.mbarrier_wait_parity(half(st, empty_l, empty_r)[st], par ^ 1)
-        T.mbarrier_wait_parity(half(1 - st, empty_l, empty_r)[st], par ^ 1)
-        for r in T.unroll(ROWS):
-            load_one(raw, sw, 0, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
-            store_half(half(st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, 0, q, outw, fac, st)
-            store_half(half(1 - st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, 0, q, outw, fac, 1 - st)
-            if q == 0:
-                ok_s[st, base_row + r * 32] = ok[r]
-        T.fence_proxy_async()
-        T.mbarrier_arrive(half(st, full_l, full_r)[st])
-        T.mbarrier_arrive(half(1 - st, full_l, full_r)[st])
+    def store_stage(st, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac, main, CW, CS, rows1,
+                    stride1, slots1, XW, XS, rows2, stride2, slots2, full_l, full_r, empty_l, empty_r):
+        """The producer's rows of a tile into stage ``st`` (a Python int). Both rows' bytes held (loaded before the
+        call): the half its group frees first, first (stage 0's left half: group 0 alone reads it; stage 1's right
+        half: group 1 alone), each half announced once stored. One row at a time (``seq``): both halves waited
+        for, each row loaded and stored whole, then both announced."""
+        if seq:
+            T.mbarrier_wait_parity(half(st, empty_l, empty_r)[st], par ^ 1)
+            T.mbarrier_wait_parity(half(1 - st, empty_l, empty_r)[st], par ^ 1)
+            for r in T.unroll(ROWS):
+                load_one(raw, sw, 0, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2,
+                         slots2)
+                store_half(half(st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, 0, q, outw, fac, st)
+                store_half(half(1 - st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, 0, q, outw, fac, 1 - st)
+                if q == 0:
+                    ok_s[st, base_row + r * 32] = ok[r]
+            T.fence_proxy_async()
+            T.mbarrier_arrive(half(st, full_l, full_r)[st])
+            T.mbarrier_arrive(half(1 - st, full_l, full_r)[st])
+        else:
+            T.mbarrier_wait_parity(half(st, empty_l, empty_r)[st], par ^ 1)
+            for r in T.unroll(ROWS):
+                store_half(half(st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, r, q, outw, fac, st)
+                if q == 0:
+                    ok_s[st, base_row + r * 32] = ok[r]
+            T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
+            T.mbarrier_arrive(half(st, full_l, full_r)[st])
+            T.mbarrier_wait_parity(half(1 - st, empty_l, empty_r)[st], par ^ 1)
+            for r in T.unroll(ROWS):
+                store_half(half(1 - st, Kl_s, Kr_s), st, base_row + r * 32, raw, sw, r, q, outw, fac, 1 - st)
+            T.fence_proxy_async()
+            T.mbarrier_arrive(half(1 - st, full_l, full_r)[st])
 
     @T.prim_func
     def sparse_mqa_paired(
@@ -270,33 +269,22 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                     par = (j // 2) & 1
                     for r in T.unroll(ROWS):
                         entry(idx, r, j, n1, base_row + r * 32, t, I1, L1, I2, L2)
-                    if seq:
-                        if j == 0:
-                            load_q(Q, Ql_s, Qr_s, t, h0, p)
-                            T.ptx_wait_group(0)
-                            T.fence_proxy_async()
-                            T.mbarrier_arrive(q_full)
-                        if st == 0:
-                            store_stage_seq(0, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac,
-                                            j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2,
-                                            slots2, full_l, full_r, empty_l, empty_r)
-                        else:
-                            store_stage_seq(1, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac,
-                                            j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2,
-                                            slots2, full_l, full_r, empty_l, empty_r)
-                    else:
+                    if not seq:  # both rows' loads in flight before the stage's waits
                         load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2,
                                   stride2, slots2)
-                        if j == 0:  # the query rows, their copies' latency beside the first tile's loads
-                            load_q(Q, Ql_s, Qr_s, t, h0, p)
-                            T.ptx_wait_group(0)
-                            T.fence_proxy_async()
-                            T.mbarrier_arrive(q_full)
-                        if st == 0:
-                            store_stage(0, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l,
-                                        full_r, empty_l, empty_r)
-                        else:
-                            store_stage(1, par, Kl_s, Kr_s, ok_s, raw, sw, ok, q, base_row, outw, fac, full_l,
-                                        full_r, empty_l, empty_r)
+                    if j == 0:  # the query rows, their copies' latency beside the first tile's loads
+                        load_q(Q, Ql_s, Qr_s, t, h0, p)
+                        T.ptx_wait_group(0)
+                        T.fence_proxy_async()
+                        T.mbarrier_arrive(q_full)
+                    main = (j < n1) if seq else False  # which cache the stage's rows come from (loaded here if not seq)
+                    if st == 0:
+                        store_stage(0, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac, main, CW,
+                                    CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2, full_l, full_r,
+                                    empty_l, empty_r)
+                    else:
+                        store_stage(1, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac, main, CW,
+                                    CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2, full_l, full_r,
+                                    empty_l, empty_r)
 
     return sparse_mqa_paired
