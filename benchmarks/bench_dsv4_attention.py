@@ -166,7 +166,7 @@ def _compile(job):
     return job
 
 
-def precompile(configs, producers, portable: bool, tilings: str, workers: int = 8, programs=()) -> None:
+def precompile(configs, portable: bool, tilings: str, workers: int = 8, programs=()) -> None:
     """Compile every kernel the run launches in parallel worker processes first (TileLang compiles one at a time
     per process; the run then loads them from the kernel cache), reporting failures without stopping."""
     import multiprocessing
@@ -174,12 +174,11 @@ def precompile(configs, producers, portable: bool, tilings: str, workers: int = 
 
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
-    ws = ti.sparse_mqa_program() != "portable"
-    variants = [dict(program=ti.sparse_mqa_program(), producer=ti.WS_PRODUCER)]
+    hopper = ti.sparse_mqa_program() != "portable"
+    variants = [dict(program=ti.sparse_mqa_program())]
     variants += [dict(program=p) for p in programs if p != ti.sparse_mqa_program()]
-    variants += [dict(program="portable")] if ws and portable else []
+    variants += [dict(program="portable")] if hopper and portable else []
     variants += [dict(program="portable", musa_forms=True)] if portable else []
-    variants += [dict(program="warp_specialized", producer=p) for p in producers if ws]
     jobs = [("sparse_mqa_kernel", (CONFIGS[c][0], True, True, split, "bfloat16"), v)
             for c in configs for split in (False, True) for v in variants]
     jobs += [("combine_kernel", (CONFIGS[c][0], True, "bfloat16"), {}) for c in configs]
@@ -211,8 +210,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-portable", action="store_true", help="skip timing the portable program")
-    ap.add_argument("--producers", default="", help="also time these producers of the warp-specialised program "
-                                                     "(comma-separated, e.g. async)")
     ap.add_argument("--configs", default="flash,pro", help="comma-separated: flash, pro")
     ap.add_argument("--ops", default="decode,decode_mtp,prefill",
                     help="comma-separated: decode (s_q 1), decode_mtp (s_q 2), prefill; the writers always run")
@@ -220,16 +217,15 @@ def main(argv=None):
     ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
                                                           "tokens-per-block:threads, comma-separated (e.g. 16:256)")
     ap.add_argument("--programs", default="scheduled",
-                    help="also time these sparse MQA programs (comma-separated: scheduled, warp_specialized, "
-                         "portable); ours_ms is the default program's")
+                    help="also time these sparse MQA programs (comma-separated: scheduled, paired, portable); "
+                         "ours_ms is the default program's")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
-    producers = [p for p in args.producers.split(",") if p]
     programs = [p for p in args.programs.split(",") if p]
     if not args.no_precompile:
-        precompile(args.configs.split(","), producers, not args.no_portable, args.writer_tilings,
+        precompile(args.configs.split(","), not args.no_portable, args.writer_tilings,
                    programs=programs)
     ceilings = measure_ceilings()
     ceilings["fp8_matmul_tflops"] = fp8_matmul_tflops()
@@ -256,16 +252,12 @@ def main(argv=None):
 
             plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
 
-            def ours(prog=program, producer=tilelang_impl.WS_PRODUCER):
-                tilelang_impl.WS_PRODUCER, saved = producer, tilelang_impl.WS_PRODUCER
-                try:
-                    tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink,
-                                                      out=out, program=prog, plan=plan)
-                finally:
-                    tilelang_impl.WS_PRODUCER = saved
+            def ours(prog=program):
+                tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
+                                                  program=prog, plan=plan)
 
             ms = bench_ms(ours)
-            extra = {"program": program, "producer": tilelang_impl.WS_PRODUCER}
+            extra = {"program": program}
             ours_out = out.clone()
             for prog in programs:
                 if prog != program:
@@ -317,8 +309,6 @@ def main(argv=None):
 
                 with config.override(musa_forms=True):
                     extra["musa_form_ms"] = bench_ms(lambda: ours("portable"))
-            for producer in producers if program != "portable" else ():
-                extra[f"{producer}_producer_ms"] = bench_ms(lambda p=producer: ours(program, p))
             peers = {}
             if "flashmla_ms" in extra:
                 peers["flashmla"] = extra["flashmla_ms"]

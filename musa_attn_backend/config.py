@@ -76,9 +76,8 @@ SWITCHES: tuple[Switch, ...] = (
            "the DeepSeek-V4 sparse attention program: auto (scheduled where the target has warp specialisation, "
            "register GEMM operands and FP8, else portable), scheduled (FlashMLA's division of the work on a "
            "per-batch plan), paired (one block a token, its two math warp groups taking the key tiles in pairs: "
-           "FlashMLA's prefill division; correct, slower than scheduled on the H100: its producer spills), "
-           "warp_specialized (a dequantising producer warp group, split and combined per launch) or portable; a "
-           "program the target cannot run is refused, never replaced"),
+           "FlashMLA's prefill division; correct, slower than scheduled on the H100: its producer spills) or "
+           "portable; a program the target cannot run is refused, never replaced"),
     Switch("target", "MUSA_ATTN_TARGET", "text", None, True,
            "compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
            "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)"),
@@ -100,7 +99,7 @@ SWITCHES: tuple[Switch, ...] = (
 )
 BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
 CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"),
-                                       "dsv4_program": ("auto", "scheduled", "paired", "warp_specialized", "portable")}  # text switches with a fixed set of values
+                                       "dsv4_program": ("auto", "scheduled", "paired", "portable")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -6,7 +6,7 @@
 # Carry .device/env.sh .device/tl .device/peers. Logs and results under $OUT.
 source .device/env.sh
 # PROGRAMS: the V4 programs tested, profiled and benched (a comma list; scheduled,paired by default)
-progs=${PROGRAMS:-scheduled,paired}; export PROFILE_PROGRAMS=$progs,warp_specialized
+progs=${PROGRAMS:-scheduled,paired}; export PROFILE_PROGRAMS=$progs
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$SECONDS
@@ -19,7 +19,7 @@ stamp "phase 1"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=cs
 (timeout "${T_DG:-200}" python3 scripts/deepgemm_suite.py --out "$out/deepgemm_suite.json" > "$out/p1_deepgemm.txt" 2>&1) &
 (timeout "${P1:-125}" python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); import bench_dsv4_attention as b
-b.precompile(['flash', 'pro'], [], False, '', workers=4, programs='$progs,warp_specialized'.split(','))" \
+b.precompile(['flash', 'pro'], False, '', workers=4, programs='$progs'.split(','))" \
   > "$out/p1_attn_compile.txt" 2>&1) &
 wait
 stamp "phase 1 done"

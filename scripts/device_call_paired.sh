@@ -12,7 +12,7 @@ progs=scheduled,paired; sel="paired or scheduled"
 # the gate, beside the scheduled program's compiles for the tests
 (timeout 100 python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); import bench_dsv4_attention as b
-b.precompile(['flash'], [], False, '', workers=4, programs=['scheduled'])" > "$out/compile.txt" 2>&1) &
+b.precompile(['flash'], False, '', workers=4, programs=['scheduled'])" > "$out/compile.txt" 2>&1) &
 if timeout "${T_GATE:-110}" python3 scripts/probe_paired.py 1 64 128 paired > "$out/gate.txt" 2>&1; then
   stamp "gate passed"; cat "$out/gate.txt" | grep finished
 else

@@ -12,7 +12,7 @@ stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 (JOBS=10 timeout "${T_TESTS:-300}" scripts/device_check.sh dsv4 -o faulthandler_timeout=240 > "$out/dsv4_tests.txt" 2>&1) &
 (timeout "${T_PRE:-200}" python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); import bench_dsv4_attention as b
-b.precompile(['flash', 'pro'], [], False, '', workers=4, programs=['scheduled'])" > "$out/precompile.txt" 2>&1) &
+b.precompile(['flash', 'pro'], False, '', workers=4, programs=['scheduled'])" > "$out/precompile.txt" 2>&1) &
 wait
 stamp "tests"; tail -"${TAILN:-25}" "$out/dsv4_tests.txt" | cut -c1-250
 timeout "${T_TUNE:-120}" python3 scripts/tune_paired_regs.py --out "$out" > "$out/tune_paired.txt" 2>&1

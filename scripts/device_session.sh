@@ -20,7 +20,7 @@ stamp "phase 1"
    > "$out/p1_route.txt" 2>&1) &
 (timeout "${P1:-220}" python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); import bench_dsv4_attention as b
-b.precompile(['flash', 'pro'], [], True, '', workers=4, programs=['scheduled'])" > "$out/p1_attn_compile.txt" 2>&1) &
+b.precompile(['flash', 'pro'], True, '', workers=4, programs=['scheduled'])" > "$out/p1_attn_compile.txt" 2>&1) &
 (timeout "${P1:-220}" python3 benchmarks/bench_moe.py --models flash --compile-only 4 > "$out/p1_moe_compile.txt" 2>&1
  timeout 120 python3 scripts/deepgemm_suite.py --out "$out/deepgemm_suite.json" > "$out/p1_deepgemm.txt" 2>&1) &
 wait

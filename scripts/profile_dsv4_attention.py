@@ -37,7 +37,7 @@ def candidates(cfg: str, T: int, s_q: int, swa, c4, g):
     out = torch.empty_like(q)
     plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
     fns = {}
-    for prog in os.environ.get("PROFILE_PROGRAMS", "scheduled,paired,warp_specialized").split(","):
+    for prog in os.environ.get("PROFILE_PROGRAMS", "scheduled,paired").split(","):
         fns[prog] = (lambda p=prog: ti.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink,
                                                            out=out, program=p, plan=plan))
     ops = flashmla_peer({})

@@ -53,8 +53,8 @@ def _batch(T=3, H=64, K1=128, K2=512, device="cpu"):
 
 @pytest.mark.parametrize("T,split", [(2, True), (400, False)])
 def test_launch_glue_matches_the_programs(use_settings, T, split):
-    """The warp-specialised program's glue (the scheduled one's: test_dsv4_sched.py)."""
-    use_settings(target="sm_90a", dsv4_program="warp_specialized")
+    """The portable program's glue, split and whole (the scheduled one's: test_dsv4_sched.py)."""
+    use_settings(target="sm_90a", dsv4_program="portable")
     kernels = {}
 
     def capture(key, build, target, pass_configs):
@@ -113,50 +113,31 @@ NVCC = nvcc_path()
 @pytest.mark.parametrize("target,program", [("sm_90a", "scheduled"), ("sm_90", "portable"),
                                             ("sm_80", "portable"), ("mp_31", "portable"), ("mp_22", "portable")])
 def test_each_target_runs_the_program_it_can(use_settings, target, program):
-    """The scheduled and warp-specialised programs need warp specialisation (sm_90a), GEMMs reading A from registers
-    and an FP8 conversion (sm_90a runs the scheduled one); everything else, MUSA included, runs the portable one, and
-    forcing another is refused."""
+    """The scheduled and paired programs need warp specialisation (sm_90a), GEMMs reading A from registers and an
+    FP8 conversion (sm_90a runs the scheduled one); everything else, MUSA included, runs the portable one, and
+    forcing another is refused, as is a program that does not exist (the warp-specialised one, removed)."""
     use_settings(target=target)
     assert ti.sparse_mqa_program() == program
     if program == "portable":
-        with pytest.raises(ValueError, match="the warp_specialized program needs warp specialisation"):
-            ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program="warp_specialized")
-    else:
-        with pytest.raises(ValueError, match="producer must be one of"):
-            ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program="warp_specialized", producer="tma")
+        for other in ti.HOPPER_PROGRAMS:
+            with pytest.raises(ValueError, match=f"the {other} program needs warp specialisation"):
+                ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program=other)
+    with pytest.raises(ValueError, match="program must be one of"):
+        ti.sparse_mqa_kernel(64, True, True, False, "bfloat16", program="warp_specialized")
     use_settings(shared_p=True)  # MUSA_ATTN_SHARED_P: no register A operand anywhere, so no register P
     assert ti.sparse_mqa_program() == "portable"
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("program,producer", [("portable", "rows"), ("warp_specialized", "rows"),
-                                              ("warp_specialized", "async")])
-def test_sparse_mqa_compiles_for_sm90a(split, program, producer):
+def test_portable_sparse_mqa_compiles_for_sm90a(split):
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
-    src = ti.sparse_mqa_kernel(64, True, True, split, "bfloat16", target=HOPPER, program=program,
-                               producer=producer).get_kernel_source()
-    if producer == "async":  # the rows' bytes copied by cp.async, predicated (invalid rows: zero-filled, not read)
-        assert "cp_async_gs_conditional<16>" in src and "cp_async_gs_conditional<8>" in src
-    if program == "portable":
-        assert src.count("tl::wgmma_ss<") >= 2  # Q K^T and P V, both from shared memory
-    else:
-        # per consumer warp group: Q K^T from shared memory, P V with P in registers; the register split
-        assert src.count("tl::wgmma_ss<") == 2 and src.count("tl::wgmma_rs<") == 2
-        assert "warpgroup_reg_alloc<216>" in src and "warpgroup_reg_dealloc<72>" in src
+    src = ti.sparse_mqa_kernel(64, True, True, split, "bfloat16", target=HOPPER,
+                               program="portable").get_kernel_source()
+    assert src.count("tl::wgmma_ss<") >= 2  # Q K^T and P V, both from shared memory
     if split:
         comb = ti.combine_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
         assert "__global__" in comb
-
-
-def test_warp_specialized_program_fits_hopper_shared_memory():
-    """Two dequantised 64-row stages, the query block and the score exchange: within sm_90's 227 KB."""
-    from musa_attn_backend.kernels.attention.tilelang_impl import tl
-    from musa_attn_backend.kernels.dsv4.sparse.ws_kernel import build_sparse_mqa_ws
-
-    lowered = _tilelang.lower(build_sparse_mqa_ws(128, True, True, True), HOPPER,
-                              {tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
-    assert 200 * 1024 < lowered.shared_bytes <= 227 * 1024
 
 
 def test_tilelang_path_refuses_non_bf16_q():

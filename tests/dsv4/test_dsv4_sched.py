@@ -163,9 +163,9 @@ def test_scheduled_launch_glue_matches_the_programs(use_settings, T):
 
 def test_program_choice_follows_the_setting_and_refuses_what_the_target_cannot_run(use_settings):
     use_settings(target="sm_90a")
-    assert ti.sparse_mqa_program() == "scheduled"  # auto: faster than warp_specialized from 8 tokens (H100, 12-06)
-    use_settings(dsv4_program="warp_specialized")
-    assert ti.sparse_mqa_program() == "warp_specialized"
+    assert ti.sparse_mqa_program() == "scheduled"  # auto
+    use_settings(dsv4_program="paired")
+    assert ti.sparse_mqa_program() == "paired"
     use_settings(target="mp_31", dsv4_program="scheduled")
     with pytest.raises(ValueError, match="the scheduled program needs warp specialisation"):
         ti.sparse_mqa_kernel(64, True, True, False, "bfloat16")

@@ -57,14 +57,13 @@ CASES = [
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("scheduled", "paired", "paired:rows1", "warp_specialized", "warp_specialized:async", "portable",
-            "portable:musa")
+PROGRAMS = ("scheduled", "paired", "paired:rows1", "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)
 def program(request, monkeypatch, use_settings):
-    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), each producer of
-    the warp-specialised and paired ones, and the portable one in MUSA's form."""
+    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), both producers of
+    the paired one, and the portable one in MUSA's form."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
@@ -77,7 +76,6 @@ def program(request, monkeypatch, use_settings):
         monkeypatch.setattr(paired_kernel, "PRODUCER_ROWS_AT_ONCE", 1)
         producer = ""
     monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: name)
-    monkeypatch.setattr(tilelang_impl, "WS_PRODUCER", producer or "rows")
     return request.param
 
 

@@ -25,12 +25,6 @@ def _paired(extra=True):
     return build_sparse_mqa_paired.__wrapped__(128, extra, True)
 
 
-def _ws():
-    from musa_attn_backend.kernels.dsv4.sparse.ws_kernel import build_sparse_mqa_ws
-
-    return build_sparse_mqa_ws.__wrapped__(64, True, True, False)
-
-
 def _pingpong(gather):
     from musa_attn_backend.kernels.attention.prefill_pingpong_kernel import build_prefill_pingpong
 
@@ -39,7 +33,7 @@ def _pingpong(gather):
                                               gather=gather)
 
 
-PROGRAMS = {"sched": _sched, "paired": _paired, "paired_no_extra": lambda: _paired(False), "ws": _ws,
+PROGRAMS = {"sched": _sched, "paired": _paired, "paired_no_extra": lambda: _paired(False),
             "pingpong_tma": lambda: _pingpong(False), "pingpong_gather": lambda: _pingpong(True)}
 
 

@@ -16,7 +16,6 @@ from ...attention.combine_kernel import build_combine
 from .. import _glue, layout as L
 from .._glue import _flat_views, _no_race_check
 from .mqa_kernel import build_sparse_mqa
-from .ws_kernel import build_sparse_mqa_ws
 
 BLOCK_H = 64
 BLOCK_N = 64
@@ -60,13 +59,9 @@ def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
     return made
 
 
-PROGRAMS = ("scheduled", "paired", "warp_specialized", "portable")
+PROGRAMS = ("scheduled", "paired", "portable")
 # the programs that need warp specialisation, GEMMs reading A from registers and an FP8 conversion
-HOPPER_PROGRAMS = ("scheduled", "paired", "warp_specialized")
-# the warp-specialised program's producer (see build_sparse_mqa_ws): "rows" is the one measured on the H200;
-# "async" (cp.async copies, widened in place) is a measured miss kept for comparison
-WS_PRODUCER = "rows"
-WS_PRODUCERS = ("rows", "async")
+HOPPER_PROGRAMS = ("scheduled", "paired")
 
 
 def _hopper_capable(target=None) -> bool:
@@ -78,9 +73,8 @@ def sparse_mqa_program(target=None) -> str:
     """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
     ``auto`` is ``scheduled`` (:mod:`.sched_kernel`: a per-batch plan, FlashMLA's division of the work)
     where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
-    ``portable`` (:mod:`.mqa_kernel`); ``warp_specialized`` (:mod:`.ws_kernel`) stays
-    selectable (how the two compare: docs/dsv4.md). A named program the target cannot run is refused when it is
-    built."""
+    ``portable`` (:mod:`.mqa_kernel`); ``paired`` stays selectable (how they compare: docs/dsv4.md). A named
+    program the target cannot run is refused when it is built."""
     chosen = settings().dsv4_program
     if chosen != "auto":
         return chosen
@@ -99,28 +93,19 @@ def portable_form(target=None) -> dict:
 def sparse_mqa_block_n(target=None, program: Optional[str] = None) -> int:
     """The key tile of the sparse MQA program ``target`` runs (``program``: as :func:`sparse_mqa_kernel`)."""
     program = program or sparse_mqa_program(target)
-    return BLOCK_N if program == "warp_specialized" else portable_form(target)["block_N"]
+    return BLOCK_N if program in HOPPER_PROGRAMS else portable_form(target)["block_N"]
 
 
 def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str, target=None,
-                      program: Optional[str] = None, producer: str = "rows"):
+                      program: Optional[str] = None):
     """The compiled sparse MQA program (``program``: one of :data:`PROGRAMS`, default
-    :func:`sparse_mqa_program`; ``producer``: the warp-specialised program's, see
-    :func:`.ws_kernel.build_sparse_mqa_ws`)."""
+    :func:`sparse_mqa_program`; ``split``: the portable program's split-KV form, writing float32 partials)."""
     program = program or sparse_mqa_program(target)
     _check_program(program, target)
     if program == "scheduled":
         return sched_kernel(H, has_extra, has_sink, q_dtype, target=target)
     if program == "paired":
         return paired_kernel(H, has_extra, has_sink, q_dtype, target=target)
-    if program == "warp_specialized":
-        check(producer in WS_PRODUCERS,
-              lambda: f"sparse_mqa: producer must be one of {WS_PRODUCERS}, got {producer!r}")
-        pc = _ws_pass_configs()
-        key = ("dsv4_sparse_mqa", H, has_extra, has_sink, split, q_dtype, program, BLOCK_N, producer)
-        return compile_cached(key, lambda: build_sparse_mqa_ws(H, has_extra, has_sink, split, q_dtype, BLOCK_N,
-                                                               producer=producer),
-                              target=target, pass_configs=pc)
     # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
     fp8_convert = _glue._fp8_convert(target)
@@ -406,13 +391,11 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
     splits = num_splits_for(T, H, tiles, get_platform().sm_count or 132)
     args = (q, *main_views, i1, l1, *extra_views, i2, l2, sinks, float(sm_scale), *main_geo, *extra_geo, splits)
     if splits == 1:
-        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype), program=program,
-                          producer=WS_PRODUCER)(*args, out, lse)
+        sparse_mqa_kernel(H, has_extra, has_sink, False, tl_dtype(q.dtype), program=program)(*args, out, lse)
     else:
         o_part = torch.empty(splits, T, H, L.D, dtype=torch.float32, device=dev)
         l_part = torch.empty(splits, T, H, dtype=torch.float32, device=dev)
-        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype), program=program,
-                          producer=WS_PRODUCER)(*args, o_part, l_part)
+        sparse_mqa_kernel(H, has_extra, has_sink, True, tl_dtype(q.dtype), program=program)(*args, o_part, l_part)
         combine_kernel(H, has_sink, tl_dtype(q.dtype))(o_part, l_part, sinks, out, lse)
     if empty_lse_inf:
         lse.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))

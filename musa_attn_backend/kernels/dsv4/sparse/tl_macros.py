@@ -1,4 +1,4 @@
-"""TileLang macros both sparse MQA programs share (:mod:`.mqa_kernel`, :mod:`.ws_kernel`): the
+"""TileLang macros of the portable sparse MQA program (:mod:`.mqa_kernel`): the
 split's range of key tiles and the output epilogue."""
 
 from typing import Any, NamedTuple
