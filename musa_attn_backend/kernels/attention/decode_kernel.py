@@ -4,8 +4,8 @@
 import functools
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, qk_product, request_rows, rows_tensor,
-                        slot_buffer, slot_row, visible)
+from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, paged_program, paged_sizes, qk_product,
+                        request_rows, slot_buffer, slot_row, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,10 +34,8 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     rows = max_q * G
     BM, BN = block_M, block_N
     assert rows <= BM, f"{max_q} tokens x {G} heads do not fit a {BM}-row tile"
-    NT = T.dynamic("num_tokens")
-    B = T.dynamic("batch")
-    B1 = T.dynamic("batch_plus_1")
-    MP = T.dynamic("max_pages")
+    sizes = paged_sizes()
+    NT, B, _, MP = sizes
     SPLITS = T.dynamic("num_splits")  # leading dimension of the partials
     NEG_INF = -T.infinity(ACC)
     out_dtype = ACC if split else q_dtype
@@ -71,25 +69,9 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
         softmax_step(state, scale_log2, True, tiles.P_s)
         pv_product(state, tiles, policy)
 
-    @T.prim_func
-    def decode(
-        Q: T.Tensor((NT, Hq, D), q_dtype),
-        KC: rows_tensor(k_layout[0], k_layout[1], kv_dtype, "k"),
-        VC: rows_tensor(v_layout[0], v_layout[1], kv_dtype, "v"),
-        cu_seqlens_q: T.Tensor((B1,), "int32"),
-        seqlens_k: T.Tensor((B,), "int32"),
-        page_table: T.Tensor((B, MP), "int32"),
-        sinks: T.Tensor((Hq,), "float32"),
-        k_scale: T.Tensor((Hkv,), "float32"),
-        v_scale: T.Tensor((Hkv,), "float32"),
-        sm_scale: T.float32,
-        softcap: T.float32,
-        window: T.int32,
-        page_size: T.int32,
-        num_splits: T.int32,
-        O: T.Tensor(O_shape, out_dtype),
-        LSE: T.Tensor(L_shape, "float32"),
-    ):
+    @T.macro
+    def decode(Q, KC, VC, cu_seqlens_q, seqlens_k, page_table, sinks, k_scale, v_scale, sm_scale, softcap, window,
+               page_size, num_splits, O, LSE):
         with T.Kernel(num_splits, Hkv, B, threads=threads) as (bs, bh, bb):
             if pdl:
                 T.pdl_trigger()
@@ -169,4 +151,5 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
                     else:
                         LSE[q0 + r // G, kvh * G + r % G] = alpha[r] / LOG2E
 
-    return decode
+    return paged_program("decode", decode, sizes, Hq, Hkv, D, q_dtype, kv_dtype, k_layout, v_layout,
+                         T.Tensor(O_shape, out_dtype), T.Tensor(L_shape, "float32"))

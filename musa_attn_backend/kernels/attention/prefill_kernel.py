@@ -4,8 +4,8 @@ gathers or whole-tile copies (conventions: :mod:`.tl_common`)."""
 import functools
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, page_row, qk_product, query_tile_macro,
-                        rows_tensor, slot_buffer, visible)
+from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, page_row, paged_program, paged_sizes,
+                        qk_product, query_tile_macro, slot_buffer, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,10 +38,8 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     """
     G = Hq // Hkv
     BM, BN = block_M, block_N
-    NT = T.dynamic("num_tokens")
-    B = T.dynamic("batch")
-    B1 = T.dynamic("batch_plus_1")
-    MP = T.dynamic("max_pages")
+    sizes = paged_sizes()
+    NT, B, _, MP = sizes
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
     D1 = d_parts[0] if d_parts else D  # the first part of the head dim; D - D1 the second (0: not cut)
@@ -98,25 +96,9 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                 T.clear(acc_s)
             qk_product(tiles, acc_s, T.GemmWarpPolicy.FullRow)
 
-    @T.prim_func
-    def prefill(
-        Q: T.Tensor((NT, Hq, D), q_dtype),
-        KC: rows_tensor(k_layout[0], k_layout[1], kv_dtype, "k"),
-        VC: rows_tensor(v_layout[0], v_layout[1], kv_dtype, "v"),
-        cu_seqlens_q: T.Tensor((B1,), "int32"),
-        seqlens_k: T.Tensor((B,), "int32"),
-        page_table: T.Tensor((B, MP), "int32"),
-        sinks: T.Tensor((Hq,), "float32"),
-        k_scale: T.Tensor((Hkv,), "float32"),
-        v_scale: T.Tensor((Hkv,), "float32"),
-        sm_scale: T.float32,
-        softcap: T.float32,
-        window: T.int32,
-        page_size: T.int32,
-        max_seqlen_q: T.int32,
-        O: T.Tensor((NT, Hq, DV), q_dtype),
-        LSE: T.Tensor((NT, Hq), "float32"),
-    ):
+    @T.macro
+    def prefill(Q, KC, VC, cu_seqlens_q, seqlens_k, page_table, sinks, k_scale, v_scale, sm_scale, softcap, window,
+                page_size, max_seqlen_q, O, LSE):
         with T.Kernel(T.ceildiv(max_seqlen_q, BM), Hq, B, threads=threads) as (bx, by, bz):
             Q_s = T.alloc_shared([BM, D1], q_dtype)
             K_s = T.alloc_shared([BN, D1], q_dtype)
@@ -177,4 +159,5 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
                 if m0 + i < qlen:
                     LSE[q0 + m0 + i, h] = alpha[i] / LOG2E
 
-    return prefill
+    return paged_program("prefill", prefill, sizes, Hq, Hkv, D, q_dtype, kv_dtype, k_layout, v_layout,
+                         T.Tensor((NT, Hq, DV), q_dtype), T.Tensor((NT, Hq), "float32"))

@@ -12,7 +12,8 @@ import functools
 from typing import Any
 
 from ..._tilelang import tl_lang as T
-from .tl_common import ACC, LOG2E, attention_macros, page_row, query_tile_macro, rows_tensor, slot_row, visible
+from .tl_common import (ACC, LOG2E, attention_macros, page_row, paged_program, paged_sizes, query_tile_macro,
+                        slot_row, visible)
 
 # Named barriers (id 0 is __syncthreads; TileLang's own partial syncs are not used by its consumer code, which
 # only touches registers, and shared memory through TMA and WGMMA)
@@ -65,10 +66,8 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     """
     G = Hq // Hkv
     BN, NS = block_N, num_stages
-    NT = T.dynamic("num_tokens")
-    B = T.dynamic("batch")
-    B1 = T.dynamic("batch_plus_1")
-    MP = T.dynamic("max_pages")
+    sizes = paged_sizes()
+    NT, B, _, MP = sizes
     NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
     rows_per_copy = tma_rows or BN
@@ -287,25 +286,9 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
                 T.sync_threads(TURN_BARRIERS[0], CONSUMERS)  # group 1's last turn signal
             store_rows(g, tile, state, O, LSE, sinks, scale_log2)
 
-    @T.prim_func
-    def prefill(
-        Q: T.Tensor((NT, Hq, D), q_dtype),
-        KC: rows_tensor(k_layout[0], k_layout[1], q_dtype, "k"),
-        VC: rows_tensor(v_layout[0], v_layout[1], q_dtype, "v"),
-        cu_seqlens_q: T.Tensor((B1,), "int32"),
-        seqlens_k: T.Tensor((B,), "int32"),
-        page_table: T.Tensor((B, MP), "int32"),
-        sinks: T.Tensor((Hq,), "float32"),
-        k_scale: T.Tensor((Hkv,), "float32"),
-        v_scale: T.Tensor((Hkv,), "float32"),
-        sm_scale: T.float32,
-        softcap: T.float32,
-        window: T.int32,
-        page_size: T.int32,
-        max_seqlen_q: T.int32,
-        O: T.Tensor((NT, Hq, DV), q_dtype),
-        LSE: T.Tensor((NT, Hq), "float32"),
-    ):
+    @T.macro
+    def prefill(Q, KC, VC, cu_seqlens_q, seqlens_k, page_table, sinks, k_scale, v_scale, sm_scale, softcap, window,
+                page_size, max_seqlen_q, O, LSE):
         with T.Kernel(T.ceildiv(max_seqlen_q, BM), Hq, B, threads=384) as (bx, by, bz):
             Q_s = T.alloc_shared([2, HM, D], q_dtype)
             K_s = T.alloc_shared([NS, BN, D], q_dtype)
@@ -344,4 +327,5 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
             consumer(0, tile, Q_s, q_full, stages, O, LSE, sinks, logit_scale, softcap)
             consumer(1, tile, Q_s, q_full, stages, O, LSE, sinks, logit_scale, softcap)
 
-    return prefill
+    return paged_program("prefill", prefill, sizes, Hq, Hkv, D, q_dtype, q_dtype, k_layout, v_layout,
+                         T.Tensor((NT, Hq, DV), q_dtype), T.Tensor((NT, Hq), "float32"))

@@ -54,6 +54,54 @@ def rows_tensor(width: int, row_stride: int, dtype: str, name: str):
     return T.StridedTensor((T.dynamic(f"{name}_slots"), width), (row_stride, 1), dtype)
 
 
+class PagedSizes(NamedTuple):
+    """The dynamic sizes of a paged-attention program's arguments."""
+
+    NT: Any  # the batch's query tokens
+    B: Any  # its requests
+    B1: Any  # requests + 1 (``cu_seqlens_q``)
+    MP: Any  # page-table columns
+
+
+def paged_sizes() -> PagedSizes:
+    return PagedSizes(T.dynamic("num_tokens"), T.dynamic("batch"), T.dynamic("batch_plus_1"),
+                      T.dynamic("max_pages"))
+
+
+def paged_program(name: str, body, sizes: PagedSizes, Hq: int, Hkv: int, D: int, q_dtype: str, kv_dtype: str,
+                  k_layout: tuple, v_layout: tuple, O_type, LSE_type):
+    """The prim_func ``name`` of a paged-attention program: the argument list the decode and both prefill
+    programs take, in the order their launch glue passes it, around ``body``, a macro that takes the arguments
+    in that order and opens the kernel. The one scalar that differs is the grid's extent (``grid_extent``: the
+    decode's split count, the prefill's longest query); ``O_type`` / ``LSE_type``: the outputs' annotations
+    (the decode's split form writes float32 partials)."""
+    NT, B, B1, MP = sizes
+
+    @T.prim_func
+    def program(
+        Q: T.Tensor((NT, Hq, D), q_dtype),
+        KC: rows_tensor(k_layout[0], k_layout[1], kv_dtype, "k"),
+        VC: rows_tensor(v_layout[0], v_layout[1], kv_dtype, "v"),
+        cu_seqlens_q: T.Tensor((B1,), "int32"),
+        seqlens_k: T.Tensor((B,), "int32"),
+        page_table: T.Tensor((B, MP), "int32"),
+        sinks: T.Tensor((Hq,), "float32"),
+        k_scale: T.Tensor((Hkv,), "float32"),
+        v_scale: T.Tensor((Hkv,), "float32"),
+        sm_scale: T.float32,
+        softcap: T.float32,
+        window: T.int32,
+        page_size: T.int32,
+        grid_extent: T.int32,
+        O: O_type,
+        LSE: LSE_type,
+    ):
+        body(Q, KC, VC, cu_seqlens_q, seqlens_k, page_table, sinks, k_scale, v_scale, sm_scale, softcap, window,
+             page_size, grid_extent, O, LSE)
+
+    return program.with_attr("global_symbol", name)
+
+
 def visible(kpos, qpos, sk, window, causal: bool, has_window: bool):
     """Key at ``kpos`` is inside the sequence, not in the future (causal) and inside the left window."""
     v = kpos < sk
