@@ -23,6 +23,7 @@ import functools
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E, Tiles, attention_macros
 from .. import layout as L
+from .args import sparse_sizes, unit_sets
 from .tl_macros import sparse_macros
 
 ROW16 = L.DATA_BYTES // 16  # a data row in 16-byte units (36)
@@ -42,11 +43,8 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     the module docstring; two 64-row tiles beside the query tile need more shared memory than MUSA's 192 KB, so
     that form takes 32-row tiles)."""
     BH, BN, D = block_H, block_N, L.D
-    NT = T.dynamic("num_tokens")
-    K1 = T.dynamic("topk")
-    K2 = T.dynamic("extra_topk")
-    NU1, NS1 = T.dynamic("cache_units16", "int64"), T.dynamic("cache_units8", "int64")
-    NU2, NS2 = T.dynamic("extra_units16", "int64"), T.dynamic("extra_units8", "int64")
+    sizes = sparse_sizes()
+    NT, K1, K2 = sizes.NT, sizes.K1, sizes.K2
     SPLITS = T.dynamic("num_splits")
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
@@ -55,6 +53,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     alloc_state, _, _, softmax_step, pv_product, finish_rows = attention_macros(BH, BN, D, D, 0, 0, False, q_dtype)
     split_tiles, store_output = sparse_macros(H, BH, BN, has_extra, has_sink, split, q_dtype, K1, K2)
     nope_dtype = "float8_e4m3" if fp8_convert else "uint8"
+    main, extra = unit_sets(sizes, nope_dtype)
 
     def e4m3_value(b):
         """The float32 value of an e4m3 element (``fp8_convert``) or byte (otherwise: ``(-1)^s 2^(e-7)
@@ -105,24 +104,12 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     @T.prim_func
     def sparse_mqa(
         Q: T.Tensor((NT, H, D), q_dtype),
-        C8: T.Tensor((NU1, 16), nope_dtype),
-        CH: T.Tensor((NU1, 8), "bfloat16"),
-        CS: T.Tensor((NS1, 8), "uint8"),
-        I1: T.Tensor((NT, K1), "int32"),
-        L1: T.Tensor((NT,), "int32"),
-        X8: T.Tensor((NU2, 16), nope_dtype),
-        XH: T.Tensor((NU2, 8), "bfloat16"),
-        XS: T.Tensor((NS2, 8), "uint8"),
-        I2: T.Tensor((NT, K2), "int32"),
-        L2: T.Tensor((NT,), "int32"),
+        C8: main.nope, CH: main.rope, CS: main.scales, I1: main.indices, L1: main.lengths,
+        X8: extra.nope, XH: extra.rope, XS: extra.scales, I2: extra.indices, L2: extra.lengths,
         sinks: T.Tensor((H,), "float32"),
         sm_scale: T.float32,
-        rows1: T.int32,
-        stride1: T.int64,
-        slots1: T.int32,
-        rows2: T.int32,
-        stride2: T.int64,
-        slots2: T.int32,
+        rows1: T.int32, stride1: T.int64, slots1: T.int32,  # each cache's geometry (see _glue._flat_views)
+        rows2: T.int32, stride2: T.int64, slots2: T.int32,
         num_splits: T.int32,
         O: T.Tensor(O_shape, ACC if split else q_dtype),
         LSE: T.Tensor(L_shape, "float32"),

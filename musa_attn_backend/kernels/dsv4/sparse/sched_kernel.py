@@ -36,6 +36,7 @@ import functools
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E
 from .. import layout as L
+from .args import sparse_sizes, word_sets
 from .rows import (BH, BN, HD, LOADS, PRODUCER, ROWS, TWO_POW_120, byte_perm,  # noqa: F401 (the tests')
                           fp8_row_macros, nope_bytes_to_bf16)
 
@@ -55,11 +56,9 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     reads a partial)."""
     assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
     D, NS = L.D, num_stages
-    NT = T.dynamic("num_tokens")
-    K1 = T.dynamic("topk")
-    K2 = T.dynamic("extra_topk")
-    NU1, NS1 = T.dynamic("cache_units16", "int64"), T.dynamic("cache_units8", "int64")
-    NU2, NS2 = T.dynamic("extra_units16", "int64"), T.dynamic("extra_units8", "int64")
+    sizes = sparse_sizes()
+    NT, K1, K2 = sizes.NT, sizes.K1, sizes.K2
+    main, extra = word_sets(sizes)
     PARTS = T.dynamic("num_parts")
     NP = T.dynamic("num_partials")
     NEG_INF = -T.infinity(ACC)
@@ -72,27 +71,15 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     @T.prim_func
     def sparse_mqa_sched(
         Q: T.Tensor((NT, H, D), q_dtype),
-        CW: T.Tensor((NU1, 4), "int32"),
-        CS: T.Tensor((NS1, 2), "int32"),
-        I1: T.Tensor((NT, K1), "int32"),
-        L1: T.Tensor((NT,), "int32"),
-        XW: T.Tensor((NU2, 4), "int32"),
-        XS: T.Tensor((NS2, 2), "int32"),
-        I2: T.Tensor((NT, K2), "int32"),
-        L2: T.Tensor((NT,), "int32"),
+        CW: main.words, CS: main.scales, I1: main.indices, L1: main.lengths,
+        XW: extra.words, XS: extra.scales, I2: extra.indices, L2: extra.lengths,
         sinks: T.Tensor((H,), "float32"),
-        part_meta: T.Tensor((PARTS, 4), "int32"),
-        tiles: T.Tensor((NT,), "int32"),
-        first_part: T.Tensor((NT,), "int32"),
-        split_row: T.Tensor((NT,), "int32"),
-        sm_scale: T.float32,
-        empty_lse: T.float32,
-        rows1: T.int32,
-        stride1: T.int64,
-        slots1: T.int32,
-        rows2: T.int32,
-        stride2: T.int64,
-        slots2: T.int32,
+        # the plan (schedule.py): each part's span, each token's tiles, first part and row among the partials
+        part_meta: T.Tensor((PARTS, 4), "int32"), tiles: T.Tensor((NT,), "int32"),
+        first_part: T.Tensor((NT,), "int32"), split_row: T.Tensor((NT,), "int32"),
+        sm_scale: T.float32, empty_lse: T.float32,
+        rows1: T.int32, stride1: T.int64, slots1: T.int32,  # each cache's geometry (see _glue._flat_views)
+        rows2: T.int32, stride2: T.int64, slots2: T.int32,
         O: T.Tensor((NT, H, D), q_dtype),
         LSE: T.Tensor((NT, H), "float32"),
         O_part: T.Tensor((NP, H, D), ACC),
