@@ -2,9 +2,9 @@
 registers a 384-thread block holds (``MATH_REGS`` for each math group, ``PRODUCER_REGS`` for the producer; a third
 field, ``PRODUCER_ROWS_AT_ONCE``: 2 by default, 1 for the producer holding one row of bytes at a time), built
 as the launcher builds it, run on the attention bench's Flash and Pro inputs beside the scheduled program, outputs
-compared. 208/88 is the default: ptxas serialises the WGMMAs below 208 and the producer spills about 250 bytes at
-88 (ncu on the H100: 12.6 M local-memory requests a 4096-token prefill; the scheduled program's producer has 152);
-one row at a time it does not spill at 88 (ptxas), at the cost of each row's load latency after both halves free.
+compared. 200/104 is the default, the fastest of the H100 run (tune-paired-20261206T185329Z): ptxas serialises the
+WGMMAs below 208, but at 88 the producer spilled about 250 bytes (ncu on the H100: 12.6 M local-memory requests a
+4096-token prefill; the scheduled program's producer has 152), which cost more.
 
     python3 scripts/tune_paired_regs.py --splits 208/88,208/88/1,216/72/1,200/104 --out $OUT
 """

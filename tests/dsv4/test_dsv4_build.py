@@ -498,15 +498,15 @@ def _ptxas_spills(src: str, tmp_path) -> tuple:
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("rows_at_once", [2, 1])
 def test_paired_program_builds_within_its_registers(tmp_path, rows_at_once):
-    """The paired program for sm_90a: math groups at 208 registers, the producer at 88 (3 x 168 in all); the
-    producer holding both rows' FP8 bytes spills (what the H100's ncu showed), the one holding a row at a time
-    does not."""
+    """The paired program for sm_90a at its default split: math groups at 200 registers, the producer at 104 (3 x
+    168 in all), either producer order spilling at most 64 bytes (the 208/88 split spilled 248 with two rows held,
+    what the H100's ncu showed)."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
 
     func = pk.build_sparse_mqa_paired.__wrapped__(64, True, True, "bfloat16", rows_at_once)
     src = _tilelang.lower(func, HOPPER, ti._ws_pass_configs()).source
-    assert "warpgroup_reg_alloc<208>" in src and "warpgroup_reg_dealloc<88>" in src
+    assert "warpgroup_reg_alloc<200>" in src and "warpgroup_reg_dealloc<104>" in src
     spills, regs = _ptxas_spills(src, tmp_path)
     assert regs == 168
-    assert (spills == 0) if rows_at_once == 1 else (spills > 0), spills
+    assert spills <= 64, spills

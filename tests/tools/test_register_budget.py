@@ -51,6 +51,7 @@ def test_the_paired_programs_first_counts_are_refused_before_lowering(monkeypatc
     """208 + 208 + 96 (what hung) is a violation on CUDA too, and compile_cached's check names it for sm_90a."""
     from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
 
+    monkeypatch.setattr(pk, "MATH_REGS", 208)
     monkeypatch.setattr(pk, "PRODUCER_REGS", 96)
     func = _paired()
     bad = violations(func, CUDA)
