@@ -325,3 +325,65 @@ def test_a_call_refused_for_another_plan_leaves_the_plans_lengths_alone(use_sett
     with pytest.raises(ValueError, match="the plan was made for 3 tokens"):
         ti.sparse_mqa_tilelang(q5, cache, torch.zeros(5, 128, dtype=torch.int32), plan=plan)
     assert plan.full_lengths == {} and ti._plan_lengths(plan, 128, q3.device).tolist() == [128] * 3
+
+
+def _same_launch(a, b) -> bool:
+    """Two launches' arguments equal: tensors in shape, dtype and values (NaN equal to NaN), scalars as they are."""
+    return len(a) == len(b) and all(
+        (isinstance(y, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype
+         and torch.equal(x.float().nan_to_num(7.0), y.float().nan_to_num(7.0)))
+        if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("extra,sink,lengths", [(True, True, True), (False, False, False), (True, False, False)])
+def test_a_batchs_later_calls_launch_what_the_checked_call_launched(use_settings, monkeypatch, extra, sink,
+                                                                     lengths):
+    """FlashMLA's entry on the scheduled program: after a batch's first (checked) call, its later calls with the same
+    signature go straight to the launches (``FlashMLASchedMeta.planned``), with the same arguments as a checked
+    call's; a later call's bad cache is still refused, another program makes the call the checked path's again, and
+    nothing is recorded while a graph is being captured."""
+    use_settings(target="sm_90a", dsv4_program="scheduled", poison=True)  # outputs NaN-filled: comparable
+    monkeypatch.setattr(flash_mla, "resolve_impl", lambda impl, device, op: "tilelang")
+    kernels = {}
+
+    def capture(key, build, target, pass_configs):
+        return kernels.setdefault(key[0], SignatureCheck(build()))
+
+    b, h = 3, 64
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, 1, h, 512, generator=g).to(torch.bfloat16)
+    cache, xcache = dsv4.new_kv_cache(4, 256), dsv4.new_kv_cache(6, 64, page_stride=93888)
+    idx = torch.randint(-1, 1024, (b, 1, 128), generator=g, dtype=torch.int32)
+    xidx = torch.randint(-1, 384, (b, 1, 512), generator=g, dtype=torch.int32)
+    kw = dict(indices=idx, attn_sink=torch.randn(h, generator=g) if sink else None,
+              topk_length=torch.tensor([5, 128, 0], dtype=torch.int32) if lengths else None)
+    if extra:
+        kw.update(extra_k_cache=xcache.unsqueeze(2), extra_indices_in_kvcache=xidx,
+                  extra_topk_length=torch.tensor([512, 1, 300], dtype=torch.int32) if lengths else None)
+    with _tilelang.intercepting(capture):
+        meta = dsv4.get_mla_metadata()[0]
+        out, lse = dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), tile_scheduler_metadata=meta, **kw)
+        assert meta.planned is not None and out.shape == q.shape and lse.shape == (b, h, 1)
+        out2, lse2 = dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), tile_scheduler_metadata=meta, **kw)
+        assert out2.shape == q.shape and lse2.shape == (b, h, 1)
+        calls = {name: k.calls for name, k in kernels.items()}
+        assert set(calls) == {"dsv4_sparse_mqa_sched", "dsv4_sparse_combine"}
+        for name in calls:  # the planned call's launches equal the checked call's, argument for argument
+            assert len(calls[name]) == 2 and _same_launch(*calls[name]), name
+        bad = torch.zeros(4, 256, 1, 580, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="cache must be"):
+            dsv4.flash_mla_with_kvcache(q, bad, tile_scheduler_metadata=meta, **kw)
+        use_settings(dsv4_program="paired")  # the later call takes the checked path: the paired program's launch
+        dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), tile_scheduler_metadata=meta, **kw)
+        assert "dsv4_sparse_mqa_paired" in kernels
+        use_settings(dsv4_program="scheduled")
+        # a call of another signature (no sink, or another sink) is checked and drops the old record
+        other = dict(kw, attn_sink=None if sink else torch.randn(h, generator=g))
+        dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), tile_scheduler_metadata=meta, **other)
+        assert meta.planned is not None and meta.planned[1] == (not sink)
+        monkeypatch.setattr(flash_mla, "stream_capturing", lambda device=None: True)
+        dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), tile_scheduler_metadata=meta, **kw)
+        assert meta.planned is None  # checked again while capturing: nothing recorded, nothing stale kept
+        fresh = dsv4.get_mla_metadata()[0]
+        dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), tile_scheduler_metadata=fresh, **kw)
+        assert fresh.checked is not None and fresh.planned is None
