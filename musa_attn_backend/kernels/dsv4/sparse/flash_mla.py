@@ -41,7 +41,7 @@ class FlashMLASchedMeta:
     # the signature (shapes, dtypes, devices) of the arguments a call with this metadata passed the full checks with:
     # the batch's later layers with the same signature skip them (their caches are still checked)
     checked: Optional[tuple] = dataclasses.field(default=None, repr=False)
-    # what the calls of that signature launch on the scheduled program, fixed for the batch (see _planned_call):
+    # what the calls of that signature launch on the scheduled program, fixed for the batch (see _planned_launch):
     # (has extra set, has sink, the sinks stand-in without one, the empty extra list without one); None until a
     # checked call has run the scheduled program with this metadata
     planned: Optional[tuple] = dataclasses.field(default=None, repr=False)
@@ -95,10 +95,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     # a later layer of a batch whose arguments match the checked signature (shapes, dtypes, devices, flags) skips
     # the argument checks; its caches are checked still (once per geometry: layout._as_pages)
     fast = isinstance(meta, FlashMLASchedMeta) and meta.checked == sig
-    if fast and meta.planned is not None:
-        if _launcher().sparse_mqa_program() == "scheduled":
-            return _planned_call(meta, q, k_cache, indices, extra_k_cache, extra_indices_in_kvcache, topk_length,
-                                 extra_topk_length, attn_sink, softmax_scale, out, op)
+    # ... and where that signature's launches are recorded (see _planned_launch), goes straight to them
+    planned = fast and meta.planned is not None and _launcher().sparse_mqa_program() == "scheduled"
     if not fast:
         _check_entry(op, q, indices, extra_indices_in_kvcache, extra_topk_length, out, causal, is_fp8_kvcache,
                      head_dim_v, num_splits, meta)
@@ -115,6 +113,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     xlengths = _per_token(extra_topk_length, b, s_q, "extra_topk_length", op, meta)
     scale = L.D ** -0.5 if softmax_scale is None else softmax_scale
     ot = None if out is None else out.view(T, h, L.D)
+    if planned:
+        res, lse = _planned_launch(meta, qt, k_cache, it, lengths, extra_k_cache, xt, xlengths, attn_sink, scale, ot,
+                                   op)
+        return res.view(b, s_q, h, L.D), lse.view(b, s_q, h).transpose(1, 2)
     if fast:
         L.check_kv_cache(k_cache, op=op)
         if extra_k_cache is not None:
@@ -132,15 +134,14 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                                         return_lse=True)
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # FlashMLA's LSE of a query with no valid entry
     else:
-        from .tilelang_impl import sparse_mqa_plan, sparse_mqa_program, sparse_mqa_tilelang
-
+        ti = _launcher()
         plan = None
-        if sparse_mqa_program() == "scheduled":
+        if ti.sparse_mqa_program() == "scheduled":
             plan = _sched_plan(meta, op, (b, s_q, h, it.shape[1], 0 if xt is None else xt.shape[1]),
-                               lambda: sparse_mqa_plan(qt, it, lengths, xt, xlengths))
-        res, lse = sparse_mqa_tilelang(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
-                                       extra_lengths=xlengths, sink=attn_sink, sm_scale=float(scale), out=ot,
-                                       return_lse=True, plan=plan, empty_lse_inf=True)
+                               lambda: ti.sparse_mqa_plan(qt, it, lengths, xt, xlengths))
+        res, lse = ti.sparse_mqa_tilelang(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
+                                          extra_lengths=xlengths, sink=attn_sink, sm_scale=float(scale), out=ot,
+                                          return_lse=True, plan=plan, empty_lse_inf=True)
         # recorded outside graph capture only: the sinks stand-in is filled by a launch, which a capture would
         # only record (its values would exist once the graph replays)
         if plan is not None and meta is not None and meta.checked == sig and not stream_capturing(q.device):
@@ -164,38 +165,17 @@ def _launcher():
     return _LAUNCHER
 
 
-def _planned_call(meta: FlashMLASchedMeta, q, k_cache, indices, extra_k_cache, extra_indices, topk_length,
-                  extra_topk_length, attn_sink, softmax_scale, out, op):
-    """A later call of a batch on the scheduled program: its arguments' signature is one that passed every check
-    with ``meta`` and its plan is ``meta``'s, so it goes straight to the launches. The caches are still checked,
-    each geometry once: their word views are made (and checked) once per cache buffer and geometry, and a view
-    that matches none is checked before its views are made (``tilelang_impl._cache_word_views``)."""
-    ti = _launcher()
-    b, s_q, h, _ = q.shape
-    T = b * s_q
-    plan = meta.tile_scheduler_metadata
+def _planned_launch(meta: FlashMLASchedMeta, qt, k_cache, it, lengths, extra_k_cache, xt, xlengths, attn_sink,
+                    scale, ot, op):
+    """A later call of a batch on the scheduled program (arguments as the entry has shaped them): its signature
+    passed every check with ``meta`` and its plan is ``meta``'s, so it goes straight to the launches. The caches are
+    still checked, each geometry once: their word views are made (and checked) once per cache buffer and geometry,
+    and a view that matches none is checked before its views are made (``tilelang_impl._cache_word_views``)."""
     has_extra, has_sink, no_sinks, no_extra = meta.planned
-    if k_cache.dtype == torch.float8_e4m3fn:
-        k_cache = k_cache.view(torch.uint8)
-    if extra_k_cache is not None and extra_k_cache.dtype == torch.float8_e4m3fn:
-        extra_k_cache = extra_k_cache.view(torch.uint8)
-    dev = q.device
-    it = indices.reshape(T, indices.shape[2]).contiguous()
-    l1 = _per_token(topk_length, b, s_q, "topk_length", op, meta)
-    l1 = ti._plan_lengths(plan, it.shape[1], dev) if l1 is None else l1
-    if has_extra:
-        xt = extra_indices.reshape(T, extra_indices.shape[2]).contiguous()
-        l2 = _per_token(extra_topk_length, b, s_q, "extra_topk_length", op, meta)
-        l2 = ti._plan_lengths(plan, xt.shape[1], dev) if l2 is None else l2
-    else:
-        xt, l2 = no_extra, ti._plan_lengths(plan, 0, dev)
-    scale = L.D ** -0.5 if softmax_scale is None else softmax_scale
-    ot = ti._alloc((T, h, L.D), q.dtype, dev) if out is None else out.view(T, h, L.D)
-    lse = ti._alloc((T, h), torch.float32, dev)
-    ti._sparse_mqa_scheduled(q.reshape(T, h, L.D).contiguous(), k_cache, it, l1, extra_k_cache, xt, l2, has_extra,
-                             attn_sink.contiguous() if has_sink else no_sinks, has_sink, float(scale), ot, lse, plan,
-                             True, op)
-    return ot.view(b, s_q, h, L.D), lse.view(b, s_q, h).transpose(1, 2)
+    return _launcher().scheduled_launch(
+        qt.contiguous(), k_cache, it.contiguous(), lengths, extra_k_cache, xt.contiguous() if has_extra else no_extra,
+        xlengths if has_extra else None, has_extra, attn_sink.contiguous() if has_sink else no_sinks, has_sink,
+        float(scale), ot, meta.tile_scheduler_metadata, True, op)
 
 
 def _check_entry(op, q, indices, extra_indices, extra_topk_length, out, causal, is_fp8_kvcache, head_dim_v,

@@ -266,6 +266,25 @@ on_change(_SHAPE_PLANS.clear)
 _CAPTURED_PLANS: dict = {}
 
 
+def scheduled_launch(q, cache, i1, lengths, extra_cache, i2, extra_lengths, has_extra, sinks, has_sink, sm_scale,
+                     out, plan, empty_lse_inf, op):
+    """``(out, lse)`` of the scheduled program on checked, contiguous arguments and ``plan`` (checked by the caller
+    against the call's shapes): the lengths made int32 (None: every entry counts, kept on the plan), ``out`` (None:
+    made here) and the LSE, then the launches. Shared by :func:`sparse_mqa_tilelang` and FlashMLA's entry."""
+    T, H, _ = q.shape
+    dev = q.device
+    l1 = _lengths(lengths, T, i1.shape[1], dev) if lengths is not None else _plan_lengths(plan, i1.shape[1], dev)
+    # every extra entry counts, or no extra set (no entry: lengths 0)
+    l2 = (_lengths(extra_lengths, T, i2.shape[1], dev) if extra_lengths is not None
+          else _plan_lengths(plan, i2.shape[1], dev))
+    out = _alloc(q.shape, q.dtype, dev) if out is None else out
+    lse = _alloc((T, H), torch.float32, dev)
+    if T:
+        _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
+                              plan, empty_lse_inf, op)
+    return out, lse
+
+
 def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
                           plan, empty_lse_inf, op):
     """Launch the scheduled program and its combine (:mod:`.sched_kernel`) on ``plan``, checked by the
@@ -362,17 +381,10 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
             plan = sparse_mqa_plan(q, i1, lengths, i2 if has_extra else None, extra_lengths if has_extra else None)
         if T:  # before the plan's kept lengths are used: they are the plan's token count long
             plan.check_matches(op, T, i1.shape[1], i2.shape[1], dev)
-        l1 = _lengths(lengths, T, i1.shape[1], dev) if lengths is not None else _plan_lengths(plan, i1.shape[1], dev)
-        # every extra entry counts, or no extra set (no entry: lengths 0)
-        l2 = (_lengths(extra_lengths, T, i2.shape[1], dev) if has_extra and extra_lengths is not None
-              else _plan_lengths(plan, i2.shape[1], dev))
         has_sink = sink is not None
         sinks = sink.contiguous() if has_sink else torch.zeros(H, dtype=torch.float32, device=dev)
-        out = _alloc(q.shape, q.dtype, dev) if out is None else out
-        lse = _alloc((T, H), torch.float32, dev)
-        if T:
-            _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out,
-                                  lse, plan, empty_lse_inf, op)
+        out, lse = scheduled_launch(q, cache, i1, lengths, extra_cache, i2, extra_lengths if has_extra else None,
+                                    has_extra, sinks, has_sink, sm_scale, out, plan, empty_lse_inf, op)
         return (out, lse) if return_lse else out
     if program == "paired":
         return _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
