@@ -2,9 +2,8 @@
 registers a 384-thread block holds (``MATH_REGS`` for each math group, ``PRODUCER_REGS`` for the producer; a third
 field, ``PRODUCER_ROWS_AT_ONCE``: 2 by default, 1 for the producer holding one row of bytes at a time), built
 as the launcher builds it, run on the attention bench's Flash and Pro inputs beside the scheduled program, outputs
-compared. 200/104 is the default, the fastest of the H100 run (tune-paired-20261206T185329Z): ptxas serialises the
-WGMMAs below 208, but at 88 the producer spilled about 250 bytes (ncu on the H100: 12.6 M local-memory requests a
-4096-token prefill; the scheduled program's producer has 152), which cost more.
+compared. 200/104 is the default, the fastest split measured (docs/dsv4.md): ptxas serialises the WGMMAs below 208,
+but at 88 the producer spills in its inner loop, which costs more.
 
     python3 scripts/tune_paired_regs.py --splits 208/88,208/88/1,216/72/1,200/104 --out $OUT
 """

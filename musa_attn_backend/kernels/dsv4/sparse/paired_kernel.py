@@ -39,9 +39,8 @@ from .rows import BH, BN, HD, LOADS, PRODUCER, ROWS, fp8_row_macros
 CONSUMER_THREADS = 256
 # a 384-thread block is given 168 registers a thread at launch, 3 x 168 in all: setmaxnreg moves them between
 # the groups and an increase waits for the pool (2 x 208 + 96 hung on the H100; kernels/_tir.py checks the sum).
-# Timed on the H100 (tune-paired-20261206T185329Z, Flash / Pro prefill of 4096 tokens): 208/88 1.762 / 5.566 ms,
-# 200/104 1.618 / 5.148 (ptxas serialises the WGMMAs at 200, but the producer's spills, 248 bytes at 88, fall to
-# 36), 216/72 slower still. The fastest is the default.
+# The fastest split of scripts/tune_paired_regs.py's run (docs/dsv4.md): ptxas serialises the WGMMAs below 208 a
+# math thread, but a producer of 88 registers spills in its inner loop, which costs more.
 MATH_REGS, PRODUCER_REGS = 200, 104
 # rows of FP8 bytes the producer holds at once: 2 (both its rows' loads in flight, then each half stored as soon as
 # its consumers free it) or 1 (one row at a time, after both halves are free: 36 words of bytes instead of 72)
