@@ -94,11 +94,15 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("moe", "MUSA_ATTN_MOE", "text", "auto", False,
            "the engines' FP8 and MXFP4 MoE experts run on this package's grouped GEMMs (kernels.moe): auto "
            "(on a MUSA device only), on (also on CUDA), off (the engines' own MoE kernels)"),
+    Switch("model_kernels", "MUSA_ATTN_MODEL_KERNELS", "text", "auto", False,
+           "SGLang's DeepSeek-V4 model-side kernels (q norm + RoPE, RoPE, clamped SwiGLU, mHC) are this package's "
+           "(sglang.model_hooks): auto (where SGLang has none of its own: MUSA and CPU), on (also on CUDA: the MUSA "
+           "situation on an NVIDIA GPU), off (SGLang's own, which exist on CUDA only)"),
     Switch("commit", "MUSA_ATTN_COMMIT", "text", None, False,
            "the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)"),
 )
 BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
-CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"),
+CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"), "model_kernels": ("auto", "on", "off"),
                                        "dsv4_program": ("auto", "scheduled", "paired", "portable")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")
@@ -123,6 +127,7 @@ class Settings:
     poison: bool = False
     vllm_cuda_graphs: bool = True
     moe: str = "auto"
+    model_kernels: str = "auto"
     commit: Optional[str] = None
 
 

@@ -427,3 +427,13 @@ def moe_experts_enabled() -> bool:
     if value == "auto":
         return get_platform().kind == "musa"
     return value == "on"
+
+
+def model_kernels_enabled(kind: Optional[str] = None) -> bool:
+    """Whether SGLang's DeepSeek-V4 model-side kernels are replaced by this package's on a device of ``kind``
+    (default: this platform's): ``MUSA_ATTN_MODEL_KERNELS`` ``auto`` where SGLang has no kernels of its own (MUSA,
+    CPU), ``on`` everywhere, ``off`` nowhere."""
+    value = config.settings().model_kernels
+    if value == "auto":
+        return (kind or get_platform().kind) != "cuda"
+    return value == "on"

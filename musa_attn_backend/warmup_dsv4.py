@@ -251,7 +251,7 @@ def plan(model: V4Model, *, engine: str = "sglang", kv_dtype: Optional[str] = No
     """The kernels ``engine`` launches serving ``model`` on a ``target_kind`` (``cuda``/``musa``; default this
     platform's compile target) device. ``speculative_tokens`` (MTP) adds no kernel of its own: the draft layers
     and the verify tokens run the same programs. ``experts``: the checkpoint's expert format."""
-    from .platform import get_platform
+    from .platform import get_platform, model_kernels_enabled
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -267,7 +267,7 @@ def plan(model: V4Model, *, engine: str = "sglang", kv_dtype: Optional[str] = No
     if engine == "vllm":
         jobs += _vllm_layer(model)
     else:
-        jobs += _sglang_model_side(model, engine_owned_only=target_kind != "musa")
+        jobs += _sglang_model_side(model, engine_owned_only=not model_kernels_enabled(target_kind))
     if moe_enabled(target_kind):
         jobs += _moe(model, experts)
     return list(dict.fromkeys(jobs))

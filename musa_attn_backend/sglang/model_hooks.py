@@ -1,8 +1,9 @@
 """DeepSeek-V4's model-side kernels for SGLang 0.5.23 where SGLang has none: on MUSA and on a CPU, SGLang's V4
 model calls JIT CUDA kernels outside attention (``docs/dsv4-engines.md`` part 2 maps them). :func:`install`
 replaces them through SGLang's ``HookRegistry`` (``REPLACE``; SGLang rebinds the names other modules imported)
-with this package's ops (:mod:`..kernels.dsv4.model`), with SGLang's signatures. On CUDA nothing is replaced:
-SGLang's own kernels run there.
+with this package's ops (:mod:`..kernels.dsv4.model`), with SGLang's signatures. On CUDA nothing is replaced unless
+``MUSA_ATTN_MODEL_KERNELS=on`` asks (the MUSA situation on an NVIDIA GPU: issue 40's served runs); SGLang's own
+kernels run there otherwise.
 
 Replaced so far: the q head norm + RoPE, the (inverse) RoPE in place, the bf16 K path's norm + RoPE, the shared
 expert's clamped SwiGLU, mHC (pre, post, the two fused across a layer boundary, Sinkhorn, the combine, the head;
@@ -192,15 +193,16 @@ def _get_rope_cpu():
 
 
 def install() -> None:
-    """Register the replacements (idempotent); nothing on CUDA."""
+    """Register the replacements (idempotent); on CUDA only where ``MUSA_ATTN_MODEL_KERNELS=on`` asks (SGLang's own
+    kernels run there by default), nowhere where it is ``off``."""
     global _installed
     if _installed:
         return
     _installed = True
-    from ..platform import get_platform
+    from ..platform import get_platform, model_kernels_enabled
 
     kind = get_platform().kind
-    if kind == "cuda":
+    if not model_kernels_enabled(kind):
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

@@ -82,3 +82,35 @@ def test_v4_model_kernels_are_ours_on_a_cpu():
                                            os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "HOOKS OK" in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
+
+
+OFF_CHECK = """
+import torch
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang.srt.models.deepseek_v2 as v2
+from musa_attn_backend.kernels.dsv4 import model as ops
+x = torch.randn(5, 64).to(torch.bfloat16) * 20
+y = torch.full((5, 32), float("nan"), dtype=torch.bfloat16)
+try:
+    v2.silu_and_mul_clamp(x, y, 10.0)  # SGLang's own is a JIT CUDA kernel: it cannot run on a CPU
+except Exception as e:
+    print("RAISED", type(e).__name__)
+print("OURS", torch.equal(y, ops.silu_and_mul_clamp(x, 10.0)))
+"""
+
+
+@pytest.mark.parametrize("value", ["off", "on"])
+def test_the_switch_decides_whose_model_kernels_run(value):
+    """``MUSA_ATTN_MODEL_KERNELS=off``: SGLang's V4 model keeps its own functions (on a CPU, SGLang's JIT CUDA
+    kernels, which fail there); ``on`` installs ours as ``auto`` does on a CPU (on CUDA it is what makes the MUSA
+    situation there)."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", MUSA_ATTN_MODEL_KERNELS=value,
+               PYTHONPATH=os.pathsep.join([str(ROOT / "integration_tests" / "sgl_kernel_shim"), str(ROOT),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", OFF_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    if value == "off":
+        assert "RAISED" in out.stdout and "OURS False" in out.stdout, out.stdout
+    else:
+        assert "RAISED" not in out.stdout and "OURS True" in out.stdout, out.stdout

@@ -80,14 +80,20 @@ def test_flash_plan_holds_every_v4_family(engine, use_settings):
 
 def test_what_depends_on_target_and_settings(use_settings):
     """On CUDA: no MoE (MUSA_ATTN_MOE=auto) and none of SGLang's model-side hooks (SGLang's own kernels run
-    there), the K store's norm + RoPE kept (our backend's); MUSA_ATTN_MOE=on brings the MoE back; FP4 experts
+    there), the K store's norm + RoPE kept (our backend's); MUSA_ATTN_MODEL_KERNELS=on brings the hooks' kernels,
+    =off takes them away on MUSA; MUSA_ATTN_MOE=on brings the MoE back; FP4 experts
     plan the FP4 programs (masked, contiguous in both packings `auto` chooses between, both scale dtypes)."""
     m = wd.from_hf_config(FLASH, tp=8)
     use_settings(target="sm_90a", moe="auto")
     cuda = kinds(wd.plan(m, engine="sglang"))
     assert not any(k.startswith("moe_") for k in cuda) and "dsv4_mhc_pre" not in cuda
     assert [j.args for j in cuda["dsv4_norm_rope"]] == [(512, 1, "bfloat16", "bfloat16", "weight", False, False)]
-    use_settings(moe="on")
+    use_settings(model_kernels="on")  # the MUSA situation on CUDA: SGLang's V4 model takes our model-side kernels
+    hooked = kinds(wd.plan(m, engine="sglang"))
+    assert {"dsv4_mhc_pre", "dsv4_mhc_post", "dsv4_silu_mul_clamp"} <= set(hooked)
+    use_settings(target="mp_31", model_kernels="off")
+    assert "dsv4_mhc_pre" not in kinds(wd.plan(m, engine="sglang"))
+    use_settings(target="sm_90a", moe="on", model_kernels="auto")
     fp4 = kinds(wd.plan(m, engine="vllm", experts="fp4"))
     assert "moe_fp8_masked" not in fp4 and len(fp4["moe_fp4_masked"]) == 4
     assert {dict(j.kwargs)["packing"] for j in fp4["moe_fp4_contiguous"]} == {"fp8", "words"}
