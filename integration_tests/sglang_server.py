@@ -20,6 +20,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 SHIM = Path(__file__).resolve().parent / "sgl_kernel_shim"
 
@@ -37,16 +38,22 @@ def post(url: str, payload: dict, timeout: float = 120.0) -> dict:
 
 
 def _start(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int, max_total_tokens: int,
-           extra=()) -> tuple[subprocess.Popen, str]:
-    """Launch one server in its own session; returns the process and its base URL (not yet ready)."""
+           extra=(), device: str = "cpu", shim: Optional[Path] = SHIM) -> tuple[subprocess.Popen, str]:
+    """Launch one server in its own session; returns the process and its base URL (not yet ready). ``device``
+    ``cuda``: SGLang's CUDA engine (no CPU-engine variable, no forced CUDA-graph or dtype flags: ``extra`` says),
+    with ``shim`` first on the path (None: the ``sgl_kernel`` installed, e.g. the device's import-only stub)."""
     port = free_port()
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGL_KERNEL_SHIM_LOG=str(shim_log),
-               PYTHONPATH=os.pathsep.join([str(SHIM)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                        if p]))
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
+    env = dict(os.environ, SGL_KERNEL_SHIM_LOG=str(shim_log),
+               PYTHONPATH=os.pathsep.join(([str(shim)] if shim else []) + [p for p in os.environ.get("PYTHONPATH",
+                                                                                                    "").split(os.pathsep)
+                                                                          if p]))
+    cpu = device == "cpu"
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", device,
            "--attention-backend", backend, "--max-total-tokens", str(max_total_tokens), "--page-size",
-           str(page_size), "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-cuda-graph", "--skip-server-warmup", "--random-seed", "0", "--sleep-on-idle", *extra]
+           str(page_size), *(("--dtype", "float32", "--disable-cuda-graph") if cpu else ()), "--host", "127.0.0.1",
+           "--port", str(port), "--skip-server-warmup", "--random-seed", "0", "--sleep-on-idle", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
@@ -69,21 +76,22 @@ def _wait_ready(proc: subprocess.Popen, base: str, backend: str, log: Path, dead
 
 @contextmanager
 def sglang_server(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int = 16,
-                  max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=()):
+                  max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=(), **where):
     """One server, up; yields its base URL."""
     with sglang_server_process(model, backend, log=log, shim_log=shim_log, page_size=page_size,
                                max_total_tokens=max_total_tokens, startup_timeout=startup_timeout,
-                               extra=extra) as (base, _):
+                               extra=extra, **where) as (base, _):
         yield base
 
 
 @contextmanager
 def sglang_server_process(model: Path, backend: str, *, log: Path, shim_log: Path, page_size: int = 16,
-                          max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=()):
+                          max_total_tokens: int = 8192, startup_timeout: float = 300.0, extra=(), **where):
     """As ``sglang_server``, but yields ``(base URL, process)``: the ``subprocess.Popen`` of the launcher, the
-    leader of its own process group (scheduler and detokenizer included; see ``process_group_rss``)."""
+    leader of its own process group (scheduler and detokenizer included; see ``process_group_rss``). ``where``:
+    ``device`` and ``shim`` (see ``_start``)."""
     proc, base = _start(model, backend, log=log, shim_log=shim_log, page_size=page_size,
-                        max_total_tokens=max_total_tokens, extra=extra)
+                        max_total_tokens=max_total_tokens, extra=extra, **where)
     try:
         _wait_ready(proc, base, backend, log, time.time() + startup_timeout)
         yield base, proc
