@@ -35,13 +35,18 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 def test_tiny_deepseek_v4_on_a_gpu_agrees_with_the_reference(tmp_path, monkeypatch, graphs):
     logs = Path(os.environ.get("MUSA_ATTN_SERVE_LOGS", tmp_path))
     logs.mkdir(parents=True, exist_ok=True)
-    monkeypatch.setenv("MUSA_ATTN_MODEL_KERNELS", "on")
+    # the MUSA situation: our V4 model-side kernels; every other fused op of SGLang's in torch (its AOT/JIT CUDA
+    # forms are absent), the radix tree in Python, no DeepGEMM JIT; Triton MoE runner (SGLang's V4 override picks
+    # FlashInfer's MXFP4 runner on sm_90 otherwise); the bf16 routed experts are ours (model_hooks)
+    for name, value in (("MUSA_ATTN_MODEL_KERNELS", "on"), ("SGLANG_FORCE_FUSED_OP_BACKEND", "torch"),
+                        ("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python"), ("SGLANG_ENABLE_JIT_DEEPGEMM", "0")):
+        monkeypatch.setenv(name, value)
     model = build(tmp_path / "tiny-v4", weights=True)
     config = json.loads((model / "config.json").read_text())
     ref = Reference(config, load(model))
     asks = prompts(config["vocab_size"])
     log = logs / f"sglang-gpu-{'graphs' if graphs else 'eager'}.log"
-    extra = [*SERVER["extra"], "--sampling-backend", "pytorch", "--skip-tokenizer-init",
+    extra = [*SERVER["extra"], "--sampling-backend", "pytorch", "--moe-runner-backend", "triton", "--skip-tokenizer-init",
              *(["--cuda-graph-max-bs", "4"] if graphs else ["--disable-cuda-graph"])]
     with sglang_server(model, "tilelang_musa", log=log, shim_log=logs / "shim.log", device="cuda", shim=None,
                        page_size=SERVER["page_size"], max_total_tokens=SERVER["max_total_tokens"],

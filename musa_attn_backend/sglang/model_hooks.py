@@ -88,9 +88,12 @@ def fused_hc_head(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps):
     return ops.hc_head(x, hc_fn, hc_scale, hc_base, float(norm_eps), float(hc_eps))
 
 
-def _experts(original):
+def _experts(original, scale_in_experts: bool):
     """``UnquantizedFusedMoEMethod``'s forward for V4's routed experts (a SwiGLU clamp set, no bias, no alpha):
-    SGLang's CPU paths drop the clamp and its MUSA path asserts CUDA; every other MoE goes to ``original``."""
+    SGLang's CPU paths drop the clamp, its MUSA path asserts CUDA and its CUDA path needs ``sgl_kernel``; every
+    other MoE goes to ``original``. ``scale_in_experts``: the experts apply ``routed_scaling_factor`` (SGLang's
+    ``DeepseekV2MoE`` leaves it to them on CUDA, MUSA and XPU, where its own kernels scale in their top-k sum, and
+    multiplies after them elsewhere)."""
 
     def forward(self, layer, dispatch_output):
         cfg = self.moe_runner_config
@@ -102,6 +105,9 @@ def _experts(original):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
         topk_weights, topk_ids = dispatch_output.topk_output[0], dispatch_output.topk_output[1]
+        factor = getattr(cfg, "routed_scaling_factor", None)
+        if scale_in_experts and factor not in (None, 1.0):
+            topk_weights = topk_weights.float() * factor  # the sum runs in float32: no extra rounding
         out = ops.moe_swiglu_experts(dispatch_output.hidden_states, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, float(limit))
         return StandardCombineInput(hidden_states=out)
@@ -221,9 +227,12 @@ def install() -> None:
     }
     from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod as moe
 
-    for method in ("forward_cpu", "forward_native", "forward_musa"):
+    from sglang.srt.utils import is_cuda, is_musa, is_xpu
+
+    scale_in_experts = bool(is_cuda() or is_musa() or is_xpu())  # DeepseekV2MoE's own test of the device
+    for method in ("forward_cpu", "forward_native", "forward_musa") + (("forward_cuda",) if kind == "cuda" else ()):
         targets[f"sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.{method}"] = _experts(
-            getattr(moe, method))
+            getattr(moe, method), scale_in_experts)
     targets["sglang.srt.mem_cache.allocation.get_last_loc"] = _get_last_loc()
     if kind == "cpu":
         targets["sglang.srt.layers.rotary_embedding.factory.get_rope_cpu"] = _get_rope_cpu()

@@ -114,3 +114,35 @@ def test_the_switch_decides_whose_model_kernels_run(value):
         assert "RAISED" in out.stdout and "OURS False" in out.stdout, out.stdout
     else:
         assert "RAISED" not in out.stdout and "OURS True" in out.stdout, out.stdout
+
+
+def test_unquantised_v4_experts_take_the_routed_scale_where_sglangs_model_leaves_it_to_them():
+    """SGLang's ``DeepseekV2MoE`` multiplies the experts' output by ``routed_scaling_factor`` only off CUDA, MUSA
+    and XPU (there its own experts scale in their top-k sum): our replacement of the unquantised experts' forward
+    scales exactly where the model does not, so the factor is applied once on every device."""
+    import torch
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.token_dispatcher import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+    from musa_attn_backend.sglang import model_hooks
+
+    g = torch.Generator().manual_seed(3)
+    E, HID, I, K, T = 4, 128, 64, 2, 5
+    method = UnquantizedFusedMoEMethod.__new__(UnquantizedFusedMoEMethod)
+    method.moe_runner_config = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=HID,
+                                               intermediate_size_per_partition=I, top_k=K, num_fused_shared_experts=0,
+                                               params_dtype=torch.bfloat16, activation="silu", swiglu_limit=10.0,
+                                               routed_scaling_factor=1.5)
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter((torch.randn(E, 2 * I, HID, generator=g) * 0.1).bfloat16(), False)
+    layer.w2_weight = torch.nn.Parameter((torch.randn(E, HID, I, generator=g) * 0.1).bfloat16(), False)
+    ids = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(torch.int32)
+    d = StandardDispatchOutput(hidden_states=torch.randn(T, HID, generator=g).bfloat16(), hidden_states_scale=None,
+                               topk_output=StandardTopKOutput(topk_weights=torch.rand(T, K, generator=g), topk_ids=ids,
+                                                              router_logits=torch.zeros(T, E)))
+    unscaled = model_hooks._experts(None, False)(method, layer, d).hidden_states.float()
+    scaled = model_hooks._experts(None, True)(method, layer, d).hidden_states.float()
+    assert unscaled.abs().max() > 0.1
+    torch.testing.assert_close(scaled, unscaled * 1.5, rtol=1e-2, atol=1e-2)  # bf16 outputs, one rounding each
