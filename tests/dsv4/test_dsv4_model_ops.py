@@ -148,7 +148,15 @@ def test_mhc_post_and_head_against_float64():
     close(ops.hc_head(R, fh, sh, bh, 1e-6, 1e-6), (pre.unsqueeze(-1) * R.double()).sum(1))
 
 
-def test_moe_swiglu_experts_against_float64():
+@pytest.mark.parametrize("capturing", [False, True], ids=["grouped", "under_capture"])
+def test_moe_swiglu_experts_against_float64(monkeypatch, capturing):
+    """Both forms: tokens grouped by expert (one host read), and, while a graph is captured, every expert over
+    every choice (no host read: the stand-in sees itself captured through ``stream_capturing``)."""
+    import musa_attn_backend.kernels.dsv4.model as mod
+
+    monkeypatch.setattr(mod, "stream_capturing", lambda device: capturing)
+    if capturing:  # a host read here would break a capture: make one fail the test
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("host read under capture"))
     g = torch.Generator().manual_seed(6)
     T, H, I, E, K = 9, 32, 16, 5, 2
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)

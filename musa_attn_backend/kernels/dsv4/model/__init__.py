@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..._common import check, check_same_device, resolve_impl
+from ....platform import stream_capturing
 from ..compressor.reference import rope_gptj
 
 ROPE = 64
@@ -259,7 +260,9 @@ def moe_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     (``topk_ids [T, K]``; an id outside ``[0, E)`` contributes nothing), ``h = silu_and_mul_clamp(x @ w13[e]^T,
     limit)`` and ``h @ w2[e]^T``, in ``x``'s dtype, then summed with ``topk_weights [T, K]`` in float32.
     ``w13 [E, 2I, H]`` (gate rows first), ``w2 [E, H, I]``. The tokens are grouped by expert on the host (one
-    synchronisation a call): the path for a CPU and for devices without a grouped GEMM, not for CUDA graphs."""
+    synchronisation a call): the path for a CPU and for devices without a grouped GEMM. While a graph is being
+    captured nothing may synchronise, so every expert runs on every choice and keeps its own (``E`` times the
+    work: a capturable stand-in for unquantised checkpoints, which V4 does not ship)."""
     op = "moe_swiglu_experts"
     check(isinstance(x, torch.Tensor) and x.dim() == 2, lambda: f"{op}: x must be [T, H]")
     T, H = x.shape
@@ -270,6 +273,13 @@ def moe_swiglu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
           lambda: f"{op}: topk_ids and topk_weights must be [{T}, K]")
     E, K = w13.shape[0], topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
+    if stream_capturing(x.device):
+        xk = x.repeat_interleave(K, dim=0)  # choice j of token t is row t * K + j
+        out = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)
+        for e in range(E):
+            y = (silu_and_mul_clamp(xk @ w13[e].t(), limit) @ w2[e].t()).float()
+            out += torch.where((flat == e).unsqueeze(1), y, 0.0)
+        return (out.view(T, K, H) * topk_weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
     valid = (flat >= 0) & (flat < E)
     order = torch.where(valid, flat, torch.full_like(flat, E)).argsort(stable=True)
     counts = torch.bincount(flat[valid], minlength=E).tolist()
