@@ -6,7 +6,7 @@ raise), so attention, the compressors, the indexer (ours through the backend) an
 (``--sampling-backend pytorch``). Greedy tokens and log-probabilities checked against ``dsv4_reference`` by the CPU
 server test's teacher-forced criterion, eager and under CUDA graphs.
 
-``-m gpu``; the server's log is kept under ``MUSA_ATTN_SERVE_LOGS`` (default: the test's temporary folder)."""
+``-m gpu`` (``scripts/device_engines_gpu.sh``); the server's log is kept under ``MUSA_ATTN_SERVE_LOGS`` (default: the test's temporary folder)."""
 
 import json
 import os

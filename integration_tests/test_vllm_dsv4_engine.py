@@ -6,8 +6,9 @@ and output log-probability vLLM reports.
 
 Needs a GPU and the torch vLLM 0.33.0 pins (2.14): it skips, saying why, on the CPU (vLLM's V4 model on a CPU is
 its own class, ``DeepseekV4ForCausalLM`` in ``models/deepseek_v4/cpu``, which our layer does not replace, and its
-engine needs vLLM's compiled CPU ops) and on the lent H200 (torch 2.11, no compiled vLLM ops). It has not run
-anywhere yet; the same layer is checked on vLLM's own structures by ``tests/vllm/test_vllm_dsv4_layer.py`` (CPU)
+engine needs vLLM's compiled CPU ops) and on the lent GPU (torch 2.11, no compiled vLLM ops) unless
+``vllm_gpu_harness/`` is first on PYTHONPATH (``scripts/device_engines_gpu.sh``: the MUSA situation, every compiled
+vLLM op the path reaches stood in for by torch); the same layer is checked on vLLM's own structures by ``tests/vllm/test_vllm_dsv4_layer.py`` (CPU)
 and ``tests/vllm/test_gpu_vllm_dsv4.py`` (H200)."""
 
 import sys
@@ -28,7 +29,15 @@ from tiny_dsv4 import build, prompts  # noqa: E402
 MAX_NEW = 32
 
 
+def _harness() -> bool:
+    """Whether ``vllm_gpu_harness/sitecustomize.py`` was loaded (first on PYTHONPATH): the MUSA situation on a CUDA
+    GPU, vLLM's compiled ops stood in for by torch."""
+    return bool(getattr(sys.modules.get("sitecustomize"), "MUSA_VLLM_HARNESS", False))
+
+
 def _why_not() -> str:
+    if _harness() and torch.cuda.is_available():
+        return ""
     return why_no_vllm_engine("needs a CUDA GPU: vLLM's V4 model on a CPU is vLLM's own CPU class (not our layer) "
                               "and its engine needs vLLM's compiled CPU ops", "vllm._C")
 
@@ -53,9 +62,12 @@ def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path):
     config = json.loads((model / "config.json").read_text())
     ref = Reference(config, load(model))
     asks = prompts(config["vocab_size"], medium=True)
+    # transformers' V4 config reads the dense intermediate_size as the experts' width: the experts' own, as built
+    overrides = {"moe_intermediate_size": config["moe_intermediate_size"]}
     llm = LLM(model=str(model), tokenizer=None, skip_tokenizer_init=True, attention_backend="tilelang_musa",
               dtype="bfloat16", kv_cache_dtype="fp8", block_size=256, gpu_memory_utilization=0.3,
-              max_model_len=4096, enforce_eager=True, seed=0)
+              max_model_len=4096, enforce_eager=True, seed=0, hf_overrides=overrides,
+              compilation_config={"custom_ops": ["none"]})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0, prompt_logprobs=0,
                             detokenize=False)
     names = ["short", "medium", "long"]
