@@ -510,3 +510,42 @@ def test_paired_program_builds_within_its_registers(tmp_path, rows_at_once):
     spills, regs = _ptxas_spills(src, tmp_path)
     assert regs == 168
     assert spills <= 64, spills
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_clustered_program_builds_as_a_cluster_within_its_registers(tmp_path):
+    """The clustered 128-head program (not yet run on a GPU, not dispatched) for sm_90a: a cluster of the two head
+    blocks; each block sends its two 16 KB stage halves and its 128 bytes of row flags to the peer (three
+    SM-to-SM copies a stage, matching ``rfull``'s arrival count), releases a stage on both blocks' ``empty``
+    (512 arrivals: both blocks' consumers), synchronises the cluster before the first remote operation and before
+    exiting; the scheduled program's register split, within a few bytes of spill."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.dsv4.sparse import cluster_kernel as ck
+
+    func = ck.build_sparse_mqa_cluster.__wrapped__(128, True, True)
+    src = _tilelang.lower(func, HOPPER, ti._ws_pass_configs()).source
+    assert src.count("tl::tma_store_cluster(") == 2 * ck.REMOTE_COPIES  # one branch per rank
+    assert re.findall(r"\(uint\)(\d+)\), rfull", src) == ["16384", "16384", "128"] * 2
+    assert "rfull[0].init(3)" in src and "empty[0].init(512)" in src
+    assert src.count("tl::cluster_sync()") >= 2 and "fence_barrier_init" in src
+    assert re.search(r"empty\[[^\]]+\]\.arrive\(\(1 - \(\(int\)blockIdx\.x\)\)\)", src)  # the peer's release
+    assert "warpgroup_reg_alloc<192>" in src and "warpgroup_reg_dealloc<152>" in src
+    spills, regs = _ptxas_spills(src, tmp_path)
+    assert regs == 168 and spills <= 64, (regs, spills)
+
+
+def test_scheduled_program_takes_its_clustered_form_only_when_switched_on_for_65_to_128_heads(monkeypatch):
+    """``SCHED_CLUSTER`` (off until the clustered form's GPU tests pass): the scheduled program's kernel for 65-128
+    heads is the clustered one where the target has clusters; 64 heads, the switch off, or a target without
+    clusters keep the scheduled kernel."""
+    keys = []
+    with config.override(target="sm_90a"), _tilelang.intercepting(lambda k, b, t, p: keys.append(k[0])):
+        ti.sched_kernel(128, True, True, "bfloat16")
+        monkeypatch.setattr(ti, "SCHED_CLUSTER", True)
+        for H in (64, 72, 128):
+            ti.sched_kernel(H, True, True, "bfloat16")
+        real = ti.features_of
+        monkeypatch.setattr(ti, "features_of", lambda target=None: {**real(target), "clusters": False})
+        ti.sched_kernel(128, True, True, "bfloat16")
+    assert keys == ["dsv4_sparse_mqa_sched", "dsv4_sparse_mqa_sched", "dsv4_sparse_mqa_cluster",
+                    "dsv4_sparse_mqa_cluster", "dsv4_sparse_mqa_sched"]
