@@ -1,0 +1,38 @@
+"""Whether the scheduled program's clustered 128-head form (``sparse/cluster_kernel.py``) finishes and agrees with
+the scheduled program: each case in its own process under a timeout, so a hang (a barrier that never completes)
+kills only that process. A gate before its GPU tests (``scripts/device_cluster.sh``).
+
+    python scripts/probe_cluster.py            # every case
+    python scripts/probe_cluster.py T H K      # one case: T tokens, H heads, K compressed entries
+"""
+import subprocess
+import sys
+
+CASES = [(1, 128, 128), (1, 128, 1024), (4, 128, 1024), (64, 128, 1024), (300, 96, 512)]
+
+if len(sys.argv) > 1:
+    import torch
+
+    sys.path.insert(0, "benchmarks")
+    from bench_dsv4_attention import caches, inputs
+
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+
+    T, H, K = (int(x) for x in sys.argv[1:4])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    swa, c4 = caches(4096)
+    q, i1, i2, sink = inputs(T, H, max(K, 1), swa, c4, g)
+    kw = dict(extra_cache=c4, extra_indices=i2) if K else {}
+    ref = ti.sparse_mqa_tilelang(q, swa, i1, sink=sink, program="scheduled", **kw)
+    ti.SCHED_CLUSTER = True
+    out = ti.sparse_mqa_tilelang(q, swa, i1, sink=sink, program="scheduled", **kw)
+    torch.cuda.synchronize()
+    print("finished", sys.argv[1:], "max diff vs scheduled", float((out.float() - ref.float()).abs().max()), flush=True)
+else:
+    for T, H, K in CASES:
+        try:
+            r = subprocess.run([sys.executable, __file__, str(T), str(H), str(K)], capture_output=True, text=True,
+                               timeout=150 if (T, H, K) == CASES[0] else 60)
+            print(T, H, K, "rc", r.returncode, (r.stdout + r.stderr).strip().splitlines()[-3:], flush=True)
+        except subprocess.TimeoutExpired:
+            print(T, H, K, "HANG (timeout)", flush=True)
