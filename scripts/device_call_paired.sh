@@ -13,7 +13,7 @@ progs=scheduled,paired; sel="paired or scheduled"
 (timeout 100 python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); import bench_dsv4_attention as b
 b.precompile(['flash'], False, '', workers=4, programs=['scheduled'])" > "$out/compile.txt" 2>&1) &
-if timeout "${T_GATE:-110}" python3 scripts/probe_paired.py 1 64 128 paired > "$out/gate.txt" 2>&1; then
+if timeout "${T_GATE:-110}" python3 scripts/probe_program.py paired 1 64 128 > "$out/gate.txt" 2>&1; then
   stamp "gate passed"; cat "$out/gate.txt" | grep finished
 else
   stamp "gate FAILED rc=$?"; tail -5 "$out/gate.txt"; progs=scheduled; sel="scheduled"

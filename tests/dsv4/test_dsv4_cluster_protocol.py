@@ -17,7 +17,7 @@ import random
 import pytest
 
 from musa_attn_backend.kernels.dsv4.sparse.cluster_kernel import REMOTE_COPIES
-from musa_attn_backend.testing.protocol import STEP, WAIT, MBarrier, run_actors
+from musa_attn_backend.testing.protocol import STEP, WAIT, MBarrier, first_failure, run_actors
 
 from test_dsv4_sched_protocol import part_pieces  # noqa: E402 (pytest puts this folder on the path)
 
@@ -127,11 +127,5 @@ def test_the_model_catches_a_broken_cluster_protocol(broken, what):
     """Without the wait for the peer's copies a block reads a stage before the peer's half landed; without the
     wait for both blocks' release a producer overwrites a half still in use."""
     pieces = [(0, 0, 7), (1, 0, 3)]
-    caught = ""
-    for seed in range(500):
-        try:
-            run(pieces, random.Random(seed), broken=broken)
-        except AssertionError as e:
-            caught = str(e)
-            break
+    caught = first_failure(run, pieces, broken)
     assert what in caught, caught

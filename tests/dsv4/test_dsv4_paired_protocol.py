@@ -20,7 +20,7 @@ import random
 import pytest
 
 from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
-from musa_attn_backend.testing.protocol import STEP, MBarrier, Named, run_actors, sync, wait
+from musa_attn_backend.testing.protocol import STEP, MBarrier, Named, first_failure, run_actors, sync, wait
 
 # arrivals per stage half, in groups (the program counts threads: 128 a group)
 LEFT = [pk.LEFT_ARRIVALS[st] // 128 for st in range(2)]
@@ -142,11 +142,6 @@ def test_the_model_catches_a_broken_protocol(broken, what, rows_at_once):
     """Without a group's wait for its P to be free (some interleaving overwrites the P, or the other group's
     arrivals pile up on the barrier), or the producer's wait for a stage half both groups read (refilled while in
     use), the model fails."""
-    caught = ""
-    for seed in range(2000):
-        try:
-            run(3, random.Random(seed), broken=broken, rows_at_once=rows_at_once)
-        except AssertionError as e:
-            caught = str(e)
-            break
+    caught = first_failure(lambda pairs, rng, broken: run(pairs, rng, broken=broken, rows_at_once=rows_at_once), 3,
+                           broken, seeds=2000)
     assert any(w in caught for w in what), caught
