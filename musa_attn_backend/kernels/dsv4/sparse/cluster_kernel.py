@@ -57,8 +57,9 @@ def build_sparse_mqa_cluster(H: int, has_extra: bool, has_sink: bool, q_dtype: s
 
     @T.macro
     def produce(Kl, Kr, ok_h, st, raw, sw, ok, q, local_row, peer, rfull, outw, fac, p):
-        """This block's half of stage ``st`` (buffers ``Kl`` / ``Kr`` / ``ok_h``): the row's loads, its bf16 values
-        and flag, then (once every producer thread has stored) the three buffers copied to the peer."""
+        """This block's half of stage ``st`` (buffers ``Kl`` / ``Kr`` / ``ok_h``): the thread's row, loaded before
+        the stage was waited for, stored as bf16 with its flag, then (once every producer thread has stored) the
+        three buffers copied to the peer."""
         store_row(Kl, Kr, st, local_row, raw, sw, 0, q, outw, fac)
         if q == 0:
             ok_h[st, local_row] = ok[0]
