@@ -1,8 +1,8 @@
 """The host cost of one TileLang kernel launch by execution backend (issue 38: an eager V4 decode call is two
 launches plus glue, and FlashMLA's whole eager call is the bar: docs/dsv4.md): a do-nothing kernel
 of the scheduled V4 program's argument count (29 tensors and scalars) compiled for each backend TileLang offers
-here, then timed over N eager calls (host time per call, the GPU idle); the scheduled program's own launch through
-the package (tvm_ffi, as ``_tilelang.compile_cached`` builds it) beside, on real arguments from the bench.
+here, then timed over N eager calls (host time per call, the GPU idle); a ``torch.empty`` and a torch kernel
+launch beside, for scale.
 
     python scripts/launch_overhead.py [--calls 3000] [--out DIR]
 """
