@@ -7,8 +7,13 @@ source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$SECONDS
-timeout "${T_GATE:-300}" python3 scripts/probe_program.py cluster > "$out/gate.txt" 2>&1
+timeout "${T_GATE:-200}" python3 scripts/probe_program.py cluster > "$out/gate.txt" 2>&1
 cat "$out/gate.txt" | cut -c1-300
 if grep -qE "HANG|rc [1-9]" "$out/gate.txt"; then echo "[$((SECONDS - t0)) s] gate failed: no tests"; exit 1; fi
-JOBS=4 timeout "${T_TESTS:-200}" scripts/device_v4_attention.sh tests "cluster" > "$out/tests.txt" 2>&1
+JOBS=4 timeout "${T_TESTS:-170}" scripts/device_v4_attention.sh tests "cluster" > "$out/tests.txt" 2>&1
 echo "[$((SECONDS - t0)) s] tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$out/tests.txt" | tail -8 | cut -c1-250
+if grep -qE "FAILED|failed" "$out/tests.txt"; then echo "tests failed: no timing"; exit 1; fi
+# Pro decode (s_q 1 and 2), the clustered form beside the scheduled program and FlashMLA
+timeout "${T_BENCH:-220}" scripts/device_v4_attention.sh bench --quick --configs pro --ops decode,decode_mtp \
+  --no-portable --programs scheduled,cluster > "$out/bench.txt" 2>&1
+echo "[$((SECONDS - t0)) s] bench rc=$?"; tail -16 "$out/bench.txt" | cut -c1-300
