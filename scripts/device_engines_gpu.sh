@@ -6,6 +6,10 @@
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 source scripts/device_entry_points.sh
+# SGLang's server imports setproctitle (a compiled module the framework staging leaves out): a no-op stand-in
+python3 -c "import setproctitle" 2>/dev/null || {
+  mkdir -p /tmp/stubs && printf 'def setproctitle(title):\n    pass\n\n\ndef getproctitle():\n    return ""\n' \
+    > /tmp/stubs/setproctitle.py && export PYTHONPATH=/tmp/stubs:$PYTHONPATH; }
 out=${OUT:-/tmp/out}; mkdir -p "$out/serve"
 export MUSA_ATTN_SERVE_LOGS=$out/serve
 t0=$SECONDS
@@ -13,14 +17,17 @@ if [ "${SGLANG:-1}" = 1 ]; then
   (timeout "${T_SERVE:-330}" python3 -m pytest -m gpu -v -p no:cacheprovider -rs -x \
      integration_tests/test_sglang_dsv4_gpu.py -k "${SGK:-eager}" > "$out/sglang.txt" 2>&1) &
 fi
+# vLLM under both model runners at once: V2 (its default where Triton is, as on this GPU) and V1 (VLLM_RUNNERS)
 if [ "${VLLM:-1}" = 1 ]; then
-  (PYTHONPATH=$PWD/integration_tests/vllm_gpu_harness:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 \
-     timeout "${T_VLLM:-330}" python3 -m pytest -m gpu -v -s -p no:cacheprovider -rs \
-     integration_tests/test_vllm_dsv4_engine.py > "$out/vllm.txt" 2>&1) &
+  for v2 in ${VLLM_RUNNERS:-1 0}; do
+    (PYTHONPATH=$PWD/integration_tests/vllm_gpu_harness:$PYTHONPATH VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+       VLLM_USE_V2_MODEL_RUNNER=$v2 timeout "${T_VLLM:-330}" python3 -m pytest -m gpu -v -s -p no:cacheprovider -rs \
+       integration_tests/test_vllm_dsv4_engine.py > "$out/vllm_runner_v$((2 - (1 - v2))).txt" 2>&1) &
+  done
 fi
 wait
 echo "[$((SECONDS - t0)) s] done"
-for f in sglang vllm; do
+for f in sglang vllm_runner_v2 vllm_runner_v1; do
   [ -f "$out/$f.txt" ] || continue
   echo "== $f"; grep -E "PASS|FAIL|SKIP|Error|error|raise" "$out/$f.txt" | tail -${TAILN:-14} | cut -c1-400
 done

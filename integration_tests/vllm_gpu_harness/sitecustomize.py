@@ -9,7 +9,8 @@ engine core included). It
 - turns off the FlashInfer sampler and DeepGEMM;
 - registers torch forms, under vLLM's own op names and schemas, of the compiled ops the tiny V4's path still
   reaches outside this package's layer: RMSNorm (plain and fused add), SiluAndMul (plain and clamped), the V4
-  router's ``topk_softplus_sqrt``, ``moe_align_block_size`` and ``moe_sum`` for vLLM's Triton experts.
+  router's ``topk_softplus_sqrt``, ``moe_align_block_size`` and ``moe_sum`` for vLLM's Triton experts, and the
+  two memory aliases model runner V2 and CUDA graphs take (``get_cuda_view_from_cpu_tensor``, ``weak_ref_tensor``).
 
 Never part of the package's CUDA path: a served V4 on MUSA gets these from the platform's vLLM."""
 MUSA_VLLM_HARNESS = True
@@ -102,6 +103,37 @@ _def(_lib, "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor? weight, 
 _def(_lib, "silu_and_mul(Tensor! result, Tensor input) -> ()", _silu_and_mul)
 _def(_lib, "silu_and_mul_with_clamp(Tensor! result, Tensor input, float limit, float alpha=1.0, float beta=0.0) -> ()",
      _silu_and_mul_with_clamp)
+
+class _Memory:
+    """``__cuda_array_interface__`` over ``nbytes`` bytes at ``ptr``: torch.as_tensor makes a CUDA tensor of them
+    without owning them (``keep``: what holds the memory alive, if the alias should)."""
+
+    def __init__(self, ptr, nbytes, keep=None):
+        self.keep = keep
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _alias(t, keep):
+    """A CUDA tensor over ``t``'s memory with its dtype, shape and strides (pinned host memory is addressable from
+    the device under unified addressing, at the same pointer)."""
+    span = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    raw = torch.as_tensor(_Memory(t.data_ptr(), span, t if keep else None), device="cuda")
+    return raw.view(t.dtype).as_strided(t.shape, t.stride())
+
+
+def _cuda_view_from_cpu_tensor(cpu):
+    if not cpu.is_pinned():
+        raise ValueError("get_cuda_view_from_cpu_tensor: the tensor must be in pinned memory")
+    return _alias(cpu, keep=True)
+
+
+def _weak_ref_tensor(t):  # the same memory, not keeping it alive (vLLM's CUDA-graph outputs)
+    return _alias(t, keep=False) if t.is_cuda else t
+
+
+_def(_lib, "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor", _cuda_view_from_cpu_tensor)
+_def(_lib, "weak_ref_tensor(Tensor input) -> Tensor", _weak_ref_tensor)
+
 
 _moe = torch.library.Library("_moe_C", "FRAGMENT")
 
