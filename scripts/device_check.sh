@@ -4,6 +4,9 @@
 #   metadata, dsv4, moe, sglang, vllm, tools, contract), kernels (all but the engines) or engines (sglang + vllm)
 #   scripts/device_check.sh bench|quick-bench [bench args...]
 set -uo pipefail
+# the device site on PYTHONPATH even where the caller's environment did not reach this shell (2026-12-06: a run
+# found no tilelang here while the caller's other process had it); idempotent and quiet
+[ -f .device/env.sh ] && DEVICE_ENV_CHECK=0 source .device/env.sh >/dev/null
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache}

@@ -1,10 +1,11 @@
 """The host cost of one TileLang kernel launch by execution backend (issue 38: an eager V4 decode call is two
-launches plus glue, and FlashMLA's whole eager call is the bar: docs/dsv4.md): a do-nothing kernel
-of the scheduled V4 program's argument count (29 tensors and scalars) compiled for each backend TileLang offers
-here, then timed over N eager calls (host time per call, the GPU idle); a ``torch.empty`` and a torch kernel
-launch beside, for scale.
+launches plus glue, and FlashMLA's whole eager call is the bar: docs/dsv4.md): do-nothing kernels of 1 to 27
+tensor arguments (the scheduled V4 program takes 29 tensors and scalars) compiled for each backend TileLang offers
+here, then timed over N eager calls (host time per call, the GPU idle), for tvm_ffi also its compiled entry called
+without TileLang's Python wrapper; a ``torch.empty`` and a torch kernel launch beside, for scale. The slope over the
+argument count says what packing the plan's arrays into fewer tensors would save.
 
-    python scripts/launch_overhead.py [--calls 3000] [--out DIR]
+    python scripts/launch_overhead.py [--calls 3000] [--tensors 1,8,16,27] [--backends tvm_ffi,nvrtc,cython] [--out DIR]
 """
 
 from __future__ import annotations
@@ -59,28 +60,35 @@ def per_call_us(fn, calls: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--tensors", type=int, default=27)
+    ap.add_argument("--tensors", default="1,8,16,27", help="argument counts to time, comma-separated")
+    ap.add_argument("--backends", default="tvm_ffi,nvrtc,cython")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import tilelang
     import torch
 
     rows = {}
-    bufs = [torch.zeros(64, dtype=torch.int32, device="cuda") for _ in range(args.tensors)]
-    func = tiny_program(args.tensors)
-    for backend in ("tvm_ffi", "cython", "nvrtc", "torch"):
-        try:
-            k = tilelang.compile(func, target="cuda", execution_backend=backend)
-            k(*bufs, 1.0, 2.0)
-            rows[backend] = round(per_call_us(lambda: k(*bufs, 1.0, 2.0), args.calls), 2)
-        except Exception as e:  # noqa: BLE001 - a backend missing here is recorded, not fatal
-            rows[backend] = f"{type(e).__name__}: {str(e)[:200]}"
-        print(backend, rows[backend], flush=True)
+    counts = [int(n) for n in args.tensors.split(",")]
+    for n in counts:
+        bufs = [torch.zeros(64, dtype=torch.int32, device="cuda") for _ in range(n)]
+        func = tiny_program(n)
+        for backend in args.backends.split(","):
+            try:
+                k = tilelang.compile(func, target="cuda", execution_backend=backend)
+                k(*bufs, 1.0, 2.0)
+                rows[f"{backend}/{n}"] = round(per_call_us(lambda: k(*bufs, 1.0, 2.0), args.calls), 2)
+                if backend == "tvm_ffi":  # the compiled module's entry itself, without TileLang's Python wrapper
+                    exe = k.adapter._get_executable()
+                    rows[f"{backend}_executable/{n}"] = round(per_call_us(lambda: exe(*bufs, 1.0, 2.0), args.calls), 2)
+            except Exception as e:  # noqa: BLE001 - a backend missing here is recorded, not fatal
+                rows[f"{backend}/{n}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(backend, n, {k_: v for k_, v in rows.items() if k_.endswith(f"/{n}")}, flush=True)
+    bufs = [torch.zeros(64, dtype=torch.int32, device="cuda") for _ in range(2)]
     empty = torch.empty(0, device="cuda")
     rows["torch.empty"] = round(per_call_us(lambda: torch.empty(64, 512, device="cuda"), args.calls), 2)
     rows["torch_add_launch"] = round(per_call_us(lambda: torch.add(bufs[0], 1, out=bufs[1]), args.calls), 2)
     del empty
-    res = {"op": "launch_overhead_us", "tensors": args.tensors, "device": torch.cuda.get_device_name(),
+    res = {"op": "launch_overhead_us", "tensors": counts, "device": torch.cuda.get_device_name(),
            "tilelang": tilelang.__version__, "torch": torch.__version__, "rows": rows}
     print(json.dumps(res))
     if args.out:
