@@ -167,8 +167,8 @@ def _sched_cluster(H: int, target) -> bool:
     return SCHED_CLUSTER and BLOCK_H < H <= 2 * BLOCK_H and features_of(target)["clusters"]
 
 
-# Off until its GPU tests and FlashMLA's cases have passed (built and checked on the CPU on 2026-12-06; no device
-# run yet): the clustered form of the scheduled program for 128 heads.
+# Off: the clustered form of the scheduled program for 128 heads passes its GPU tests but runs at 1.34-1.44x the
+# scheduled program's time from 32 tokens (H200, 2026-12-06; docs/dsv4.md says why).
 SCHED_CLUSTER = False
 
 # Off until the scheduled program's GPU tests and FlashMLA's cases have passed with it (written 2026-12-06, when no
