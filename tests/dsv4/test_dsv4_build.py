@@ -535,9 +535,9 @@ def test_clustered_program_builds_as_a_cluster_within_its_registers(tmp_path):
 
 
 def test_scheduled_program_takes_its_clustered_form_only_when_switched_on_for_65_to_128_heads(monkeypatch):
-    """``SCHED_CLUSTER`` (off: the clustered form is correct but slower on the H200): the scheduled program's kernel for 65-128
-    heads is the clustered one where the target has clusters; 64 heads, the switch off, or a target without
-    clusters keep the scheduled kernel."""
+    """``SCHED_CLUSTER`` (off: the clustered form is correct but slower on the H200): the scheduled program's kernel
+    for 65-128 heads is the clustered one where the target has clusters; 64 heads, the switch off, or a target
+    without clusters keep the scheduled kernel."""
     keys = []
     with config.override(target="sm_90a"), _tilelang.intercepting(lambda k, b, t, p: keys.append(k[0])):
         ti.sched_kernel(128, True, True, "bfloat16")
