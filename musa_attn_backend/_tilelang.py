@@ -20,7 +20,7 @@ configure_tilelang_env()
 import tilelang as tl  # noqa: E402
 import tilelang.language as tl_lang  # noqa: E402
 
-__all__ = ["tl", "tl_lang", "tl_dtype", "compile_cached", "tilelang_version", "intercepting", "lower"]
+__all__ = ["tl", "tl_lang", "tl_dtype", "compile_cached", "launcher", "tilelang_version", "intercepting", "lower"]
 
 _TORCH_TO_TL = {
     torch.float16: "float16",
@@ -95,6 +95,55 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
             _kernels[full_key] = kernel
     return kernel
 
+
+
+class _Entry:
+    """A compiled kernel's TVM-FFI entry, called with the kernel's positional arguments (every output passed by
+    the caller), one entry per device: TileLang 0.1.12 makes one per device, so the entry of the device current
+    at the call is taken (the kernel's own call makes it on a device's first launch)."""
+
+    __slots__ = ("kernel", "adapter", "entries")
+
+    def __init__(self, kernel, adapter):
+        self.kernel, self.adapter, self.entries = kernel, adapter, {}
+
+    def __call__(self, *args):
+        device = torch.cuda.current_device()
+        entry = self.entries.get(device)
+        if entry is None:
+            self.kernel(*args)  # through TileLang once on this device: it makes and checks the entry
+            self.entries[device] = _compiled_entry(self.adapter, device)
+            return None
+        return entry(*args)
+
+
+def _compiled_entry(adapter, device: int):
+    """The TVM-FFI executable TileLang's wrapper of ``adapter`` calls on ``device``: 0.1.15 keeps one
+    (``_get_executable``), 0.1.12 one per device (``executable`` once set, else ``_executables_by_device``)."""
+    get = getattr(adapter, "_get_executable", None)
+    if get is not None:
+        return get()
+    entry = getattr(adapter, "executable", None) or adapter._executables_by_device.get(device)
+    if entry is None:
+        raise RuntimeError(f"launcher: TileLang {tilelang_version()} made no executable for device {device}")
+    return entry
+
+
+def launcher(kernel):
+    """``kernel`` (from :func:`compile_cached`; every output passed by the caller) as the cheapest callable taking
+    its positional arguments: on targets where :func:`musa_attn_backend.platform.direct_launch` holds and the
+    kernel runs through TileLang's TVM-FFI adapter, its compiled entry called without TileLang's Python wrapper
+    (the same arguments reach the same entry, which checks each argument's dtype, shape and device as before;
+    about half the host time of a launch), else ``kernel`` itself. A kernel whose outputs TileLang allocates
+    (``out_idx``) keeps the wrapper. For hot launch paths (an eager decode step's); a launcher returns None."""
+    from .platform import direct_launch
+
+    adapter = getattr(kernel, "adapter", None)
+    if (adapter is None or getattr(adapter, "result_idx", None) or not direct_launch()
+            or type(adapter).__name__ != "TVMFFIKernelAdapter"
+            or not (hasattr(adapter, "_get_executable") or hasattr(adapter, "_executables_by_device"))):
+        return kernel
+    return _Entry(kernel, adapter)
 
 
 def check_portable(key, func, target) -> None:

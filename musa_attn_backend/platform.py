@@ -442,3 +442,13 @@ def model_kernels_enabled(kind: Optional[str] = None) -> bool:
     if value == "auto":
         return (kind or get_platform().kind) != "cuda"
     return value == "on"
+
+
+def direct_launch(target_kind: Optional[str] = None) -> bool:
+    """Whether a launch may call a TileLang kernel's compiled TVM-FFI entry itself, without TileLang's Python
+    wrapper (:func:`musa_attn_backend._tilelang.launcher`), for targets of ``target_kind`` (default: this
+    platform's). On CUDA upstream TileLang's wrapper adds only bookkeeping for a kernel whose outputs the caller
+    passes (it hands the same arguments to the same entry), at twice the entry's host cost: 27.3 against 14.0 µs a
+    launch of 27 tensors (H100, TileLang 0.1.15, ``scripts/launch_overhead.py``). Not on MUSA: tilelang-musa's
+    wrapper has not been read on a device (it may set the MUSA stream there), so its launches keep the wrapper."""
+    return (target_kind or get_platform().target_kind) == "cuda"

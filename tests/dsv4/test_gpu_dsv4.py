@@ -122,6 +122,43 @@ def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device, program):
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("heads,T", [(64, 1), (128, 37)])
+def test_scheduled_program_through_its_entry_equals_tilelangs_wrapper(gpu_device, heads, T, monkeypatch):
+    """The scheduled program and its combine launched through ``_tilelang.launcher`` (the compiled entry without
+    TileLang's Python wrapper, on CUDA) write bit for bit what the same kernels launched through the wrapper
+    write, over three launches (the first one on a device goes through the wrapper), graph capture included."""
+    from musa_attn_backend import _tilelang
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
+
+    dev = gpu_device
+    cache, slots = filled_cache(4, 64, dev, seed=heads)
+    idx, _ = make_indices(slots, T, 128, 256, seed=T, device=dev)  # no lengths: -1 entries, a plan by shapes
+    q = torch.randn(T, heads, 512, device=dev).to(torch.bfloat16)
+    sink = torch.randn(heads, device=dev)
+    monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: "scheduled")
+
+    def run(out):
+        dsv4.sparse_mqa(q, cache, idx, sink=sink, out=out, impl="tilelang")
+        return out
+
+    tilelang_impl._SCHED_KERNELS.clear()
+    monkeypatch.setattr(tilelang_impl, "launcher", lambda k: k)
+    wrapped = run(torch.full_like(q, float("nan"))).clone()
+    tilelang_impl._SCHED_KERNELS.clear()
+    monkeypatch.setattr(tilelang_impl, "launcher", _tilelang.launcher)
+    outs = [run(torch.full_like(q, float("nan"))).clone() for _ in range(3)]
+    program, combine = tilelang_impl._SCHED_KERNELS[(heads, False, True, False)]
+    assert isinstance(program, _tilelang._Entry) and isinstance(combine, _tilelang._Entry)
+    static = torch.full_like(q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(static)
+    graph.replay()
+    torch.cuda.synchronize()
+    for out in outs + [static]:
+        assert torch.equal(out, wrapped)
+
+
 def _raw(cache):
     return torch.as_strided(cache, (cache.untyped_storage().nbytes(),), (1,), 0)
 

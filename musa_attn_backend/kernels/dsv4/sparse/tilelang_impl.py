@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ...._tilelang import compile_cached, tl, tl_dtype
+from ...._tilelang import compile_cached, launcher, tl, tl_dtype
 from ....config import on_change, settings
 from ....platform import features_of, get_platform, stream_capturing
 from ..._common import check
@@ -368,12 +368,13 @@ on_change(_SCHED_KERNELS.clear)
 
 def _sched_kernels(H: int, has_extra: bool, has_sink: bool) -> tuple:
     """The scheduled program and its combine for this platform, looked up once per shape (a launch then costs no
-    compile-cache key)."""
+    compile-cache key), each as its :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without
+    TileLang's Python wrapper where the platform allows it: an eager decode step launches both on every layer)."""
     key = (H, has_extra, has_sink, SCHED_CLUSTER)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
-        hit = _SCHED_KERNELS[key] = (sched_kernel(H, has_extra, has_sink, "bfloat16"),
-                                     sched_combine_kernel(H, has_sink, "bfloat16"))
+        hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16")),
+                                     launcher(sched_combine_kernel(H, has_sink, "bfloat16")))
     return hit
 
 
