@@ -161,8 +161,6 @@ def _compile(job):
 
     kind, args, kwargs = job
     kwargs = dict(kwargs)
-    if kwargs.get("program") == "cluster":
-        ti.SCHED_CLUSTER, kwargs["program"] = True, "scheduled"
     with config.override(musa_forms=kwargs.pop("musa_forms", False)):
         getattr(wti if kind.startswith("write_") else ti, kind)(*args, **kwargs)
     return job
@@ -219,8 +217,8 @@ def main(argv=None):
     ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
                                                           "tokens-per-block:threads, comma-separated (e.g. 16:256)")
     ap.add_argument("--programs", default="scheduled",
-                    help="also time these sparse MQA programs (comma-separated: scheduled, paired, portable, and "
-                         "cluster: the scheduled program's clustered 128-head form); ours_ms is the default program's")
+                    help="also time these sparse MQA programs (comma-separated: scheduled, paired, portable); "
+                         "ours_ms is the default program's")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
@@ -255,11 +253,8 @@ def main(argv=None):
             plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
 
             def ours(prog=program):
-                cluster = prog == "cluster"
-                tilelang_impl.SCHED_CLUSTER = cluster
                 tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
-                                                  program="scheduled" if cluster else prog, plan=plan)
-                tilelang_impl.SCHED_CLUSTER = False
+                                                  program=prog, plan=plan)
 
             ms = bench_ms(ours)
             extra = {"program": program}

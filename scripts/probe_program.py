@@ -1,18 +1,17 @@
 """Whether a sparse MQA program new to the GPU finishes and agrees with the scheduled program: each case in its own
 process under a timeout, so a hang (a barrier that never completes) kills only that process. The gate before a
-program's first GPU tests (``scripts/device_cluster.sh``; the paired program's, 2026-12-06, found its hang).
+program's first GPU tests (the paired program's, 2026-12-06, found its hang; the clustered 128-head form's, removed
+since, passed).
 
-    python scripts/probe_program.py cluster          # every case: the scheduled program's clustered 128-head form
-    python scripts/probe_program.py paired           # ... or the paired program
-    python scripts/probe_program.py cluster T H K    # one case: T tokens, H heads, K compressed entries
+    python scripts/probe_program.py paired           # every case of the paired program
+    python scripts/probe_program.py paired T H K     # one case: T tokens, H heads, K compressed entries
 """
 import subprocess
 import sys
 
-CASES = {"cluster": [(1, 128, 128), (1, 128, 1024), (4, 128, 1024), (64, 128, 1024), (300, 96, 512)],
-         "paired": [(1, 64, 0), (1, 64, 64), (1, 64, 128), (4, 64, 512), (1, 128, 128)]}
+CASES = {"paired": [(1, 64, 0), (1, 64, 64), (1, 64, 128), (4, 64, 512), (1, 128, 128)]}
 
-which = sys.argv[1] if len(sys.argv) > 1 else "cluster"
+which = sys.argv[1] if len(sys.argv) > 1 else "paired"
 if len(sys.argv) > 2:
     import torch
 
@@ -27,8 +26,7 @@ if len(sys.argv) > 2:
     q, i1, i2, sink = inputs(T, H, max(K, 1), swa, c4, g)
     kw = dict(extra_cache=c4, extra_indices=i2) if K else {}
     ref = ti.sparse_mqa_tilelang(q, swa, i1, sink=sink, program="scheduled", **kw)
-    ti.SCHED_CLUSTER = which == "cluster"
-    out = ti.sparse_mqa_tilelang(q, swa, i1, sink=sink, program="paired" if which == "paired" else "scheduled", **kw)
+    out = ti.sparse_mqa_tilelang(q, swa, i1, sink=sink, program=which, **kw)
     torch.cuda.synchronize()
     print("finished", sys.argv[1:], "max diff vs scheduled", float((out.float() - ref.float()).abs().max()), flush=True)
 else:

@@ -57,22 +57,18 @@ CASES = [
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "portable", "portable:musa")
+PROGRAMS = ("scheduled", "paired", "paired:rows1", "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)
 def program(request, monkeypatch, use_settings):
-    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), the scheduled one's
-    clustered form (its 65-128-head cases), both producers of the paired one, and the portable one in MUSA's
-    form."""
+    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), both producers of
+    the paired one, and the portable one in MUSA's form."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
     if producer == "musa":
         use_settings(musa_forms=True)
-        producer = ""
-    if producer == "cluster":  # the scheduled program's 128-head form: two head blocks a cluster
-        monkeypatch.setattr(tilelang_impl, "SCHED_CLUSTER", True)
         producer = ""
     if producer == "rows1":  # the paired program's producer holding one row of bytes at a time
         from musa_attn_backend.kernels.dsv4.sparse import paired_kernel

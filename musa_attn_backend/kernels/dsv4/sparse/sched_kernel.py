@@ -47,7 +47,7 @@ P_READY, P_FREE, EPILOGUE = 4, 5, 6
 
 
 def epilogue_macros(H: int, has_sink: bool, q_dtype: str):
-    """The two consumer groups' ends of a piece, shared with :mod:`.cluster_kernel`: ``left`` (warp group 0: the
+    """The two consumer groups' ends of a piece: ``left`` (warp group 0: the
     rows' output scale into ``oscale_s`` with the sink in the denominator, the epilogue barrier, then the left half
     of the output and the LSE, or of the partials for a split token) and ``right`` (warp group 1: the barrier, then
     the right half scaled by ``oscale_s``)."""

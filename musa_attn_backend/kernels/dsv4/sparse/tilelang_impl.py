@@ -142,12 +142,6 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
 
     _check_program("scheduled", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
-    if _sched_cluster(H, target):
-        from .cluster_kernel import build_sparse_mqa_cluster
-
-        return compile_cached(("dsv4_sparse_mqa_cluster", H, has_extra, has_sink, q_dtype),
-                              lambda: build_sparse_mqa_cluster(H, has_extra, has_sink, q_dtype),
-                              target=target, pass_configs=_ws_pass_configs())
     pdl = _sched_pdl(target)
     key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl",) if pdl else ())
     return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl),
@@ -159,17 +153,6 @@ def _sched_pdl(target) -> bool:
     and ``MUSA_ATTN_PDL`` allows it (both kernels are built alike), once :data:`SCHED_PDL` is on."""
     return SCHED_PDL and settings().pdl and features_of(target)["dependent_launch"]
 
-
-def _sched_cluster(H: int, target) -> bool:
-    """Whether the scheduled program runs its two head blocks as a cluster sharing the dequantisation
-    (:mod:`.cluster_kernel`): 65-128 heads, where the target has clusters, once :data:`SCHED_CLUSTER` is on. Same
-    plan, arguments and combine as the scheduled program."""
-    return SCHED_CLUSTER and BLOCK_H < H <= 2 * BLOCK_H and features_of(target)["clusters"]
-
-
-# Off: the clustered form of the scheduled program for 128 heads passes its GPU tests but runs at 1.34-1.44x the
-# scheduled program's time from 32 tokens (H200, 2026-12-06; docs/dsv4.md says why).
-SCHED_CLUSTER = False
 
 # Off until the scheduled program's GPU tests and FlashMLA's cases have passed with it (written 2026-12-06, when no
 # device was lent): the dense decode's combine has run this way since issue 7, this pair has not.
@@ -370,7 +353,7 @@ def _sched_kernels(H: int, has_extra: bool, has_sink: bool) -> tuple:
     """The scheduled program and its combine for this platform, looked up once per shape (a launch then costs no
     compile-cache key), each as its :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without
     TileLang's Python wrapper where the platform allows it: an eager decode step launches both on every layer)."""
-    key = (H, has_extra, has_sink, SCHED_CLUSTER)
+    key = (H, has_extra, has_sink)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
         hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16")),
