@@ -3,6 +3,9 @@
 # served in the MUSA situation by both engines at once: SGLang's real server (integration_tests/
 # test_sglang_dsv4_gpu.py, SGK: eager first, "eager or cuda_graphs" for both) and vLLM's LLM() with
 # integration_tests/vllm_gpu_harness first on PYTHONPATH (test_vllm_dsv4_engine.py). Logs under $OUT.
+# Stage .device/fw with the packages SGLang's server imports that the default staging leaves out:
+#   FW_EXTRA="setproctitle jsonschema referencing rpds-py jsonschema-specifications python-multipart soundfile cffi
+#   pycparser" ../shared/device/prepare.sh --frameworks
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 source scripts/device_entry_points.sh
