@@ -36,10 +36,10 @@ TARGET_ENV = config.BY_FIELD["target"].env
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
 # the capability flags a Platform carries (kernels branch on these, never on the device name)
-FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "clusters",
-            "gemm_a_in_registers", "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices", "wide_float_vectors")
+FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "gemm_a_in_registers",
+            "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices", "wide_float_vectors")
 # the flags whose absence brings in a rule on the programs' TIR (kernels._tir.RULES), checked before lowering
-LOWERING_FLAGS = FEATURES[6:]
+LOWERING_FLAGS = FEATURES[5:]
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -71,9 +71,6 @@ class Platform:
     # programmatic dependent launch (a kernel launched while the one before it finishes, waiting on it in
     # the kernel): CUDA sm_90+
     dependent_launch: bool = False
-    # thread-block clusters: blocks launched together that arrive on each other's barriers and copy into each
-    # other's shared memory (CUDA sm_90+)
-    clusters: bool = False
     # a tile GEMM may take A from registers with B in shared memory (CUDA); else P goes through shared memory
     gemm_a_in_registers: bool = False
     # one shared tile may be a GEMM operand read K-major by one GEMM and MN-major by another (CUDA); else each
@@ -151,7 +148,6 @@ def _cuda_features(arch: str) -> dict:
         "warpgroup_mma": cc == 90 and m.group(3) == "a",
         "warp_specialized": cc == 90 and m.group(3) == "a",
         "dependent_launch": cc >= 90,
-        "clusters": cc >= 90,
         "gemm_a_in_registers": True,
         "gemm_tile_two_majors": True,
         "gemm_any_extent": True,
@@ -174,7 +170,6 @@ def _musa_features(arch: str) -> dict:
         # not yet: tilelang-musa's lowering of named barriers and register reallocation is unverified
         "warp_specialized": False,
         "dependent_launch": False,
-        "clusters": False,
         # SQMMA, PH1 WMMA and the FMA fallback of tilelang-musa's GEMM lowering read A from shared memory only
         "gemm_a_in_registers": False,
         # what tilelang-musa's lowering for MP31 refuses (docs/musa.md): its layout inference lays a shared GEMM
@@ -448,7 +443,7 @@ def direct_launch(target_kind: Optional[str] = None) -> bool:
     """Whether a launch may call a TileLang kernel's compiled TVM-FFI entry itself, without TileLang's Python
     wrapper (:func:`musa_attn_backend._tilelang.launcher`), for targets of ``target_kind`` (default: this
     platform's). On CUDA upstream TileLang's wrapper adds only bookkeeping for a kernel whose outputs the caller
-    passes (it hands the same arguments to the same entry), at twice the entry's host cost: 27.3 against 14.0 µs a
-    launch of 27 tensors (H100, TileLang 0.1.15, ``scripts/launch_overhead.py``). Not on MUSA: tilelang-musa's
-    wrapper has not been read on a device (it may set the MUSA stream there), so its launches keep the wrapper."""
+    passes (it hands the same arguments to the same entry), at about twice the entry's host cost
+    (``scripts/launch_overhead.py``; the figures in docs/dsv4.md). Not on MUSA: tilelang-musa's wrapper has not
+    been read on a device (it may set the MUSA stream there), so its launches keep the wrapper."""
     return (target_kind or get_platform().target_kind) == "cuda"

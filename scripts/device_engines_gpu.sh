@@ -9,10 +9,6 @@
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 source scripts/device_entry_points.sh
-# SGLang's server imports setproctitle (a compiled module the framework staging leaves out): a no-op stand-in
-python3 -c "import setproctitle" 2>/dev/null || {
-  mkdir -p /tmp/stubs && printf 'def setproctitle(title):\n    pass\n\n\ndef getproctitle():\n    return ""\n' \
-    > /tmp/stubs/setproctitle.py && export PYTHONPATH=/tmp/stubs:$PYTHONPATH; }
 out=${OUT:-/tmp/out}; mkdir -p "$out/serve"
 export MUSA_ATTN_SERVE_LOGS=$out/serve
 t0=$SECONDS

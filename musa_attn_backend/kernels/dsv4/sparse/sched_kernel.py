@@ -46,62 +46,6 @@ SCORES_REGS, SECOND_REGS, PRODUCER_REGS = 192, 160, 152
 P_READY, P_FREE, EPILOGUE = 4, 5, 6
 
 
-def epilogue_macros(H: int, has_sink: bool, q_dtype: str):
-    """The two consumer groups' ends of a piece: ``left`` (warp group 0: the
-    rows' output scale into ``oscale_s`` with the sink in the denominator, the epilogue barrier, then the left half
-    of the output and the LSE, or of the partials for a split token) and ``right`` (warp group 1: the barrier, then
-    the right half scaled by ``oscale_s``)."""
-    NEG_INF = -T.infinity(ACC)
-
-    @T.macro
-    def left(t, pc, bp, h0, acc_o, m_i, l_i, alpha, row_sum, oscale_s, scale_log2, sinks, split_row, first_part,
-             empty_lse, O, LSE, O_part, L_part):
-        row = split_row[t]
-        piece = row + bp - first_part[t]
-        for i in T.Parallel(BH):
-            if has_sink:
-                row_sum[i] = T.if_then_else(
-                    T.Or(m_i[i] == NEG_INF, row >= 0), 0.0,
-                    T.exp2(sinks[T.min(h0 + i, H - 1)] * LOG2E - m_i[i] * scale_log2))
-            else:
-                row_sum[i] = 0.0
-            alpha[i] = T.if_then_else(l_i[i] == 0.0, 0.0, 1.0 / (l_i[i] + row_sum[i]))
-            oscale_s[pc % 2, i] = alpha[i]
-        T.sync_threads(EPILOGUE, CONSUMER_THREADS)
-        if row < 0:
-            for i, d in T.Parallel(BH, HD):
-                if h0 + i < H:
-                    O[t, h0 + i, d] = T.Cast(q_dtype, acc_o[i, d] * alpha[i])
-            for i in T.Parallel(BH):
-                if h0 + i < H:
-                    LSE[t, h0 + i] = T.if_then_else(
-                        l_i[i] == 0.0, empty_lse, (T.log2(l_i[i]) + m_i[i] * scale_log2) / LOG2E)
-        else:
-            for i, d in T.Parallel(BH, HD):
-                if h0 + i < H:
-                    O_part[piece, h0 + i, d] = acc_o[i, d] * alpha[i]
-            for i in T.Parallel(BH):
-                if h0 + i < H:
-                    L_part[piece, h0 + i] = T.if_then_else(
-                        l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_i[i] * scale_log2)
-
-    @T.macro
-    def right(t, pc, bp, h0, acc_o2, oscale_s, split_row, first_part, O, O_part):
-        T.sync_threads(EPILOGUE, CONSUMER_THREADS)
-        row = split_row[t]
-        piece = row + bp - first_part[t]
-        if row < 0:
-            for i, d in T.Parallel(BH, HD):
-                if h0 + i < H:
-                    O[t, h0 + i, HD + d] = T.Cast(q_dtype, acc_o2[i, d] * oscale_s[pc % 2, i])
-        else:
-            for i, d in T.Parallel(BH, HD):
-                if h0 + i < H:
-                    O_part[piece, h0 + i, HD + d] = acc_o2[i, d] * oscale_s[pc % 2, i]
-
-    return left, right
-
-
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
                            num_stages: int = 2, pdl: bool = False):
@@ -121,7 +65,6 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     head_blocks = (H + BH - 1) // BH
 
     load_q, entry, load_rows, store_row, _, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
-    left_end, right_end = epilogue_macros(H, has_sink, q_dtype)
 
     # ---- the program ------------------------------------------------------------------------------------------
 
@@ -223,8 +166,34 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         T.mbarrier_arrive(empty[st])
                         k = k + 1
                     # epilogue: the rows' output scale (shared with group 1), the left half, the LSE
-                    left_end(t, pc, bp, h0, acc_o, m_i, l_i, alpha, row_sum, oscale_s, scale_log2, sinks, split_row,
-                             first_part, empty_lse, O, LSE, O_part, L_part)
+                    row = split_row[t]
+                    piece = row + bp - first_part[t]
+                    for i in T.Parallel(BH):
+                        if has_sink:
+                            row_sum[i] = T.if_then_else(
+                                T.Or(m_i[i] == NEG_INF, row >= 0), 0.0,
+                                T.exp2(sinks[T.min(h0 + i, H - 1)] * LOG2E - m_i[i] * scale_log2))
+                        else:
+                            row_sum[i] = 0.0
+                        alpha[i] = T.if_then_else(l_i[i] == 0.0, 0.0, 1.0 / (l_i[i] + row_sum[i]))
+                        oscale_s[pc % 2, i] = alpha[i]
+                    T.sync_threads(EPILOGUE, CONSUMER_THREADS)
+                    if row < 0:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O[t, h0 + i, d] = T.Cast(q_dtype, acc_o[i, d] * alpha[i])
+                        for i in T.Parallel(BH):
+                            if h0 + i < H:
+                                LSE[t, h0 + i] = T.if_then_else(
+                                    l_i[i] == 0.0, empty_lse, (T.log2(l_i[i]) + m_i[i] * scale_log2) / LOG2E)
+                    else:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O_part[piece, h0 + i, d] = acc_o[i, d] * alpha[i]
+                        for i in T.Parallel(BH):
+                            if h0 + i < H:
+                                L_part[piece, h0 + i] = T.if_then_else(
+                                    l_i[i] == 0.0, NEG_INF, T.log2(l_i[i]) + m_i[i] * scale_log2)
                 if k > 0:
                     T.sync_threads(P_FREE, CONSUMER_THREADS)  # pairs group 1's arrival after its last tile
 
@@ -249,7 +218,17 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         T.mbarrier_arrive(empty[st])
                         T.named_barrier_arrive(P_FREE, CONSUMER_THREADS)
                         k2 = k2 + 1
-                    right_end(t, pc, bp, h0, acc_o2, oscale_s, split_row, first_part, O, O_part)
+                    T.sync_threads(EPILOGUE, CONSUMER_THREADS)
+                    row = split_row[t]
+                    piece = row + bp - first_part[t]
+                    if row < 0:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O[t, h0 + i, HD + d] = T.Cast(q_dtype, acc_o2[i, d] * oscale_s[pc % 2, i])
+                    else:
+                        for i, d in T.Parallel(BH, HD):
+                            if h0 + i < H:
+                                O_part[piece, h0 + i, HD + d] = acc_o2[i, d] * oscale_s[pc % 2, i]
 
             # ---- warp group 2: the producer ----
             with T.ws(2):
