@@ -44,96 +44,99 @@ class Switch:
     meaning: str
 
 
-SWITCHES: tuple[Switch, ...] = (
-    Switch("split_mixed", "MUSA_ATTN_SPLIT_MIXED", "bool", True, False,
-           "a mixed batch whose metadata counts its leading decodes runs them with the decode kernel and the rest "
-           "with the prefill kernel (0: the whole batch takes the prefill kernel; warmup builds both either way)"),
-    Switch("pingpong_gather", "MUSA_ATTN_PINGPONG_GATHER", "bool", True, True,
-           "the ping-pong prefill with a gathering (cp.async) producer, for pages of any size, is a prefill "
-           "candidate ahead of the row-gather kernel (0: removed)"),
-    Switch("pdl", "MUSA_ATTN_PDL", "bool", True, True,
-           "the split-KV combine is a programmatic dependent launch of the decode kernel where the target has it "
-           "(CUDA sm_90+), so its launch overlaps the decode's last wave (0: an ordinary launch)"),
-    Switch("tma_chunks", "MUSA_ATTN_TMA_CHUNKS", "bool", True, True,
-           "the ping-pong prefill with TMA copies of page chunks (16/32/64 rows) is a candidate for pages of a "
-           "multiple of 16 that hold no whole key tile: the default kernel for pages of 64 (0: removed)"),
-    Switch("chunked_combine", "MUSA_ATTN_CHUNKED_COMBINE", "bool", True, True,
-           "the split-KV combine reads the partial LSEs at once and the partial outputs 8 splits at a time, their "
-           "loads in flight together (0: one split after another)"),
-    Switch("new_kv_prefill", "MUSA_ATTN_NEW_KV_PREFILL", "bool", True, True,
-           "a prefill whose requests have no cached prefix reads the batch's new K/V with whole-tile TMA copies "
-           "instead of the paged cache, whatever the page size (0: the cache path)"),
-    Switch("shared_p", "MUSA_ATTN_SHARED_P", "bool", False, True,
-           "every attention program stages the softmax probabilities P through shared memory before the P V "
-           "product, as it must where the target's GEMMs take no register operand (MUSA), and the kernel choice "
-           "is the one for such a target: to run and measure MUSA's programs on CUDA (0: only where needed)"),
-    Switch("musa_forms", "MUSA_ATTN_MUSA_FORMS", "bool", False, True,
-           "every program takes the form MUSA's TileLang lowers (P through shared memory, one majorness a shared "
-           "GEMM tile, GEMM tile rows of at most 256 bytes or multiples of 256, whole tiles as GEMM operands, "
-           "float vectors of at most 8 lanes: platform.LOWERING_FLAGS off), as the programs MUSA would choose: "
-           "to run and measure MUSA's programs on CUDA (0: only where the target needs them)"),
-    Switch("dsv4_program", "MUSA_ATTN_DSV4_PROGRAM", "text", "auto", True,
-           "the DeepSeek-V4 sparse attention program: auto (scheduled where the target has warp specialisation, "
-           "register GEMM operands and FP8, else portable), scheduled (FlashMLA's division of the work on a "
-           "per-batch plan), paired (one block a token, its two math warp groups taking the key tiles in pairs: "
-           "FlashMLA's prefill division; correct, 1.15-1.19x the scheduled program's prefill time on the H100) or "
-           "portable; a program the target cannot run is refused, never replaced"),
-    Switch("target", "MUSA_ATTN_TARGET", "text", None, True,
-           "compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
-           "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)"),
-    Switch("cache_dir", "MUSA_ATTN_CACHE_DIR", "path", None, False,
-           "the kernel cache, tuning tables and warmup record (unset: $XDG_CACHE_HOME/musa_attn_backend, "
-           "else ~/.cache/musa_attn_backend)"),
-    Switch("poison", "MUSA_ATTN_POISON", "bool", False, False,
-           "fill outputs and split-KV partials with NaN before the kernels run, so an element no kernel writes "
-           "shows up (a debug aid; the tests turn it on)"),
-    Switch("vllm_cuda_graphs", "MUSA_ATTN_VLLM_CUDA_GRAPHS", "bool", True, False,
-           "the vLLM builders declare CUDA-graph support and build decode batches into persistent buffers under "
-           "full CUDA graphs: UNIFORM_SINGLE_TOKEN_DECODE for dense attention, UNIFORM_BATCH for DeepSeek-V4's layer "
-           "(0: both declare NEVER)"),
-    Switch("moe", "MUSA_ATTN_MOE", "text", "auto", False,
-           "the engines' FP8 and MXFP4 MoE experts run on this package's grouped GEMMs (kernels.moe): auto "
-           "(on a MUSA device only), on (also on CUDA), off (the engines' own MoE kernels)"),
-    Switch("model_kernels", "MUSA_ATTN_MODEL_KERNELS", "text", "auto", False,
-           "SGLang's DeepSeek-V4 model-side kernels (q norm + RoPE, RoPE, clamped SwiGLU, mHC) are this package's "
-           "(sglang.model_hooks): auto (where SGLang has none of its own: MUSA and CPU), on (also on CUDA: the MUSA "
-           "situation on an NVIDIA GPU), off (SGLang's own, which exist on CUDA only)"),
-    Switch("commit", "MUSA_ATTN_COMMIT", "text", None, False,
-           "the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)"),
-)
+def _switch(env: str, *, default: Any, kernels: bool, meaning: str) -> Any:
+    """A :class:`Settings` field that declares its switch: the environment variable, the default, whether it
+    changes which kernels are built, and what it does (the switch's kind follows from the field's type)."""
+    return dataclasses.field(default=default, metadata={"env": env, "kernels": kernels, "meaning": meaning})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective value of every switch; each field declares its switch (:data:`SWITCHES`)."""
+
+    split_mixed: bool = _switch(
+        "MUSA_ATTN_SPLIT_MIXED", default=True, kernels=False,
+        meaning="a mixed batch whose metadata counts its leading decodes runs them with the decode kernel and the rest "
+                "with the prefill kernel (0: the whole batch takes the prefill kernel; warmup builds both either way)")
+    pingpong_gather: bool = _switch(
+        "MUSA_ATTN_PINGPONG_GATHER", default=True, kernels=True,
+        meaning="the ping-pong prefill with a gathering (cp.async) producer, for pages of any size, is a prefill "
+                "candidate ahead of the row-gather kernel (0: removed)")
+    pdl: bool = _switch(
+        "MUSA_ATTN_PDL", default=True, kernels=True,
+        meaning="the split-KV combine is a programmatic dependent launch of the decode kernel where the target has it "
+                "(CUDA sm_90+), so its launch overlaps the decode's last wave (0: an ordinary launch)")
+    tma_chunks: bool = _switch(
+        "MUSA_ATTN_TMA_CHUNKS", default=True, kernels=True,
+        meaning="the ping-pong prefill with TMA copies of page chunks (16/32/64 rows) is a candidate for pages of a "
+                "multiple of 16 that hold no whole key tile: the default kernel for pages of 64 (0: removed)")
+    chunked_combine: bool = _switch(
+        "MUSA_ATTN_CHUNKED_COMBINE", default=True, kernels=True,
+        meaning="the split-KV combine reads the partial LSEs at once and the partial outputs 8 splits at a time, their "
+                "loads in flight together (0: one split after another)")
+    new_kv_prefill: bool = _switch(
+        "MUSA_ATTN_NEW_KV_PREFILL", default=True, kernels=True,
+        meaning="a prefill whose requests have no cached prefix reads the batch's new K/V with whole-tile TMA copies "
+                "instead of the paged cache, whatever the page size (0: the cache path)")
+    shared_p: bool = _switch(
+        "MUSA_ATTN_SHARED_P", default=False, kernels=True,
+        meaning="every attention program stages the softmax probabilities P through shared memory before the P V "
+                "product, as it must where the target's GEMMs take no register operand (MUSA), and the kernel choice "
+                "is the one for such a target: to run and measure MUSA's programs on CUDA (0: only where needed)")
+    musa_forms: bool = _switch(
+        "MUSA_ATTN_MUSA_FORMS", default=False, kernels=True,
+        meaning="every program takes the form MUSA's TileLang lowers (P through shared memory, one majorness a shared "
+                "GEMM tile, GEMM tile rows of at most 256 bytes or multiples of 256, whole tiles as GEMM operands, "
+                "float vectors of at most 8 lanes: platform.LOWERING_FLAGS off), as the programs MUSA would choose: to "
+                "run and measure MUSA's programs on CUDA (0: only where the target needs them)")
+    dsv4_program: str = _switch(
+        "MUSA_ATTN_DSV4_PROGRAM", default="auto", kernels=True,
+        meaning="the DeepSeek-V4 sparse attention program: auto (scheduled where the target has warp specialisation, "
+                "register GEMM operands and FP8, else portable), scheduled (FlashMLA's division of the work on a "
+                "per-batch plan), paired (one block a token, its two math warp groups taking the key tiles in pairs: "
+                "FlashMLA's prefill division; correct, 1.15-1.19x the scheduled program's prefill time on the H100) or "
+                "portable; a program the target cannot run is refused, never replaced")
+    target: Optional[str] = _switch(
+        "MUSA_ATTN_TARGET", default=None, kernels=True,
+        meaning="compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
+                "device), mp_31, musa:mp_31, musa or cpu (checked by musa_attn_backend.platform)")
+    cache_dir: Optional[Path] = _switch(
+        "MUSA_ATTN_CACHE_DIR", default=None, kernels=False,
+        meaning="the kernel cache, tuning tables and warmup record (unset: $XDG_CACHE_HOME/musa_attn_backend, else "
+                "~/.cache/musa_attn_backend)")
+    poison: bool = _switch(
+        "MUSA_ATTN_POISON", default=False, kernels=False,
+        meaning="fill outputs and split-KV partials with NaN before the kernels run, so an element no kernel writes "
+                "shows up (a debug aid; the tests turn it on)")
+    vllm_cuda_graphs: bool = _switch(
+        "MUSA_ATTN_VLLM_CUDA_GRAPHS", default=True, kernels=False,
+        meaning="the vLLM builders declare CUDA-graph support and build decode batches into persistent buffers under "
+                "full CUDA graphs: UNIFORM_SINGLE_TOKEN_DECODE for dense attention, UNIFORM_BATCH for DeepSeek-V4's "
+                "layer (0: both declare NEVER)")
+    moe: str = _switch(
+        "MUSA_ATTN_MOE", default="auto", kernels=False,
+        meaning="the engines' FP8 and MXFP4 MoE experts run on this package's grouped GEMMs (kernels.moe): auto (on a "
+                "MUSA device only), on (also on CUDA), off (the engines' own MoE kernels)")
+    model_kernels: str = _switch(
+        "MUSA_ATTN_MODEL_KERNELS", default="auto", kernels=False,
+        meaning="SGLang's DeepSeek-V4 model-side kernels (q norm + RoPE, RoPE, clamped SwiGLU, mHC) are this package's "
+                "(sglang.model_hooks): auto (where SGLang has none of its own: MUSA and CPU), on (also on CUDA: the "
+                "MUSA situation on an NVIDIA GPU), off (SGLang's own, which exist on CUDA only)")
+    commit: Optional[str] = _switch(
+        "MUSA_ATTN_COMMIT", default=None, kernels=False,
+        meaning="the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)")
+
+
+_KINDS = {"bool": "bool", "str": "text", "Optional[str]": "text", "Optional[Path]": "path"}  # field type -> kind
+SWITCHES: tuple[Switch, ...] = tuple(
+    Switch(f.name, f.metadata["env"], _KINDS[f.type], f.default, f.metadata["kernels"], f.metadata["meaning"])
+    for f in dataclasses.fields(Settings))
 BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
 CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"), "model_kernels": ("auto", "on", "off"),
                                        "dsv4_program": ("auto", "scheduled", "paired", "portable")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The effective value of every switch (see :data:`SWITCHES` for their meaning)."""
-
-    split_mixed: bool = True
-    pingpong_gather: bool = True
-    pdl: bool = True
-    tma_chunks: bool = True
-    chunked_combine: bool = True
-    new_kv_prefill: bool = True
-    shared_p: bool = False
-    musa_forms: bool = False
-    dsv4_program: str = "auto"
-    target: Optional[str] = None
-    cache_dir: Optional[Path] = None
-    poison: bool = False
-    vllm_cuda_graphs: bool = True
-    moe: str = "auto"
-    model_kernels: str = "auto"
-    commit: Optional[str] = None
-
-
-# the declarations and the dataclass must name the same fields with the same defaults
-assert [f.name for f in dataclasses.fields(Settings)] == [s.field for s in SWITCHES]
-assert all(f.default == BY_FIELD[f.name].default for f in dataclasses.fields(Settings))
 
 
 def text(switch: Switch, value: Any) -> str:
