@@ -174,13 +174,28 @@ def flex_paged_prefill(q, k_cache, v_cache, table, causal, compiled=True):
     return lambda: fn(qt, kt, vt, block_mask=block, enable_gqa=True)
 
 
+def sdpa_ms(q, k, v, **kwargs) -> dict:
+    """``{peer: ms}`` of torch's ``scaled_dot_product_attention(q, k, v, **kwargs)`` on its flash and cuDNN
+    backends; a backend unavailable for the shape is reported and left out."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for pname, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)  # noqa: E731
+                fn()
+                out[pname] = bench_ms(fn)
+        except Exception as e:  # backend unavailable for this shape
+            print(f"  {pname} skipped: {type(e).__name__}: {e}"[:200])
+    return out
+
+
 def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16, page_sizes=(1, 128), peers=True):
     """One row per (causal, length, page size). ``ours_contiguous_ms``: the same kernel and page size with the
     request's pages in order (the paged-vs-contiguous ratio). ``ours_new_kv_ms``: the same prefill with its keys
     read from the new K/V, how a fresh prefill (no cached prefix) runs in the engines by default; ``ours_ms``
     reads the paged cache, as an extend with a cached prefix does."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     rows = []
     for causal in causal_opts:
         for s in seqlens:
@@ -221,16 +236,7 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
                 kt = torch.randn(1, hkv, s, d, device="cuda", dtype=dtype)
                 vt = torch.randn(1, hkv, s, d, device="cuda", dtype=dtype)
                 kr, vr = kt.repeat_interleave(hq // hkv, 1), vt.repeat_interleave(hq // hkv, 1)
-                for pname, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    try:
-                        with sdpa_kernel(backend):
-                            fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                                qt, kr, vr, is_causal=causal)
-                            fn()
-                            peer_ms[pname] = bench_ms(fn)
-                    except Exception as e:  # backend unavailable for this shape
-                        print(f"  {pname} skipped: {type(e).__name__}: {e}"[:200])
+                peer_ms.update(sdpa_ms(qt, kr, vr, is_causal=causal))
                 try:
                     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -257,8 +263,6 @@ def prefill_rows(seqlens, causal_opts, hq=32, hkv=8, d=128, dtype=torch.bfloat16
 
 
 def decode_rows(batches, ctxs, page_sizes, hq=32, hkv=8, d=128, dtype=torch.bfloat16, peers=True):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     rows = []
     for ps in page_sizes:
         for b in batches:
@@ -278,16 +282,7 @@ def decode_rows(batches, ctxs, page_sizes, hq=32, hkv=8, d=128, dtype=torch.bflo
                     qt = q.view(b, hq, 1, d)
                     kt = torch.randn(b, hkv, ctx, d, device="cuda", dtype=dtype)
                     vt = torch.randn(b, hkv, ctx, d, device="cuda", dtype=dtype)
-                    for pname, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-                                           ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                        try:
-                            with sdpa_kernel(backend):
-                                fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                                    qt, kt, vt, enable_gqa=True)
-                                fn()
-                                peer_ms[pname] = bench_ms(fn)
-                        except Exception as e:
-                            print(f"  {pname} skipped: {type(e).__name__}: {e}"[:200])
+                    peer_ms.update(sdpa_ms(qt, kt, vt, enable_gqa=True))
                     del kt, vt
                 kv_bytes = b * ctx * hkv * d * 2 * dtype.itemsize
                 rows.append({

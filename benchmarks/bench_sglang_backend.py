@@ -57,9 +57,9 @@ for _p in (str(ROOT), str(HERE)):
 
 from bench_attention import capture_graph, eager_ms, git_commit  # noqa: E402
 
+from musa_attn_backend import BACKEND_NAME as OURS  # noqa: E402
 from musa_attn_backend.testing.numeric import tolerance  # noqa: E402
 
-OURS = "tilelang_musa"
 HIDDEN_SIZE = 64  # the kit module's hidden size; only its (unused) projections depend on it
 
 

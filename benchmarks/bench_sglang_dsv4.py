@@ -41,7 +41,8 @@ for _p in (str(ROOT), str(HERE)):
 
 from bench_attention import bench_parser, capture_graph, eager_ms, git_commit, package_versions, run_rows  # noqa: E402
 
-OURS = "tilelang_musa"
+from musa_attn_backend import BACKEND_NAME as OURS  # noqa: E402
+
 ROW_BYTES = 584  # one FP8 MODEL1 cache row
 WINDOW = 128
 
