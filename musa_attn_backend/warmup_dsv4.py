@@ -45,6 +45,15 @@ KV_DTYPES = ("auto", "fp8", "fp8_e4m3")  # V4's caches are FP8 whatever the sett
 FP8_KERNEL_HEADS = 64  # the heads SGLang pads a rank's queries to under attention tensor parallelism
 
 
+def refuse_context_parallel(engine_config, names) -> None:
+    """Refuse, naming the setting, DeepSeek-V4 under context parallelism (which our kernels do not serve): any of
+    the engine's settings ``names`` on ``engine_config`` (SGLang's server args, vLLM's parallel config) above 1."""
+    for name in names:
+        if int(getattr(engine_config, name, 1) or 1) > 1:
+            raise ValueError(f"tilelang_musa: context parallelism ({name}={getattr(engine_config, name)}) is not "
+                             f"supported for DeepSeek-V4")
+
+
 def is_v4(config: dict) -> bool:
     """Whether a Hugging Face config is a DeepSeek-V4 model's."""
     cfg = config.get("text_config", config)

@@ -46,6 +46,7 @@ from sglang.srt.layers.attention.dsv4.metadata import PagedIndexerMetadata
 from ..kernels import dsv4
 from ..kernels.dsv4 import layout as dsv4_layout
 from ..metadata import sglang_dsv4
+from ..warmup_dsv4 import refuse_context_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +126,7 @@ def refuse_unsupported(model_runner) -> None:
     if dtype not in ("auto", "fp8_e4m3"):
         raise ValueError(f"tilelang_musa: DeepSeek-V4 runs an FP8 e4m3 KV cache (--kv-cache-dtype fp8_e4m3 or auto); "
                          f"got --kv-cache-dtype {dtype}")
-    for name in ("attn_cp_size", "dcp_size"):
-        if int(getattr(args, name, 1) or 1) > 1:
-            raise ValueError(f"tilelang_musa: context parallelism ({name}={getattr(args, name)}) is not supported "
-                             f"for DeepSeek-V4")
+    refuse_context_parallel(args, ("attn_cp_size", "dcp_size"))
     if getattr(args, "enable_prefill_cp", False):
         raise ValueError("tilelang_musa: --enable-prefill-cp (context-parallel prefill) is not supported for "
                          "DeepSeek-V4")

@@ -57,6 +57,7 @@ from ..kernels.dsv4 import MAX_HEADS
 from ..kernels.dsv4 import model as dsv4_model
 from ..kernels.dsv4.indexer import INDEX_HEADS, MAX_TOPK
 from ..metadata import vllm_dsv4 as meta
+from ..warmup_dsv4 import refuse_context_parallel
 
 __all__ = ["MusaDeepseekV4Attention", "MusaV4Metadata", "MusaV4MetadataBuilder", "refuse_unsupported"]
 
@@ -84,10 +85,7 @@ def refuse_unsupported(vllm_config) -> None:
     if dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"tilelang_musa: DeepSeek-V4 runs an FP8 KV cache (V4's 584-byte rows): --kv-cache-dtype "
                          f"must be one of {', '.join(KV_CACHE_DTYPES)}; got {dtype}")
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if int(getattr(pc, name, 1) or 1) > 1:
-            raise ValueError(f"tilelang_musa: context parallelism ({name}={getattr(pc, name)}) is not supported for "
-                             f"DeepSeek-V4")
+    refuse_context_parallel(pc, ("decode_context_parallel_size", "prefill_context_parallel_size"))
     if mc.dtype != torch.bfloat16:
         raise ValueError(f"tilelang_musa: DeepSeek-V4 runs in bfloat16 (--dtype bfloat16); got {mc.dtype}")
     spec = vllm_config.speculative_config
@@ -180,56 +178,47 @@ class MusaV4MetadataBuilder(AttentionMetadataBuilder[MusaV4Metadata]):
                               token_to_req_indices=req, positions=pos)
 
 
-class MusaV4SparseBackend(DeepseekV4SparseMLABackend):
-    """The main (C4 / C128) caches: vLLM's spec (256-token blocks, 584-byte rows), our builder."""
+class _OurBuilder:
+    """A vLLM V4 cache group's attention backend with our metadata builder (:class:`MusaV4MetadataBuilder`), named
+    ``VLLM_NAME`` in vLLM."""
 
-    @staticmethod
-    def get_name() -> str:
-        return "TILELANG_MUSA_DSV4"
+    VLLM_NAME: ClassVar[str]
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.VLLM_NAME
 
     @staticmethod
     def get_builder_cls():
         return MusaV4MetadataBuilder
+
+
+class MusaV4SparseBackend(_OurBuilder, DeepseekV4SparseMLABackend):
+    """The main (C4 / C128) caches: vLLM's spec (256-token blocks, 584-byte rows), our builder."""
+
+    VLLM_NAME = "TILELANG_MUSA_DSV4"
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
         return True
 
 
-class MusaV4SWABackend(DeepseekSparseSWABackend):
+class MusaV4SWABackend(_OurBuilder, DeepseekSparseSWABackend):
     """The sliding-window cache (64-token blocks): our builder (vLLM's plans FlashMLA's scheduler)."""
 
-    @staticmethod
-    def get_name() -> str:
-        return "TILELANG_MUSA_DSV4_SWA"
-
-    @staticmethod
-    def get_builder_cls():
-        return MusaV4MetadataBuilder
+    VLLM_NAME = "TILELANG_MUSA_DSV4_SWA"
 
 
-class MusaV4IndexerBackend(DeepseekV4IndexerBackend):
+class MusaV4IndexerBackend(_OurBuilder, DeepseekV4IndexerBackend):
     """The indexer-key cache (132-byte rows, 64 a block): vLLM's layouts and block size, our builder."""
 
-    @staticmethod
-    def get_name() -> str:
-        return "TILELANG_MUSA_DSV4_INDEXER"
-
-    @staticmethod
-    def get_builder_cls():
-        return MusaV4MetadataBuilder
+    VLLM_NAME = "TILELANG_MUSA_DSV4_INDEXER"
 
 
-class MusaV4CompressorBackend(CompressorBackend):
+class MusaV4CompressorBackend(_OurBuilder, CompressorBackend):
     """The compressors' float32 state caches: our builder."""
 
-    @staticmethod
-    def get_name() -> str:
-        return "TILELANG_MUSA_DSV4_COMPRESSOR"
-
-    @staticmethod
-    def get_builder_cls():
-        return MusaV4MetadataBuilder
+    VLLM_NAME = "TILELANG_MUSA_DSV4_COMPRESSOR"
 
 
 # --------------------------------------------------------------------------------------------------- helpers
