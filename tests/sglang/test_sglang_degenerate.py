@@ -119,11 +119,14 @@ def close(a, b, what, tol=2 ** -7):
     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
-def per_row(run, T, what):
-    # every output row of the T-row call equals that row run alone: no row depends on another
+def per_row(run, T, what, *shapes):
+    # the T-row call: its first outputs have the given shapes, and every output row equals that row run alone (no
+    # row depends on another)
+    outs, _ = run(None)
+    got = [tuple(o.shape) for o in outs[:len(shapes)]]
+    assert got == list(shapes), (what, got, shapes)
     if T < 2:
         return
-    outs, args = run(None)
     for r in (0, T // 2 + 1, T - 1):
         single, _ = run(r)
         for a, b in zip(outs, single):
@@ -165,9 +168,7 @@ for T in ROWS:
                 assert torch.equal(fp8.float(), out.to(torch.float8_e4m3fn).float()), "FP8 out: the bf16 result cast"
                 outs += [out, fp8]
             return outs, None
-        outs, _ = run(None)
-        assert all(o.shape == (T, 4, 512) for o in outs)
-        per_row(run, T, "fused_q_norm_rope")
+        per_row(run, T, "fused_q_norm_rope", *[(T, 4, 512)] * 4)
 
     @check("fused_rope_inplace", T)
     def _(T):
@@ -182,9 +183,7 @@ for T in ROWS:
             close(q, want_q, "q (nope dims untouched, rope dims rotated back)")
             close(k, want_k, "k")
             return [q, k], None
-        outs, _ = run(None)
-        assert outs[0].shape == (T, 4, 512)
-        per_row(run, T, "fused_rope_inplace")
+        per_row(run, T, "fused_rope_inplace", (T, 4, 512))
 
     @check("fused_norm_rope_inplace", T)
     def _(T):
@@ -196,9 +195,7 @@ for T in ROWS:
             assert model.fused_norm_rope_inplace(kv, w, 1e-6, freqs, p) is None
             close(kv, want, "kv")
             return [kv], None
-        outs, _ = run(None)
-        assert outs[0].shape == (T, 512)
-        per_row(run, T, "fused_norm_rope_inplace")
+        per_row(run, T, "fused_norm_rope_inplace", (T, 512))
 
     @check("silu_and_mul_clamp", T)
     def _(T):
@@ -209,9 +206,7 @@ for T in ROWS:
             assert v2.silu_and_mul_clamp(x, y, 10.0) is None
             close(y, ops.silu_and_mul_clamp(x, 10.0, impl=R), "y")
             return [y], None
-        outs, _ = run(None)
-        assert outs[0].shape == (T, 128)
-        per_row(run, T, "silu_and_mul_clamp")
+        per_row(run, T, "silu_and_mul_clamp", (T, 128))
 
     res = bf16(T, N, H, scale=2)
 
@@ -234,7 +229,6 @@ for T in ROWS:
                         close(a, b, f"{what} against SGLang's _mhc_pre_torch", tol=1e-5)
                 outs += [post, comb, y]
             return outs, None
-        run(None)
         per_row(run, T, "mhc_pre")
 
     post_in = torch.rand(T, N, 1, generator=g) * 2
@@ -253,9 +247,7 @@ for T in ROWS:
                       "streams against SGLang's _mhc_post_torch", tol=2 ** -7)
                 outs.append(out)
             return outs, None
-        outs, _ = run(None)
-        assert outs[0].shape == (T, N, H)
-        per_row(run, T, "mhc_post")
+        per_row(run, T, "mhc_post", (T, N, H))
 
     @check("mhc_fused_post_pre", T)
     def _(T):
@@ -273,9 +265,7 @@ for T in ROWS:
                     close(a, b, f"{what} (norm={nw is not None})", tol=1e-5)
                 outs += list(got)
             return outs, None
-        outs, _ = run(None)
-        assert [tuple(o.shape) for o in outs[:4]] == [(T, N, H), (T, N, 1), (T, N, N), (T, H)]
-        per_row(run, T, "mhc_fused_post_pre")
+        per_row(run, T, "mhc_fused_post_pre", (T, N, H), (T, N, 1), (T, N, N), (T, H))
 
     mixes = torch.randn(T, 1, N * (N + 2), generator=g)
 
@@ -288,9 +278,7 @@ for T in ROWS:
             for a, b, what in zip(got, want, ("pre", "post", "comb")):
                 close(a, b, what, tol=1e-6)
             return list(got), None
-        outs, _ = run(None)
-        assert [tuple(o.shape) for o in outs] == [(T, 1, N), (T, 1, N), (T, 1, N, N)]
-        per_row(run, T, "hc_split_sinkhorn")
+        per_row(run, T, "hc_split_sinkhorn", (T, 1, N), (T, 1, N), (T, 1, N, N))
 
     pre_in = torch.rand(T, N, generator=g) + 0.1
 
@@ -301,9 +289,7 @@ for T in ROWS:
             y = mhc.mhc_combine(res[s].flatten(1), pre_in[s], N, torch.bfloat16)
             close(y, ops.hc_combine(res[s], pre_in[s], torch.bfloat16), "y")
             return [y], None
-        outs, _ = run(None)
-        assert outs[0].shape == (T, H)
-        per_row(run, T, "mhc_combine")
+        per_row(run, T, "mhc_combine", (T, H))
 
     @check("fused_hc_head", T)
     def _(T):
@@ -314,9 +300,7 @@ for T in ROWS:
             close(y, model.hc_head_torch(x, fn[:N], sc[:1], base[:N], norm_eps=1e-6, hc_eps=1e-6),
                   "y against SGLang's hc_head_torch")
             return [y], None
-        outs, _ = run(None)
-        assert outs[0].shape == (T, H)
-        per_row(run, T, "fused_hc_head")
+        per_row(run, T, "fused_hc_head", (T, H))
 
     @check("unquantized_v4_experts", T)
     def _(T):
