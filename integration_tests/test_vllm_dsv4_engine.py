@@ -50,9 +50,16 @@ def _logprobs(out) -> list:
     return [None if row is None else row[tok].logprob for tok, row in zip(ids, rows)]
 
 
+# eager; then the CUDA graphs Moore Threads' V4 recipe serves with (FULL_DECODE_ONLY: decode steps replayed, prefill
+# eager), at vLLM's V4 block of 256 and at the 64 MUSA's vLLM forces for V4-style models
+MODES = {"eager": (True, None, 256), "graphs": (False, "FULL_DECODE_ONLY", 256),
+         "graphs-block64": (False, "FULL_DECODE_ONLY", 64)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "runs")
-def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path, mode):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -64,10 +71,15 @@ def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path):
     asks = prompts(config["vocab_size"], medium=True)
     # transformers' V4 config reads the dense intermediate_size as the experts' width: the experts' own, as built
     overrides = {"moe_intermediate_size": config["moe_intermediate_size"]}
+    eager, graphs, block = MODES[mode]
+    compilation = {"custom_ops": ["none"]}
+    if graphs:
+        # full graphs need no torch.compile (mode 0: none; vLLM captures the whole forward around the model)
+        compilation.update(mode=0, cudagraph_mode=graphs, cudagraph_capture_sizes=[1, 2, 4])
     llm = LLM(model=str(model), tokenizer=None, skip_tokenizer_init=True, attention_backend="tilelang_musa",
-              dtype="bfloat16", kv_cache_dtype="fp8", block_size=256, gpu_memory_utilization=0.3,
-              max_model_len=4096, enforce_eager=True, seed=0, hf_overrides=overrides,
-              compilation_config={"custom_ops": ["none"]})
+              dtype="bfloat16", kv_cache_dtype="fp8", block_size=block, gpu_memory_utilization=0.3,
+              max_model_len=4096, enforce_eager=eager, seed=0, hf_overrides=overrides,
+              compilation_config=compilation)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0, prompt_logprobs=0,
                             detokenize=False)
     names = ["short", "medium", "long"]
@@ -77,3 +89,8 @@ def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path):
         assert len(out.outputs[0].token_ids) == MAX_NEW, name
         res = agreement(ref, ids, _logprobs(out), len(asks[name]))
         assert not res["failures"], f"{name} disagrees with the reference V4 forward: {res}"
+    del llm  # the next mode's engine sizes its KV cache from the memory it finds free
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -47,6 +47,7 @@ from ..kernels import dsv4
 from ..kernels.dsv4 import layout as dsv4_layout
 from ..metadata import sglang_dsv4
 from ..warmup_dsv4 import refuse_context_parallel
+from . import model_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ class TileLangMusaDSV4Backend(v4.DeepseekV4AttnBackend):
     def __init__(self, model_runner, **kwargs):
         refuse_unsupported(model_runner)
         install_seams()
+        model_hooks.log_replaced()
         _state["active"] = True
         with _flash_mla_interface_if_absent():
             super().__init__(model_runner, **kwargs)

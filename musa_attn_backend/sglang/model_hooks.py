@@ -26,6 +26,9 @@ from ..metadata.sglang_dsv4 import rope_table
 logger = logging.getLogger(__name__)
 
 _installed = False
+# (platform kind, replaced targets) once install() registered them; the V4 backend logs it again when it is made,
+# since install() runs at plugin registration, before the server's processes have configured their logging
+_replaced: tuple[str, list[str]] | None = None
 
 
 def fused_q_norm_rope(q_input, q_output, eps, freqs_cis, positions) -> None:
@@ -242,4 +245,13 @@ def install() -> None:
     if kind == "cpu":
         HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.configure",
                               _configure_kv_cache, HookType.AROUND)
+    global _replaced
+    _replaced = (kind, list(targets))
     logger.info("musa_attn_backend: DeepSeek-V4 model kernels replaced on %s: %s", kind, ", ".join(targets))
+
+
+def log_replaced() -> None:
+    """Log which of SGLang's V4 model kernels :func:`install` replaced (nothing where it replaced none)."""
+    if _replaced is not None:
+        logger.info("musa_attn_backend: DeepSeek-V4 model kernels replaced on %s: %s", _replaced[0],
+                    ", ".join(_replaced[1]))

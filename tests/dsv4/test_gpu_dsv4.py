@@ -143,7 +143,7 @@ def test_scheduled_program_through_its_entry_equals_tilelangs_wrapper(gpu_device
     tilelang_impl._SCHED_KERNELS.clear()
     monkeypatch.setattr(tilelang_impl, "launcher", _tilelang.launcher)
     outs = [run(torch.full_like(q, float("nan"))).clone() for _ in range(3)]
-    program, combine = tilelang_impl._SCHED_KERNELS[(heads, False, True, False)]
+    program, combine = tilelang_impl._sched_kernels(heads, False, True)  # the cached pair the runs launched
     assert isinstance(program, _tilelang._Entry) and isinstance(combine, _tilelang._Entry)
     static = torch.full_like(q, float("nan"))
     graph = torch.cuda.CUDAGraph()
