@@ -189,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (NCCL; kernel_ms only at 1: the "
+                                                      "workers run in processes of their own)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop before a case that would pass this")
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -223,7 +225,7 @@ def main(argv=None) -> int:
               kv_cache_dtype="fp8", block_size=args.block_size, load_format="dummy",
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
               max_num_seqs=max(64, max(batches)), enable_prefix_caching=False, enforce_eager=args.eager, seed=0,
-              compilation_config=compilation)
+              compilation_config=compilation, tensor_parallel_size=args.tp, disable_custom_all_reduce=True)
     load_s = time.perf_counter() - t_load
     engine = llm.llm_engine
     stamp = datetime.now(timezone.utc)
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
            "versions": package_versions("tilelang", "vllm"), "engine": "vllm",
            "model": {"layers": args.layers, "compress_ratios": list(flash_config(args.layers, ratios)["compress_ratios"]),
                      "quant": args.quant, "weights": "dummy (random, on the GPU)"},
-           "graphs": None if args.eager else "FULL_DECODE_ONLY", "engine_start_s": load_s,
+           "graphs": None if args.eager else "FULL_DECODE_ONLY", "tp": args.tp, "engine_start_s": load_s,
            "gpu_memory": gpu_memory(llm), "rows": [], "left_out": []}
     rng = random.Random(0)
     profiled: set[int] = set()
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
         if guess > left:
             doc["left_out"].append({"batch": batch, "context": context, "why": f"budget: ~{guess:.0f} s, {left:.0f} left"})
             continue
-        prof = args.profile_steps if batch not in profiled else 0
+        prof = args.profile_steps if batch not in profiled and args.tp == 1 else 0
         try:
             row = run_case(engine, batch, context, args.decode_steps, prof, rng)
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on to write what it has

@@ -52,14 +52,18 @@ def _logprobs(out) -> list:
 
 # eager; then the CUDA graphs Moore Threads' V4 recipe serves with (FULL_DECODE_ONLY: decode steps replayed, prefill
 # eager), at vLLM's V4 block of 256 and at the 64 MUSA's vLLM forces for V4-style models
-MODES = {"eager": (True, None, 256), "graphs": (False, "FULL_DECODE_ONLY", 256),
-         "graphs-block64": (False, "FULL_DECODE_ONLY", 64)}
+# eager, tensor parallel over two GPUs (V4 is served TP8 on S5000s; NCCL, not vLLM's compiled custom all-reduce)
+MODES = {"eager": (True, None, 256, 1), "graphs": (False, "FULL_DECODE_ONLY", 256, 1),
+         "graphs-block64": (False, "FULL_DECODE_ONLY", 64, 1), "tp2": (True, None, 256, 2)}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "runs")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path, mode):
+    eager, graphs, block, tp = MODES[mode]
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -71,7 +75,6 @@ def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path, mode)
     asks = prompts(config["vocab_size"], medium=True)
     # transformers' V4 config reads the dense intermediate_size as the experts' width: the experts' own, as built
     overrides = {"moe_intermediate_size": config["moe_intermediate_size"]}
-    eager, graphs, block = MODES[mode]
     compilation = {"custom_ops": ["none"]}
     if graphs:
         # full graphs need no torch.compile (mode 0: none; vLLM captures the whole forward around the model)
@@ -79,7 +82,7 @@ def test_tiny_deepseek_v4_through_vllm_agrees_with_the_reference(tmp_path, mode)
     llm = LLM(model=str(model), tokenizer=None, skip_tokenizer_init=True, attention_backend="tilelang_musa",
               dtype="bfloat16", kv_cache_dtype="fp8", block_size=block, gpu_memory_utilization=0.3,
               max_model_len=4096, enforce_eager=eager, seed=0, hf_overrides=overrides,
-              compilation_config=compilation)
+              compilation_config=compilation, tensor_parallel_size=tp, disable_custom_all_reduce=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0, prompt_logprobs=0,
                             detokenize=False)
     names = ["short", "medium", "long"]
