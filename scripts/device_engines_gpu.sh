@@ -2,7 +2,8 @@
 # Issue 40 on the lent GPU (a warm machine with .device/tl installed; carry .device/env.sh .device/fw): the tiny V4
 # served in the MUSA situation by both engines, one after the other: SGLang's real server (integration_tests/
 # test_sglang_dsv4_gpu.py, SGK: eager first, "eager or cuda_graphs" for both) and vLLM's LLM() with
-# integration_tests/vllm_gpu_harness first on PYTHONPATH (test_vllm_dsv4_engine.py). Logs under $OUT.
+# integration_tests/vllm_gpu_harness first on PYTHONPATH (test_vllm_dsv4_engine.py; VLLM_MODES picks its modes:
+# eager, graphs, graphs-block64, and tp2 on a two-GPU kind). Logs under $OUT.
 # Stage .device/fw with the packages SGLang's server imports that the default staging leaves out:
 #   FW_EXTRA="setproctitle jsonschema referencing rpds-py jsonschema-specifications python-multipart soundfile cffi
 #   pycparser" ../shared/device/prepare.sh --frameworks
