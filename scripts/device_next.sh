@@ -21,8 +21,10 @@ case "${1:-}" in
        --engine vllm --experts fp8 -j 12 > "$out/warmup.txt" 2>&1) &
     (timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py -k entry \
        > "$out/entry_test.txt" 2>&1) &
+    (timeout 120 python3 scripts/probe_st_async.py --run > "$out/st_async.txt" 2>&1) &
     wait
-    stamp "warmup + entry test"; tail -2 "$out/warmup.txt"; tail -3 "$out/entry_test.txt"
+    stamp "warmup + entry test + st.async probe"; tail -2 "$out/warmup.txt"; tail -3 "$out/entry_test.txt"
+    tail -1 "$out/st_async.txt"
     T2=${T2:-240} bash scripts/device_moe.sh bench
     stamp "moe bench" ;;
   call2)
