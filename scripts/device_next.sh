@@ -3,7 +3,8 @@
 # last). Write .commit first (`git rev-parse --short HEAD > .commit`): the device's git metadata is stale.
 #   call1  (cold; carry .device/env.sh .device/tl .device/peers .commit; about 8 minutes)
 #          the V4-Flash-sized model's kernels compiled into the cache (`musa-attn warmup`, 12 processes) beside the
-#          launcher's GPU test (test_gpu_dsv4.py -k entry), then the MoE bench with DeepGEMM beside (issue 39)
+#          launcher's GPU test (test_gpu_dsv4.py -k entry) and the st.async probe (issue 37), then the MoE bench
+#          with DeepGEMM beside (issue 39)
 #   call2  (carry .device/env.sh .device/fw; about 8 minutes) the engines: SGLang eager and CUDA graphs, vLLM's
 #          eager, graphs and graphs-block64 modes under runner V2 (issue 40, scripts/device_engines_gpu.sh)
 #   call3  (no carry) the V4-Flash-sized serving bench (scripts/device_serve_dsv4.sh; its warmup finds call1's
