@@ -1,6 +1,6 @@
 """Write the generated CUDA of a fixed list of attention kernels, one file per kernel, for diffing across commits.
 
-    PYTHONPATH=. python scripts/dump_kernels.py OUT_DIR [--only SUBSTRING] [--tir] [--skip-existing]
+    PYTHONPATH=. python scripts/dump_kernels.py OUT_DIR [--only SUBSTRING ...] [--runs N] [--tir] [--skip-existing]
     python scripts/dump_kernels.py --compare OLD_DIR NEW_DIR
 
 Each kernel is lowered for ``{"kind": "cuda", "arch": "sm_90a"}`` with the pass configs the launcher
@@ -12,7 +12,11 @@ with ``diff -r``.
 ``--compare`` reports each kernel as identical, identical up to the names of TileLang's reduction workspaces,
 or different: TileLang 0.1.12 hands the ``AllReduce`` workspaces of the 16-row decode tiling (four buffers of
 one size) to its reductions in an order that changes from run to run of the same program, so those kernels are
-compared with the workspace names folded into one.
+compared with the workspace names folded into one. TileLang 0.1.12 also places some ``__syncthreads()``
+differently from one lowering of a program to the next (seen on DeepSeek-V4's split portable program and the
+masked FP4 MoE program with float32 scales), so a commit's sources of a program are a set: ``--runs N`` lowers
+each program N times and keeps every source it gets, and ``--compare`` accepts a program whose new sources are
+all among the old ones.
 
 The builders are reached through a small import shim so that the script runs both at the commits that hold
 one program per module and at those before, when all of them lived in ``tilelang_kernel``.
@@ -21,6 +25,8 @@ one program per module and at those before, when all of them lived in ``tilelang
 from __future__ import annotations
 
 import argparse
+import collections
+import hashlib
 import os
 import re
 import sys
@@ -137,8 +143,22 @@ def lower_source(func, pass_configs) -> str:
         return tilelang.lower(func, target=target).kernel_source
 
 
+def variants(out: Path, stem: str) -> set:
+    """The digests of the sources ``--runs`` found for program ``stem`` in ``out`` (its ``.cu`` alone where the
+    runs agreed or ``--runs`` was 1)."""
+    listed = out / f"{stem}.variants"
+    if listed.exists():
+        return {line.split()[0] for line in listed.read_text().splitlines()}
+    return {digest((out / f"{stem}.cu").read_text())}
+
+
+def digest(source: str) -> str:
+    return hashlib.sha1(source.encode()).hexdigest()[:12]
+
+
 def compare(old: Path, new: Path) -> int:
-    """Print one line per kernel of ``old`` / ``new``; 1 if any differs (beyond workspace names) or is missing."""
+    """Print one line per kernel of ``old`` / ``new``; 1 if any differs (beyond workspace names and TileLang's
+    run-to-run variation) or is missing."""
     bad = 0
     for name in sorted({p.name for p in old.glob("*.cu")} | {p.name for p in new.glob("*.cu")}):
         a, b = old / name, new / name
@@ -148,9 +168,12 @@ def compare(old: Path, new: Path) -> int:
             verdict = "identical"
         elif WORKSPACE.sub("workspace", a.read_text()) == WORKSPACE.sub("workspace", b.read_text()):
             verdict = "identical up to workspace names"
+        elif variants(new, name[:-3]) <= variants(old, name[:-3]):
+            verdict = (f"identical up to run-to-run variation (every source of the new runs is one of the old runs': "
+                       f"{len(variants(new, name[:-3]))} of {len(variants(old, name[:-3]))})")
         else:
             verdict = "DIFFERS"
-        bad += verdict not in ("identical", "identical up to workspace names")
+        bad += not verdict.startswith("identical")
         print(f"{name[:-3]}: {verdict}")
     return 1 if bad else 0
 
@@ -158,12 +181,18 @@ def compare(old: Path, new: Path) -> int:
 WORKSPACE = re.compile(r"\bworkspace(_\d+)?\b")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(argv, doc: str, names, make) -> int:
+    """The command line of this script and of ``dump_programs.py``: ``make(name)`` gives ``(prim_func,
+    pass_configs)`` of each program of ``names``, lowered and written (or compared, ``--compare``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("OLD", "NEW"), help="compare two output dirs")
     ap.add_argument("out", type=Path, nargs="?")
-    ap.add_argument("--only", default="", help="only the kernels whose name contains this")
-    ap.add_argument("--skip-existing", action="store_true", help="leave kernels already written in OUT alone")
+    ap.add_argument("--only", nargs="*", default=[], help="only the programs whose name contains one of these")
+    ap.add_argument("--skip-existing", action="store_true", help="leave programs already written in OUT alone")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="lower each program this many times: TileLang 0.1.12 places some barriers differently "
+                         "from run to run of the same program, so a program's sources are a set (the most frequent "
+                         "is <name>.cu, each one <name>.<digest>.cu.variant, their counts <name>.variants)")
     ap.add_argument("--tir", action="store_true",
                     help="write each program's TIR before lowering (<name>.tir.py; seconds, not minutes): the same "
                          "TIR lowers to the same CUDA")
@@ -174,25 +203,36 @@ def main(argv=None) -> int:
         ap.error("OUT_DIR is required")
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for name, (build, pass_configs) in KERNELS.items():
+    for name in names:
         done = args.out / f"{name}.{'tir.py' if args.tir else 'cu'}"
-        if args.only not in name or (args.skip_existing and done.exists()):
+        if (args.only and not any(s in name for s in args.only)) or (args.skip_existing and done.exists()):
             continue
         t = time.time()
         if args.tir:
-            (args.out / f"{name}.tir.py").write_text(build().script())
+            done.write_text(make(name)[0].script())
             print(f"{name}: TIR, {time.time() - t:.1f} s", flush=True)
             continue
         try:
-            src = lower_source(build(), pass_configs)
-        except Exception as e:  # report and go on: a kernel that no longer lowers is a result too
+            sources = collections.Counter(lower_source(*make(name)) for _ in range(args.runs))
+        except Exception as e:  # report and go on: a program that no longer lowers is a result too
             failed += 1
             (args.out / f"{name}.error").write_text(f"{type(e).__name__}: {e}\n")
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[-300:]}", flush=True)
             continue
-        (args.out / f"{name}.cu").write_text(src)
-        print(f"{name}: {len(src)} chars, {time.time() - t:.1f} s", flush=True)
+        src = sources.most_common(1)[0][0]
+        done.write_text(src)
+        if len(sources) > 1:  # each source the runs gave, and how often
+            for text in sources:
+                (args.out / f"{name}.{digest(text)}.cu.variant").write_text(text)
+            (args.out / f"{name}.variants").write_text("".join(f"{digest(text)} {n}\n" for text, n in
+                                                               sources.most_common()))
+        print(f"{name}: {len(src)} chars, {len(sources)} source(s) in {args.runs} run(s), "
+              f"{time.time() - t:.1f} s", flush=True)
     return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    return cli(argv, __doc__, KERNELS, lambda name: (KERNELS[name][0](), KERNELS[name][1]))
 
 
 if __name__ == "__main__":
