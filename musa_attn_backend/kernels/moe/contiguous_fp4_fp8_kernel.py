@@ -16,7 +16,7 @@ A slice with no row of its tile's expert (a tile's padding) computes nothing.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import SPAN, fp8_mma_buffers, fp8_mma_step, staged_chunk
+from .fp4_tir import SPAN, SPAN_WORDS, fp8_mma_buffers, fp8_mma_step, staged_chunk
 from .reference import ALIGN as TILE  # the layout's alignment: a tile's expert is its first row's
 
 FP8 = "float8_e4m3"
@@ -34,8 +34,7 @@ def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, blo
     bytes) or ``float32`` (the scales' values). ``spans`` (1, 2 or 4) and ``chunk``: as in the masked program."""
     assert N % block_n == 0 and K % 128 == 0 and TILE % block_m == 0 and spans in (1, 2, 4)
     M, E = T.dynamic("m"), T.dynamic("experts")
-    KS, WORDS = K // SPAN, SPAN // 8
-    chunk = staged_chunk(K, chunk, spans)
+    KS, chunk = staged_chunk(K, chunk, spans)
     step = fp8_mma_step(block_n, block_m, spans, threads, scale_dtype)
 
     @T.prim_func
@@ -69,7 +68,7 @@ def build_grouped_gemm_contiguous_fp4_fp8(N: int, K: int, block_m: int = 16, blo
                     for kk in T.Pipelined(chunk // spans, num_stages=num_stages):
                         k = c * chunk + kk * spans  # in units of 32 values
                         T.copy(A[row0, k * SPAN], A_s)
-                        T.copy(B[layout[tile0], n0, k * WORDS], Bw_s)
+                        T.copy(B[layout[tile0], n0, k * SPAN_WORDS], Bw_s)
                         step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)
                 for i, j in T.Parallel(block_n, block_m):
                     D_s[j, i] = T.Cast(BF16, acc[i, j] * E2M1_OVER_E4M3)

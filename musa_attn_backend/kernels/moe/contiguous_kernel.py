@@ -30,7 +30,7 @@ the same pass moves a local's initialisation past the branch that tests it.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import bf16_operands, packed_weights
+from .fp4_tir import bf16_operand_tiles, bf16_operands, packed_weights
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -38,13 +38,15 @@ BF16 = "bfloat16"
 
 
 def _contiguous_body(N: int, K: int, block_n: int, num_stages: int, threads: int, M, E, fp4: bool,
-                     policy: str = "Square", swizzle: int = 0, per: int = 1, packing: str = "",
-                     scale_dtype: str = ACC):
-    """The macro ``body(A, SA, B, SB, layout, D)`` of both programs (``fp4``: the weights' format; ``per``,
-    ``packing``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`)."""
+                     policy: str = "Square", swizzle: int = 0, packing: str = "", scale_dtype: str = ACC):
+    """``(body, KS)``: the macro ``body(A, SA, B, SB, layout, D)`` of both programs (``fp4``: the weights' format;
+    ``packing``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`) and the K steps of
+    128 (the scales' columns). ``N`` a multiple of ``block_n`` (FP8 weights: a divisor of 128, so one weight scale
+    covers it), ``K`` a multiple of 128."""
+    assert N % block_n == 0 and (fp4 or 128 % block_n == 0) and K % 128 == 0
     block_m, block_k = 128, 128
     KS = K // block_k
-    packed = packed_weights(packing)[1] if fp4 else FP8
+    per = packed_weights(packing)[0] if fp4 else 1
     widen = bf16_operands(block_m, block_n, block_k, threads, packing) if fp4 else None
 
     @T.macro
@@ -54,11 +56,7 @@ def _contiguous_body(N: int, K: int, block_n: int, num_stages: int, threads: int
                 T.use_swizzle(swizzle)
             A_s = T.alloc_shared((block_m, block_k), FP8)
             if fp4:
-                Bq_s = T.alloc_shared((block_n, block_k // per), packed)
-                Bs_s = T.alloc_shared((block_n, block_k // 32), scale_dtype)
-                A_w = T.alloc_shared((block_m, block_k), BF16)
-                B_w = T.alloc_shared((block_n, block_k), BF16)
-                D_s = T.alloc_shared((block_m, block_n), BF16)
+                Bq_s, Bs_s, A_w, B_w, D_s = bf16_operand_tiles(block_m, block_n, block_k, packing, scale_dtype)
                 scale = T.alloc_fragment((block_m,), ACC)
             else:
                 B_s = T.alloc_shared((block_n, block_k), FP8)
@@ -101,7 +99,7 @@ def _contiguous_body(N: int, K: int, block_n: int, num_stages: int, threads: int
                         if layout[row0 + i] >= 0:
                             D[row0 + i, bx * block_n + j] = NAN_BF16
 
-    return body
+    return body, KS
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,10 +110,8 @@ def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages
     ``FullRow``: each warp group whole rows of the tile, ``FullCol``). ``swizzle``: 0 launches the blocks row of
     tiles by row of tiles; a panel width launches them in panels of that many tile columns (``T.use_swizzle``),
     so blocks running together share weight tiles in L2."""
-    assert N % block_n == 0 and 128 % block_n == 0 and K % 128 == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
-    KS = K // 128
-    body = _contiguous_body(N, K, block_n, num_stages, threads, M, E, False, policy=policy, swizzle=swizzle)
+    body, KS = _contiguous_body(N, K, block_n, num_stages, threads, M, E, False, policy=policy, swizzle=swizzle)
 
     @T.prim_func
     def grouped_gemm_contiguous(
@@ -138,11 +134,9 @@ def build_grouped_gemm_contiguous_fp4(N: int, K: int, block_n: int = 128, num_st
     dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values). ``packing``: ``bytes``
     or ``words``, how ``B``'s memory is read and converted (:func:`.fp4_tir.packed_weights`)."""
     per, packed = packed_weights(packing)
-    assert N % block_n == 0 and K % 128 == 0
     M, E = T.dynamic("m"), T.dynamic("experts")
-    KS = K // 128
-    body = _contiguous_body(N, K, block_n, num_stages, threads, M, E, True, per=per, packing=packing,
-                            scale_dtype=scale_dtype)
+    body, KS = _contiguous_body(N, K, block_n, num_stages, threads, M, E, True, packing=packing,
+                                scale_dtype=scale_dtype)
 
     @T.prim_func
     def grouped_gemm_contiguous_fp4(

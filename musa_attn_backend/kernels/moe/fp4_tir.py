@@ -79,6 +79,19 @@ def convert_words(rows: int, cols: int, threads: int, out_dtype: str):
     return convert
 
 
+def bf16_operand_tiles(block_m: int, block_n: int, block_k: int, packing: str, scale_dtype: str):
+    """The shared tiles of the FP4 programs that convert in shared memory (both layouts), allocated in the calling
+    kernel, in :func:`bf16_operands`' names: ``(Bq_s, Bs_s, A_w, B_w, D_s)``: a K step's packed weights (as
+    ``packing`` reads them, :func:`packed_weights`) and their ``scale_dtype`` scales, the bf16 GEMM operands, and
+    the bf16 output tile."""
+    per, packed = packed_weights(packing)
+    return (T.alloc_shared((block_n, block_k // per), packed),
+            T.alloc_shared((block_n, block_k // 32), scale_dtype),
+            T.alloc_shared((block_m, block_k), "bfloat16"),
+            T.alloc_shared((block_n, block_k), "bfloat16"),
+            T.alloc_shared((block_m, block_n), "bfloat16"))
+
+
 def bf16_operands(block_m: int, block_n: int, block_k: int, threads: int, packing: str):
     """A macro ``widen(A_s, Bq_s, Bs_s, A_w, B_w)``: a K step's bf16 GEMM operands of the FP4 programs that convert
     in shared memory (both layouts): ``A_w`` the FP8 tile ``A_s`` widened (exact), ``B_w [block_n, block_k]`` the
@@ -140,11 +153,12 @@ def convert_words_e4m3(rows: int, words: int, threads: int):
     return convert
 
 
-def staged_chunk(K: int, chunk: int, spans: int) -> int:
-    """How many 32-value columns of weight scales the FP8-MMA programs stage in shared memory at a time: the
-    largest multiple of ``spans`` that divides ``K / 32``, at most ``chunk`` (and at least ``spans``)."""
+def staged_chunk(K: int, chunk: int, spans: int) -> tuple[int, int]:
+    """``(KS, chunk)``: the 32-value columns of weight scales a row has (``K / 32``) and how many of them the FP8-MMA
+    programs stage in shared memory at a time: the largest multiple of ``spans`` that divides ``KS``, at most
+    ``chunk`` (and at least ``spans``)."""
     KS = K // SPAN
-    return max(c for c in range(spans, max(min(chunk, KS), spans) + 1, spans) if KS % c == 0)
+    return KS, max(c for c in range(spans, max(min(chunk, KS), spans) + 1, spans) if KS % c == 0)
 
 
 def fp8_mma_buffers(block_m: int, block_n: int, spans: int, K: int, chunk: int, scale_dtype: str):

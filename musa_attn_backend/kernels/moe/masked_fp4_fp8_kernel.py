@@ -23,7 +23,7 @@ reach no written value.
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import SPAN, fp8_mma_buffers, fp8_mma_step, staged_chunk
+from .fp4_tir import SPAN, SPAN_WORDS, fp8_mma_buffers, fp8_mma_step, staged_chunk
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -44,8 +44,7 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
     once, the weight rows' ``chunk`` columns at a time (``chunk`` x 32 values, a multiple of the step's)."""
     assert N % block_n == 0 and K % 128 == 0 and spans in (1, 2, 4)
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
-    KS, WORDS = K // SPAN, SPAN // 8
-    chunk = staged_chunk(K, chunk, spans)
+    KS, chunk = staged_chunk(K, chunk, spans)
     step = fp8_mma_step(block_n, block_m, spans, threads, scale_dtype)
 
     @T.prim_func
@@ -72,7 +71,7 @@ def build_grouped_gemm_masked_fp4_fp8(N: int, K: int, block_m: int = 16, block_n
                     for kk in T.Pipelined(chunk // spans, num_stages=num_stages):
                         k = c * chunk + kk * spans  # in units of 32 values
                         T.copy(A[e, row0, k * SPAN], A_s)
-                        T.copy(B[e, n0, k * WORDS], Bw_s)
+                        T.copy(B[e, n0, k * SPAN_WORDS], Bw_s)
                         step(Bw_s, B_s, A_s, SB_s, SA_s, kk, k, sb, sa, part, acc)
                 for i, j in T.Parallel(block_n, block_m):
                     D_s[j, i] = T.Cast(BF16, acc[i, j] * E2M1_OVER_E4M3)

@@ -21,7 +21,7 @@ not written. The K loop is the contiguous program's (:mod:`.contiguous_kernel`):
 import functools
 
 from ..._tilelang import tl_lang as T
-from .fp4_tir import bf16_operands, packed_weights
+from .fp4_tir import bf16_operand_tiles, bf16_operands, packed_weights
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -29,12 +29,15 @@ BF16 = "bfloat16"
 
 
 def _masked_body(N: int, K: int, block_m: int, block_n: int, num_stages: int, threads: int, E, MM, fp4: bool,
-                 per: int = 1, packing: str = "", scale_dtype: str = ACC):
-    """The macro ``body(A, SA, B, SB, masked_m, D)`` of both programs (``fp4``: the weights' format; ``per``,
-    ``packing``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`)."""
+                 packing: str = "", scale_dtype: str = ACC):
+    """``(body, KS)``: the macro ``body(A, SA, B, SB, masked_m, D)`` of both programs (``fp4``: the weights'
+    format; ``packing``, ``scale_dtype``: the FP4 weights' reading, :func:`.fp4_tir.packed_weights`) and the K
+    steps of 128 (the scales' columns). ``N`` a multiple of ``block_n`` (FP8 weights: a divisor of 128, so one
+    weight scale covers it), ``K`` a multiple of 128."""
+    assert N % block_n == 0 and (fp4 or 128 % block_n == 0) and K % 128 == 0
     block_k = 128
     KS = K // block_k
-    packed = packed_weights(packing)[1] if fp4 else FP8
+    per = packed_weights(packing)[0] if fp4 else 1
     widen = bf16_operands(block_m, block_n, block_k, threads, packing) if fp4 else None
 
     @T.macro
@@ -42,11 +45,7 @@ def _masked_body(N: int, K: int, block_m: int, block_n: int, num_stages: int, th
         with T.Kernel(N // block_n, T.ceildiv(MM, block_m), E, threads=threads) as (bx, by, e):
             A_s = T.alloc_shared((block_m, block_k), FP8)
             if fp4:
-                Bq_s = T.alloc_shared((block_n, block_k // per), packed)
-                Bs_s = T.alloc_shared((block_n, block_k // 32), scale_dtype)
-                A_w = T.alloc_shared((block_m, block_k), BF16)
-                B_w = T.alloc_shared((block_n, block_k), BF16)
-                D_s = T.alloc_shared((block_m, block_n), BF16)
+                Bq_s, Bs_s, A_w, B_w, D_s = bf16_operand_tiles(block_m, block_n, block_k, packing, scale_dtype)
                 part = T.alloc_fragment((block_m, block_n), ACC)
                 acc = T.alloc_fragment((block_m, block_n), ACC)
                 scale = T.alloc_fragment((block_m,), ACC)
@@ -85,7 +84,7 @@ def _masked_body(N: int, K: int, block_m: int, block_n: int, num_stages: int, th
                     if row0 + i < rows:
                         D[e, row0 + i, bx * block_n + j] = D_s[i, j]
 
-    return body
+    return body, KS
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,10 +92,8 @@ def build_grouped_gemm_masked(N: int, K: int, block_m: int = 64, block_n: int = 
                               threads: int = 128):
     """FP8 weights. ``N``, ``K``: the weights' shape (multiples of 128); the expert count and ``max_m`` are
     dynamic."""
-    assert N % block_n == 0 and 128 % block_n == 0 and K % 128 == 0
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
-    KS = K // 128
-    body = _masked_body(N, K, block_m, block_n, num_stages, threads, E, MM, False)
+    body, KS = _masked_body(N, K, block_m, block_n, num_stages, threads, E, MM, False)
 
     @T.prim_func
     def grouped_gemm_masked(
@@ -119,11 +116,9 @@ def build_grouped_gemm_masked_fp4(N: int, K: int, block_m: int = 64, block_n: in
     dynamic. ``scale_dtype``: ``uint8`` (UE8M0 bytes) or ``float32`` (the scales' values). ``packing``: ``bytes``
     or ``words``, how ``B``'s memory is read and converted (:func:`.fp4_tir.packed_weights`)."""
     per, packed = packed_weights(packing)
-    assert N % block_n == 0 and K % 128 == 0
     E, MM = T.dynamic("experts"), T.dynamic("max_m")
-    KS = K // 128
-    body = _masked_body(N, K, block_m, block_n, num_stages, threads, E, MM, True, per=per, packing=packing,
-                        scale_dtype=scale_dtype)
+    body, KS = _masked_body(N, K, block_m, block_n, num_stages, threads, E, MM, True, packing=packing,
+                            scale_dtype=scale_dtype)
 
     @T.prim_func
     def grouped_gemm_masked_fp4(

@@ -13,7 +13,7 @@ names are not written. The divisions are IEEE, as torch's (:mod:`.swiglu_tir`).
 import functools
 
 from ..._tilelang import tl_lang as T
-from .swiglu_tir import quantize_rows
+from .swiglu_tir import row_steps, step_fragments
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -23,11 +23,9 @@ BF16 = "bfloat16"
 @functools.lru_cache(maxsize=None)
 def build_quantize_scatter(H: int, k: int, groups: int = 4, threads: int = 128):
     """``H``: the row width (a multiple of 128); ``k``: choices a token. The token count and ``R`` are dynamic."""
-    assert H % 128 == 0
-    G = H // 128
-    groups = max(d for d in range(1, groups + 1) if G % d == 0)
+    G, groups, quantize = row_steps(H, groups)
+    fragments = step_fragments(groups)
     n, R = T.dynamic("tokens"), T.dynamic("rows")
-    quantize = quantize_rows(groups, 128)
 
     @T.prim_func
     def quantize_scatter(
@@ -38,9 +36,7 @@ def build_quantize_scatter(H: int, k: int, groups: int = 4, threads: int = 128):
     ):
         with T.Kernel(n, threads=threads) as t:
             x = T.alloc_fragment((groups, 128), ACC)
-            amax = T.alloc_fragment((groups,), ACC)
-            scale = T.alloc_fragment((groups,), ACC)
-            q = T.alloc_fragment((groups, 128), FP8)
+            amax, scale, q = fragments()
             for step in T.serial(G // groups):
                 for g, c in T.Parallel(groups, 128):
                     x[g, c] = T.Cast(ACC, X[t, (step * groups + g) * 128 + c])

@@ -15,7 +15,7 @@ import functools
 from typing import Optional
 
 from ..._tilelang import tl_lang as T
-from .swiglu_tir import quantize_rows, swiglu
+from .swiglu_tir import row_steps, step_fragments, swiglu
 
 FP8 = "float8_e4m3"
 ACC = "float32"
@@ -26,11 +26,9 @@ BF16 = "bfloat16"
 def build_swiglu_quant(I: int, limit: Optional[float], groups: int = 4, threads: int = 128):
     """``I``: the intermediate size (a multiple of 128); ``limit``: V4's clamp (None: plain SwiGLU). The row count
     ``R`` and the number of chosen rows are dynamic."""
-    assert I % 128 == 0
-    G = I // 128
-    groups = max(d for d in range(1, groups + 1) if G % d == 0)
+    G, groups, quantize = row_steps(I, groups)
+    fragments = step_fragments(groups)
     R, n = T.dynamic("rows"), T.dynamic("chosen")
-    quantize = quantize_rows(groups, 128)
 
     @T.prim_func
     def swiglu_quant(
@@ -41,9 +39,7 @@ def build_swiglu_quant(I: int, limit: Optional[float], groups: int = 4, threads:
     ):
         with T.Kernel(n, threads=threads) as i:
             act = T.alloc_fragment((groups, 128), ACC)
-            amax = T.alloc_fragment((groups,), ACC)
-            scale = T.alloc_fragment((groups,), ACC)
-            q = T.alloc_fragment((groups, 128), FP8)
+            amax, scale, q = fragments()
             r = rows[i]
             if T.And(r >= 0, r < R):
                 for step in T.serial(G // groups):

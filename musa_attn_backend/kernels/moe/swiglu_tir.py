@@ -51,6 +51,30 @@ def quantize_rows(rows: int, cols: int):
     return quantize
 
 
+def row_steps(width: int, groups: int):
+    """``(G, groups, quantize)`` for a program that quantises rows of ``width`` (a multiple of 128) ``groups``
+    128-column groups a step: ``G`` the groups of a row, ``groups`` lowered to the largest divisor of ``G`` not
+    above it, ``quantize`` the step's :func:`quantize_rows` macro."""
+    assert width % 128 == 0
+    G = width // 128
+    groups = max(d for d in range(1, groups + 1) if G % d == 0)
+    return G, groups, quantize_rows(groups, 128)
+
+
+def step_fragments(groups: int):
+    """A macro ``() -> (amax, scale, q)``: the fragments a step's :func:`quantize_rows` writes, for ``groups``
+    groups."""
+
+    @T.macro
+    def alloc():
+        amax = T.alloc_fragment((groups,), ACC)
+        scale = T.alloc_fragment((groups,), ACC)
+        q = T.alloc_fragment((groups, 128), FP8)
+        return amax, scale, q
+
+    return alloc
+
+
 def swiglu_quantize_tile(rows: int, group: int, limit: Optional[float]):
     """A macro ``epilogue(acc, H_s, act, amax, sc, q)`` for the epilogue-fused GEMM1s: the float32 accumulator
     ``acc [rows, 2 group]`` (one group's gate columns, then its up columns) rounded to bf16 in ``H_s``, where the
@@ -72,13 +96,15 @@ def swiglu_quantize_tile(rows: int, group: int, limit: Optional[float]):
 
 def gemm1_swiglu_tile(I: int, K: int, limit: Optional[float], num_stages: int, masked: bool, block_m: int = 64,
                       group: int = 128):
-    """A macro ``tile(A, SA, B, SB, e, row0, m, last, bx, sc, q)`` for the epilogue-fused GEMM1s
-    (:mod:`.contiguous_swiglu_kernel`, :mod:`.masked_swiglu_kernel`: their docstrings say how a block divides the
-    work): ``block_m`` rows from ``row0`` of expert ``e``'s ``A`` (``A[row0 + i]``, or ``A[e, row0 + i]`` where
-    ``masked``), rows at or past ``m`` scaled by 0 (``last``: the last row an ``SA`` read may name), times the
-    128 gate and 128 up rows of column group ``bx`` of ``W13_e``; the group's e4m3 codes into the fragment ``q
-    [block_m, group]`` and its scales into ``sc [block_m]`` (:func:`swiglu_quantize_tile`)."""
+    """``(tile, KS, G)``: a macro ``tile(A, SA, B, SB, e, row0, m, last, bx, sc, q)`` for the epilogue-fused
+    GEMM1s (:mod:`.contiguous_swiglu_kernel`, :mod:`.masked_swiglu_kernel`: their docstrings say how a block
+    divides the work): ``block_m`` rows from ``row0`` of expert ``e``'s ``A`` (``A[row0 + i]``, or ``A[e, row0 +
+    i]`` where ``masked``), rows at or past ``m`` scaled by 0 (``last``: the last row an ``SA`` read may name),
+    times the 128 gate and 128 up rows of column group ``bx`` of ``W13_e``; the group's e4m3 codes into the
+    fragment ``q [block_m, group]`` and its scales into ``sc [block_m]`` (:func:`swiglu_quantize_tile`). ``KS``:
+    the K steps of 128 (the scales' columns), ``G``: the column groups (``I`` and ``K`` multiples of 128)."""
     block_k = 128
+    assert I % group == 0 and K % block_k == 0
     KS, G = K // block_k, I // group
     epilogue = swiglu_quantize_tile(block_m, group, limit)
 
@@ -115,4 +141,4 @@ def gemm1_swiglu_tile(I: int, K: int, limit: Optional[float], num_stages: int, m
                 acc[i, j] += part[i, j] * T.if_then_else(j < group, scale_g[i], scale_u[i])
         epilogue(acc, H_s, act, amax, sc, q)
 
-    return tile
+    return tile, KS, G
