@@ -18,7 +18,8 @@ Conventions shared by the programs:
 * Final LSE outputs are natural-log; split-KV partial LSEs stay in log2 units.
 
 Grouped state: macros take the block's buffers as small frozen dataclasses (:class:`Tiles`,
-:class:`SoftmaxState`, :class:`QueryTile`) whose fields are TileLang buffers or bound scalars. TileLang passes
+:class:`SoftmaxState`, allocated by :func:`alloc_softmax_state`, :class:`QueryTile`) whose fields are TileLang
+buffers or bound scalars. TileLang passes
 a non-expression macro argument through as it is, so a field is the buffer or variable it was bound to, under
 its own name; expressions that a macro should bind under a name of its own stay separate parameters.
 
@@ -175,6 +176,26 @@ class SoftmaxState:
     row_sum: Any
     l_i: Any
 
+    def registers(self) -> tuple:
+        """The state's buffers in field order, ``m_tile`` left out where it is None."""
+        return tuple(v for v in (getattr(self, f.name) for f in dataclasses.fields(self)) if v is not None)
+
+
+@T.macro
+def alloc_softmax_state(BM, BN, DV, q_dtype, with_m_tile=True):
+    """The registers of :class:`SoftmaxState` for ``BM`` rows of ``BN``-key score tiles and a ``DV``-wide output
+    (``m_tile`` None unless ``with_m_tile``)."""
+    acc_s = T.alloc_fragment([BM, BN], ACC)
+    acc_p = T.alloc_fragment([BM, BN], q_dtype)
+    acc_o = T.alloc_fragment([BM, DV], ACC)
+    m_i = T.alloc_fragment([BM], ACC)
+    m_prev = T.alloc_fragment([BM], ACC)
+    m_tile = T.alloc_fragment([BM], ACC) if with_m_tile else None
+    alpha = T.alloc_fragment([BM], ACC)
+    row_sum = T.alloc_fragment([BM], ACC)
+    l_i = T.alloc_fragment([BM], ACC)
+    return SoftmaxState(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i)
+
 
 @dataclasses.dataclass(frozen=True)
 class QueryTile:
@@ -238,8 +259,8 @@ class AttentionMacros(NamedTuple):
 
 def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT_TILES,
                      D1=None) -> AttentionMacros:
-    """Tile loads and the online-softmax step shared by the prefill and decode programs (``BM`` x ``BN`` score
-    tiles, head dims ``D`` / ``DV``, head strides ``HS_K`` / ``HS_V`` of the cache rows; ``D1``: the width of the
+    """Tile loads and the online-softmax step shared by the prefill and decode programs (the step also by
+    DeepSeek-V4's portable and scheduled sparse programs; ``BM`` x ``BN`` score tiles, head dims ``D`` / ``DV``, head strides ``HS_K`` / ``HS_V`` of the cache rows; ``D1``: the width of the
     head dim's first part where the K tiles are cut in two, :func:`head_parts`)."""
     D1 = D1 or D
     NEG_INF = -T.infinity(ACC)
@@ -247,16 +268,7 @@ def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT
     @T.macro
     def alloc_state():
         """The registers of :class:`SoftmaxState` for ``BM`` rows."""
-        acc_s = T.alloc_fragment([BM, BN], ACC)
-        acc_p = T.alloc_fragment([BM, BN], q_dtype)
-        acc_o = T.alloc_fragment([BM, DV], ACC)
-        m_i = T.alloc_fragment([BM], ACC)
-        m_prev = T.alloc_fragment([BM], ACC)
-        m_tile = T.alloc_fragment([BM], ACC)
-        alpha = T.alloc_fragment([BM], ACC)
-        row_sum = T.alloc_fragment([BM], ACC)
-        l_i = T.alloc_fragment([BM], ACC)
-        return SoftmaxState(acc_s, acc_p, acc_o, m_i, m_prev, m_tile, alpha, row_sum, l_i)
+        return alloc_softmax_state(BM, BN, DV, q_dtype)
 
     @T.macro
     def resolve_slots(slot_s, pos0, page_table, b, sk, page_size, max_pages):

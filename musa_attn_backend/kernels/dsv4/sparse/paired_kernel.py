@@ -31,7 +31,7 @@ are written by the block; nothing is split, so there is no combine.
 import functools
 
 from ...._tilelang import tl_lang as T
-from ...attention.tl_common import ACC, LOG2E
+from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state
 from .. import layout as L
 from .args import sparse_sizes, word_sets
 from .rows import BH, BN, HD, LOADS, PRODUCER, ROWS, fp8_row_macros
@@ -81,14 +81,8 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                  q_full, t, h0, pairs, scale_log2, empty_lse):
         """Group ``w``'s loop over the token's pairs and its half of the epilogue (``w`` a Python int)."""
         other = 1 - w
-        acc_s = T.alloc_fragment([BH, BN], ACC)
-        acc_p = T.alloc_fragment([BH, BN], q_dtype)
-        acc_o = T.alloc_fragment([BH, HD], ACC)
-        m_i = T.alloc_fragment([BH], ACC)
-        m_prev = T.alloc_fragment([BH], ACC)
-        alpha = T.alloc_fragment([BH], ACC)
-        row_sum = T.alloc_fragment([BH], ACC)
-        l_i = T.alloc_fragment([BH], ACC)
+        state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False)
+        acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state.registers()
         T.fill(acc_o, 0)
         T.fill(l_i, 0)
         T.fill(m_i, NEG_INF)

@@ -34,7 +34,7 @@ end), and the epilogue (both wait: the rows' output scale, double-buffered by pi
 import functools
 
 from ...._tilelang import tl_lang as T
-from ...attention.tl_common import ACC, LOG2E
+from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state, attention_macros
 from .. import layout as L
 from .args import sparse_sizes, word_sets
 from .rows import (BH, BN, HD, LOADS, PRODUCER, ROWS, TWO_POW_120, byte_perm,  # noqa: F401 (the tests')
@@ -65,6 +65,13 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     head_blocks = (H + BH - 1) // BH
 
     load_q, entry, load_rows, store_row, _, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
+    softmax_step = attention_macros(BH, BN, HD, HD, 0, 0, False, q_dtype).softmax_step  # the dense programs' step
+
+    def token_tiles(t, t0, t1, j0, j1, tiles):
+        """``(pc, jb, je)`` of token ``t`` in a part that spans tiles ``j0 ..`` of token ``t0`` to tiles ``.. j1`` of
+        token ``t1``: the token's place in the part and the first and end key tile the part takes of it (each warp
+        group walks the part's tokens by these)."""
+        return t - t0, T.if_then_else(t == t0, j0, 0), T.if_then_else(t == t1, j1, tiles[t])
 
     # ---- the program ------------------------------------------------------------------------------------------
 
@@ -111,20 +118,12 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
             # ---- warp group 0: scores, softmax, O[:, :256] ----
             with T.ws(0):
                 T.set_max_nreg(SCORES_REGS, 1)
-                acc_s = T.alloc_fragment([BH, BN], ACC)
-                acc_p = T.alloc_fragment([BH, BN], q_dtype)
-                acc_o = T.alloc_fragment([BH, HD], ACC)
-                m_i = T.alloc_fragment([BH], ACC)
-                m_prev = T.alloc_fragment([BH], ACC)
-                alpha = T.alloc_fragment([BH], ACC)
-                row_sum = T.alloc_fragment([BH], ACC)
-                l_i = T.alloc_fragment([BH], ACC)
+                state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False)
+                acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state.registers()
                 k = T.alloc_var("int32")
                 k = 0
                 for t in T.serial(t0, t1 + 1):
-                    pc = t - t0
-                    jb = T.if_then_else(t == t0, j0, 0)
-                    je = T.if_then_else(t == t1, j1, tiles[t])
+                    pc, jb, je = token_tiles(t, t0, t1, j0, j1, tiles)
                     T.fill(acc_o, 0)
                     T.fill(l_i, 0)
                     T.fill(m_i, NEG_INF)
@@ -140,20 +139,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                             T.mbarrier_arrive(q_free)  # the producer may load the next token's query rows
                         for i, jj in T.Parallel(BH, BN):
                             acc_s[i, jj] = T.if_then_else(ok_s[st, jj] != 0, acc_s[i, jj], NEG_INF)
-                        T.copy(m_i, m_prev)
-                        T.reduce_max(acc_s, m_i, dim=1, clear=False)
-                        for i in T.Parallel(BH):
-                            alpha[i] = T.if_then_else(m_i[i] == NEG_INF, 1.0,
-                                                      T.exp2((m_prev[i] - m_i[i]) * scale_log2))
-                        for i, jj in T.Parallel(BH, BN):
-                            acc_s[i, jj] = T.if_then_else(m_i[i] == NEG_INF, 0.0,
-                                                          T.exp2(acc_s[i, jj] * scale_log2 - m_i[i] * scale_log2))
-                        T.reduce_sum(acc_s, row_sum, dim=1)
-                        for i in T.Parallel(BH):
-                            l_i[i] = l_i[i] * alpha[i] + row_sum[i]
-                        T.copy(acc_s, acc_p)
-                        for i, d in T.Parallel(BH, HD):
-                            acc_o[i, d] *= alpha[i]
+                        softmax_step(state, scale_log2, True)  # a row may have seen only invalid entries
                         if k > 0:
                             T.sync_threads(P_FREE, CONSUMER_THREADS)  # group 1 is done with the last P
                         T.copy(acc_p, P_s)
@@ -204,9 +190,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                 k2 = T.alloc_var("int32")
                 k2 = 0
                 for t in T.serial(t0, t1 + 1):
-                    pc = t - t0
-                    jb = T.if_then_else(t == t0, j0, 0)
-                    je = T.if_then_else(t == t1, j1, tiles[t])
+                    pc, jb, je = token_tiles(t, t0, t1, j0, j1, tiles)
                     T.fill(acc_o2, 0)
                     for j in T.serial(jb, je):
                         st = k2 % NS
@@ -250,9 +234,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         entry(nidx, r, j0, T.ceildiv(T.max(T.min(L1[t0], K1), 0), BN), base_row + r * 32, t0, I1,
                               L1, I2, L2)
                 for t in T.serial(t0, t1 + 1):
-                    pc = t - t0
-                    jb = T.if_then_else(t == t0, j0, 0)
-                    je = T.if_then_else(t == t1, j1, tiles[t])
+                    pc, jb, je = token_tiles(t, t0, t1, j0, j1, tiles)
                     n1 = T.ceildiv(T.max(T.min(L1[t], K1), 0), BN)
                     for j in T.serial(jb, je):
                         st = kp % NS
