@@ -7,10 +7,21 @@ engine core included). It
 - answers vLLM's capability queries (``cutlass_scaled_mm_supports_*``) "no";
 - lets ``vllm.vllm_flash_attn`` import without its extensions (its interface module reports FA2/FA3 unavailable);
 - turns off the FlashInfer sampler and DeepGEMM;
+- takes vLLM's FP8 Marlin linear kernel off its list (``VLLM_DISABLED_KERNELS``): for block-FP8 linears on sm_90
+  without CUTLASS, DeepGEMM and FlashInfer, vLLM's selection (``kernels/linear``, ``_POSSIBLE_FP8_BLOCK_KERNELS``)
+  reaches Marlin (weight-only, compiled ``gptq_marlin_repack`` / ``marlin_gemm``) before its Triton kernel, which
+  it then picks by itself (``TritonFp8BlockScaledMMKernel``: Triton GEMM, activations quantised 1 x 128 by
+  ``QuantFP8``);
 - registers torch forms, under vLLM's own op names and schemas, of the compiled ops the tiny V4's path still
   reaches outside this package's layer: RMSNorm (plain and fused add), SiluAndMul (plain and clamped), the V4
   router's ``topk_softplus_sqrt``, ``moe_align_block_size`` and ``moe_sum`` for vLLM's Triton experts, and the
-  two memory aliases model runner V2 and CUDA graphs take (``get_cuda_view_from_cpu_tensor``, ``weak_ref_tensor``).
+  two memory aliases model runner V2 and CUDA graphs take (``get_cuda_view_from_cpu_tensor``, ``weak_ref_tensor``);
+  and of those an FP8 block-scaled V4 adds: ``per_token_group_fp8_quant`` (every FP8 linear's 1 x 128 activation
+  quantisation: vLLM adds ``+quant_fp8`` to ``custom_ops`` for block-FP8 models, ``none`` or not, unless it
+  holds ``-quant_fp8``, and ``QuantFP8.forward_cuda`` then calls the compiled op on any contiguous CUDA input);
+- replaces DeepGEMM's ``tf32_hc_prenorm_gemm`` (``vllm.utils.deep_gemm``) by a torch form: the first V4 layer's
+  mHC (``mhc_pre_broadcast_tilelang``) calls it whatever ``VLLM_USE_DEEP_GEMM`` says (no TileLang fallback for
+  that shape), so without it the first layer needs DeepGEMM's JIT kernels (or fails where DeepGEMM is absent).
 
 Never part of the package's CUDA path: a served V4 on MUSA gets these from the platform's vLLM."""
 MUSA_VLLM_HARNESS = True
@@ -19,6 +30,12 @@ import os
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else Sampler.__init__ imports flashinfer (absent)
 os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")  # keep mHC on TileLang even if a deep_gemm package is on the path
+# vLLM's FP8 block-linear selection on CUDA tries FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, B12x, then Marlin
+# (supported from sm_75, so chosen on sm_90 when the four before it are not), Humming, Triton, torch: without
+# Marlin it picks its Triton kernel itself
+_off = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
+if "MarlinFP8ScaledMMLinearKernel" not in _off:
+    os.environ["VLLM_DISABLED_KERNELS"] = ",".join(_off + ["MarlinFP8ScaledMMLinearKernel"])
 
 import torch
 _lib = torch.library.Library("_C", "FRAGMENT")
@@ -135,6 +152,37 @@ _def(_lib, "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor", _cuda_v
 _def(_lib, "weak_ref_tensor(Tensor input) -> Tensor", _weak_ref_tensor)
 
 
+def _per_token_group_fp8_quant(x, out_q, out_s, group_size, eps, fp8_min, fp8_max, scale_ue8m0,
+                               dummy_is_scale_transposed=False, dummy_is_tma_aligned=False):
+    """vLLM's ``per_token_group_fp8_quant`` (csrc/quantization/w8a8/fp8/per_token_group_quant.cu): each run of
+    ``group_size`` consecutive elements of the contiguous ``x`` is one group (a row's last dim in groups), its scale
+    ``max(eps, max |x|) / fp8_max`` (a NaN ignored, as ``fmaxf`` does), with ``scale_ue8m0`` rounded up to a power of
+    two (the exponent bumped when the mantissa is non-zero: the kernel's bit form of
+    ``exp2(ceil(log2(max(s, 1e-10))))``); ``out_q`` = ``x / scale`` clamped to ``[fp8_min, fp8_max]`` (``fmin`` /
+    ``fmax``: a NaN lands on ``fp8_min``) in ``out_q``'s dtype, ``out_s[row, group]`` = the scale, whatever
+    ``out_s``'s strides (row-major, column-major, TMA-aligned: the kernel reads the layout from them; the two dummy
+    flags are the call site's and change nothing)."""
+    if not (x.is_contiguous() and out_q.is_contiguous()):
+        raise ValueError("per_token_group_fp8_quant: input and output_q must be contiguous")
+    if x.numel() % group_size or x.shape[-1] % group_size or out_s.dim() != 2:
+        raise ValueError("per_token_group_fp8_quant: groups must tile the last dim and output_s must be 2-D")
+    g = x.reshape(-1, group_size).float()
+    lo, hi = g.new_full((), fp8_min), g.new_full((), fp8_max)  # fills, not host copies: graph-capturable
+    amax = torch.fmax(g.abs(), g.new_full((), eps)).amax(-1, keepdim=True)
+    s = amax / fp8_max
+    if scale_ue8m0:
+        bits = s.abs().clamp(min=1e-10).view(torch.int32)
+        s = (((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()).bitwise_left_shift(23).view(torch.float32)
+    q = torch.fmin(torch.fmax(g / s, lo), hi)
+    out_q.copy_(q.view(out_q.shape).to(out_q.dtype))
+    out_s.copy_(s.view(out_s.shape))
+
+
+_def(_lib, "per_token_group_fp8_quant(Tensor input, Tensor! output_q, Tensor! output_s, int group_size, float eps, "
+           "float fp8_min, float fp8_max, bool scale_ue8m0, bool dummy_is_scale_transposed, "
+           "bool dummy_is_tma_aligned) -> ()", _per_token_group_fp8_quant)
+
+
 _moe = torch.library.Library("_moe_C", "FRAGMENT")
 
 
@@ -199,3 +247,50 @@ _def(_moe, "moe_align_block_size(Tensor topk_ids, int num_experts, int block_siz
            "Tensor! experts_ids, Tensor! num_tokens_post_pad, Tensor? maybe_expert_map, "
            "Tensor(a!)? scatter_idx=None) -> ()", _moe_align_block_size)
 _def(_moe, "moe_sum(Tensor input, Tensor! output, Tensor? topk_ids=None, Tensor? expert_map=None) -> ()", _moe_sum)
+
+
+# ---- DeepGEMM's mHC pre-norm GEMM, the one DeepGEMM call the V4 path makes whatever VLLM_USE_DEEP_GEMM says
+def tf32_hc_prenorm_gemm(x, fn, out, sqrsum, num_split):
+    """DeepGEMM's ``tf32_hc_prenorm_gemm`` (``vllm.utils.deep_gemm``): ``out [num_split, T, N]`` and
+    ``sqrsum [num_split, T]`` hold partial sums over ``num_split`` slices of K that the mHC kernels add up, of
+    ``x.float() @ fn.T`` and ``x.float().square().sum(-1)``. Here the whole sums go in split 0 (float32, not TF32)
+    and the other splits are zero: the same sums, in a CUDA graph too."""
+    xf = x.float()
+    out.zero_()
+    torch.mm(xf, fn.float().t(), out=out[0])
+    sqrsum.zero_()
+    sqrsum[0] = xf.square().sum(-1)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patches[name](module)`` right after the module ``name`` is executed, before anyone imports from it."""
+
+    def __init__(self, patches):
+        self.patches = patches
+
+    def find_spec(self, name, path, target=None):
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _no_deep_gemm_prenorm(module):
+    module.tf32_hc_prenorm_gemm = tf32_hc_prenorm_gemm
+
+
+sys.meta_path.insert(0, _AfterImport({"vllm.utils.deep_gemm": _no_deep_gemm_prenorm}))
