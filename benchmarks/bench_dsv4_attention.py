@@ -161,9 +161,15 @@ def _compile(job):
 
     kind, args, kwargs = job
     kwargs = dict(kwargs)
+    if kwargs.get("program") == CLUSTER:
+        ti.SCHED_CLUSTER, kwargs["program"] = True, "scheduled"
     with config.override(musa_forms=kwargs.pop("musa_forms", False)):
         getattr(wti if kind.startswith("write_") else ti, kind)(*args, **kwargs)
     return job
+
+
+# the scheduled program's clustered 65-128-head form (tilelang_impl.SCHED_CLUSTER), named as a program here
+CLUSTER = "cluster"
 
 
 def precompile(configs, portable: bool, tilings: str, workers: int = 8, programs=()) -> None:
@@ -217,7 +223,8 @@ def main(argv=None):
     ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
                                                           "tokens-per-block:threads, comma-separated (e.g. 16:256)")
     ap.add_argument("--programs", default="scheduled",
-                    help="also time these sparse MQA programs (comma-separated: scheduled, paired, portable); "
+                    help="also time these sparse MQA programs (comma-separated: scheduled, cluster (the scheduled "
+                         "one's clustered 65-128-head form), paired, portable); "
                          "ours_ms is the default program's")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -253,8 +260,9 @@ def main(argv=None):
             plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
 
             def ours(prog=program):
+                tilelang_impl.SCHED_CLUSTER = prog == CLUSTER
                 tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
-                                                  program=prog, plan=plan)
+                                                  program="scheduled" if prog == CLUSTER else prog, plan=plan)
 
             ms = bench_ms(ours)
             extra = {"program": program}

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import threading
+from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, NamedTuple, Optional
 
 import torch
@@ -56,11 +57,14 @@ def kernel_digest(full_key) -> str:
     return hashlib.sha256(repr(full_key).encode()).hexdigest()[:32]
 
 
-def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass_configs=None):
+def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass_configs=None,
+                   headers: tuple = ()):
     """Compile ``build()`` (a ``@T.prim_func``) once per (key, target, pass configs, TileLang version, kernel
     settings). The kernel settings (``config.kernel_settings``: the switches that change which kernels are
     built) are in the key even where ``key`` already names their effect, so a build a switch changes can never
-    load a kernel compiled under another value.
+    load a kernel compiled under another value. ``headers``: device-code headers (paths) the kernel's compile
+    force-includes (``-include``: device functions a program calls with ``T.call_extern``, CUDA only); their text
+    is in the key.
 
     In a process: a dict. Across processes: TileLang's on-disk cache inside our cache directory, guarded by
     a per-kernel file lock so that processes starting at once compile each kernel once (the others wait,
@@ -71,7 +75,7 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
     if _handler is not None:
         return _handler(key, build, target, pass_configs)
     full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version(),
-                kernel_settings())
+                kernel_settings()) + tuple(Path(h).read_text() for h in headers)
     kernel = _kernels.get(full_key)
     if kernel is not None:
         return kernel
@@ -87,7 +91,9 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
                     cold_compiles.append(key)
                 func = build()
                 check_portable(key, func, target)
-                kernel = tl.compile(func, target=target, pass_configs=pass_configs)
+                flags = [f for h in headers for f in ("-include", str(h))]
+                kernel = tl.compile(func, target=target, pass_configs=pass_configs,
+                                    **({"compile_flags": flags} if flags else {}))
                 if not marker.exists():
                     tmp = root / f".{digest}.{os.getpid()}.tmp"
                     tmp.write_text(repr(full_key) + "\n")

@@ -36,10 +36,10 @@ TARGET_ENV = config.BY_FIELD["target"].env
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
 # the capability flags a Platform carries (kernels branch on these, never on the device name)
-FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "gemm_a_in_registers",
-            "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices", "wide_float_vectors")
+FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "clusters",
+            "gemm_a_in_registers", "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices", "wide_float_vectors")
 # the flags whose absence brings in a rule on the programs' TIR (kernels._tir.RULES), checked before lowering
-LOWERING_FLAGS = FEATURES[5:]
+LOWERING_FLAGS = FEATURES[6:]
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -71,6 +71,9 @@ class Platform:
     # programmatic dependent launch (a kernel launched while the one before it finishes, waiting on it in
     # the kernel): CUDA sm_90+
     dependent_launch: bool = False
+    # thread-block clusters whose blocks store into each other's shared memory and arrive on each other's barriers
+    # (CUDA sm_90+)
+    clusters: bool = False
     # a tile GEMM may take A from registers with B in shared memory (CUDA); else P goes through shared memory
     gemm_a_in_registers: bool = False
     # one shared tile may be a GEMM operand read K-major by one GEMM and MN-major by another (CUDA); else each
@@ -148,6 +151,7 @@ def _cuda_features(arch: str) -> dict:
         "warpgroup_mma": cc == 90 and m.group(3) == "a",
         "warp_specialized": cc == 90 and m.group(3) == "a",
         "dependent_launch": cc >= 90,
+        "clusters": cc >= 90,
         "gemm_a_in_registers": True,
         "gemm_tile_two_majors": True,
         "gemm_any_extent": True,
@@ -170,6 +174,7 @@ def _musa_features(arch: str) -> dict:
         # not yet: tilelang-musa's lowering of named barriers and register reallocation is unverified
         "warp_specialized": False,
         "dependent_launch": False,
+        "clusters": False,
         # SQMMA, PH1 WMMA and the FMA fallback of tilelang-musa's GEMM lowering read A from shared memory only
         "gemm_a_in_registers": False,
         # what tilelang-musa's lowering for MP31 refuses (docs/musa.md): its layout inference lays a shared GEMM

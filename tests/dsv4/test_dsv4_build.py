@@ -475,8 +475,9 @@ def test_attention_slots_program_lowers_for_sm90a(mode):
     assert "attention_slots" in src and "__syncthreads()" not in src  # a pure map: no exchange
 
 
-def _ptxas_spills(src: str, tmp_path) -> tuple:
-    """(spill store bytes, registers) ptxas reports for the CUDA source TileLang generated, built for sm_90a."""
+def _ptxas_spills(src: str, tmp_path, headers=()) -> tuple:
+    """(spill store bytes, registers) ptxas reports for the CUDA source TileLang generated, built for sm_90a
+    (``headers`` force-included)."""
     import os
     import subprocess
 
@@ -487,7 +488,8 @@ def _ptxas_spills(src: str, tmp_path) -> tuple:
     cu.write_text(src)
     res = subprocess.run([nvcc_path(), "-arch=sm_90a", "-cubin", "-std=c++17", "-O3", "-w", "-I" + root + "/src",
                           "-I" + root + "/3rdparty/cutlass/include", "-DENABLE_BF16", "-DENABLE_FP8",
-                          "--use_fast_math", "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "k.cubin")],
+                          "--use_fast_math", "-Xptxas", "-v", *[f for h in headers for f in ("-include", str(h))],
+                          str(cu), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     spills = re.search(r"(\d+) bytes spill stores", res.stderr)

@@ -212,6 +212,37 @@ def test_scheduled_program_compiles_for_sm90a(use_settings, H, extra):
     assert "__global__" in comb
 
 
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+@pytest.mark.parametrize("H", [128, 96])
+def test_clustered_scheduled_program_builds_for_sm90a(use_settings, monkeypatch, tmp_path, H):
+    """The 65-128-head form whose two head blocks run as a cluster: launched in clusters of two, both blocks'
+    consumers releasing each stage on both blocks' barrier, each producer making its half of a tile's rows (one
+    row a thread) and storing every 16 bytes of it into both blocks' stage (five st.async stores per row and lane,
+    one for its flag), the local half's arrival carrying the peer's bytes; the same register split, (almost) no
+    spill."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from test_dsv4_build import _ptxas_spills
+
+    from musa_attn_backend.kernels.dsv4.sparse.rows import CLUSTER_STORE_HEADER
+    from musa_attn_backend.kernels.dsv4.sparse.sched_kernel import PEER_BYTES
+
+    use_settings(dsv4_program="scheduled")
+    monkeypatch.setattr(ti, "SCHED_CLUSTER", True)
+    kernel = ti.sched_kernel(H, True, True, "bfloat16", target=HOPPER)  # through the launcher: the header included
+    src = kernel.get_kernel_source()
+    assert src.count("musa_attn_st_async_v4(") == 5 and src.count("musa_attn_st_async_b32(") == 1
+    assert f"arrive_and_expect_tx({PEER_BYTES})" in src and PEER_BYTES == 32 * 1024 + 32 * 4
+    assert "cluster_sync" in src and src.count("tl::wgmma_ss<") == 3
+    assert "warpgroup_reg_alloc<192>" in src and "warpgroup_reg_dealloc<152>" in src
+    spills, regs = _ptxas_spills(src, tmp_path, headers=(CLUSTER_STORE_HEADER,))
+    assert regs == 168 and spills <= 16, (regs, spills)  # one row of bytes a producer thread (the unclustered
+    # program holds two and spills 28-144 bytes at 64-128 heads)
+    assert ti._sched_cluster(64, HOPPER) is False and ti._sched_cluster(129, HOPPER) is False
+    monkeypatch.setattr(ti, "SCHED_CLUSTER", False)
+    plain = ti.sched_kernel(H, True, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert "musa_attn_st_async" not in plain and "cluster" not in plain
+
+
 def test_scheduled_program_fits_hopper_shared_memory():
     """The query block, two 64-row stages, P and the small arrays: within sm_90's 227 KB."""
     from musa_attn_backend.kernels.dsv4.sparse.sched_kernel import build_sparse_mqa_sched

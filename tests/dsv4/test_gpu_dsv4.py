@@ -49,6 +49,7 @@ CASES = [
     (8, 5, (8, 256, 0), 128, None, 0, False),  # SWA-only layer, no sink
     (64, 300, (8, 256, 0), 128, (40, 64, 0), 512, True),  # prefill-like: many tokens, no split
     (24, 9, (8, 256, 0), 100, (40, 64, 0), 70, True),  # K1/K2 not multiples of 64, odd heads
+    (96, 7, (8, 256, 0), 128, (40, 64, 0), 512, True),  # two head blocks, the second half padded
     (128, 1, (4, 256, 0), 128, (30, 64, 0), 1024, True),  # Pro decode, one token: many splits
     (8, 16384, (80, 256, 0), 128, None, 0, True),  # a 16k-token prefill
     # FlashMLA's sinks: +inf (output 0, LSE of the keys alone) and -inf in some heads, split at a small batch
@@ -57,18 +58,22 @@ CASES = [
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("scheduled", "paired", "paired:rows1", "portable", "portable:musa")
+PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)
 def program(request, monkeypatch, use_settings):
-    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), both producers of
-    the paired one, and the portable one in MUSA's form."""
+    """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), the scheduled
+    one's clustered form (its 65-128-head cases), both producers of the paired one, and the portable one in MUSA's
+    form."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
     if producer == "musa":
         use_settings(musa_forms=True)
+        producer = ""
+    if producer == "cluster":  # the scheduled program's 65-128-head form: the two head blocks a cluster
+        monkeypatch.setattr(tilelang_impl, "SCHED_CLUSTER", True)
         producer = ""
     if producer == "rows1":  # the paired program's producer holding one row of bytes at a time
         from musa_attn_backend.kernels.dsv4.sparse import paired_kernel

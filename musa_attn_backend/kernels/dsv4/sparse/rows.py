@@ -14,6 +14,7 @@ no writer stores, decodes to 480 times the scale instead of NaN). An invalid ent
 or past its cache's slot count) is not read: its row is zeros.
 """
 
+from pathlib import Path
 from typing import NamedTuple
 
 from ...._tilelang import tl_lang as T
@@ -55,6 +56,24 @@ class RowMacros(NamedTuple):
     store_row: object
     store_half: object
     load_one: object
+    store_row_sent: object
+
+
+# the device functions of the clustered programs' stores into the peer CTA (force-included where they are built)
+CLUSTER_STORE_HEADER = Path(__file__).with_name("cluster_store.cuh")
+
+
+def send16(elem, peer, w0, w1, w2, w3, bar):
+    """The 16 bytes ``w0 .. w3`` (32-bit words) into CTA ``peer`` of the cluster at the shared address ``elem`` has
+    here, completing 16 bytes on the peer's barrier at the address ``bar`` has here (``st.async``; CUDA sm_90+,
+    :data:`CLUSTER_STORE_HEADER`)."""
+    return T.call_extern("handle", "musa_attn_st_async_v4", T.address_of(elem), peer, w0, w1, w2, w3,
+                         T.address_of(bar))
+
+
+def send4(elem, peer, w, bar):
+    """One 32-bit word, as :func:`send16`."""
+    return T.call_extern("handle", "musa_attn_st_async_b32", T.address_of(elem), peer, w, T.address_of(bar))
 
 
 def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int = ROWS) -> RowMacros:
@@ -150,9 +169,11 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
             outb[v] = outb[v] * facb[0] * facb[1]
 
     @T.macro
-    def store_row(Kl_s, Kr_s, st, row, raw, sw, r, q, outw, fac):
-        """Row ``r`` of this lane (tile row ``row``) dequantised into stage ``st``: nope step ``s`` covers columns
-        ``64 s + 16 q ..``; the RoPE values land at columns ``448 + 32 s + 8 q ..``."""
+    def store_row_sent(Kl_s, Kr_s, st, row, raw, sw, r, q, outw, fac, peer, bars):
+        """:func:`store_row`, each 16 bytes also stored into CTA ``peer`` of the cluster at the same place of its stage,
+        completing on its barrier ``bars[st]`` (:func:`send16`; ``peer`` None: this CTA's stage only). The barrier
+        goes in as its array: a macro binds an element argument to a local copy, whose address is not the
+        barrier's."""
         outb = T.view(outw, [16], q_dtype)
         for s in T.unroll(NOPE_STEPS):
             dequant_step(raw, sw, r, s, outw, fac)
@@ -162,15 +183,31 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
                     Kl_s[st, row, col + v] = outb[v]
                 for v in T.vectorized(8):
                     Kl_s[st, row, col + 8 + v] = outb[8 + v]
+                if peer is not None:
+                    send16(Kl_s[st, row, col], peer, outw[0], outw[1], outw[2], outw[3], bars[st])
+                    send16(Kl_s[st, row, col + 8], peer, outw[4], outw[5], outw[6], outw[7], bars[st])
             else:
                 for v in T.vectorized(8):
                     Kr_s[st, row, col - HD + v] = outb[v]
                 for v in T.vectorized(8):
                     Kr_s[st, row, col - HD + 8 + v] = outb[8 + v]
+                if peer is not None:
+                    send16(Kr_s[st, row, col - HD], peer, outw[0], outw[1], outw[2], outw[3], bars[st])
+                    send16(Kr_s[st, row, col - HD + 8], peer, outw[4], outw[5], outw[6], outw[7], bars[st])
         rope = T.view(raw, [buf_rows, LOADS * 8], q_dtype)
         for s in T.unroll(ROPE_STEPS):
             for v in T.vectorized(8):
                 Kr_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
+            if peer is not None:
+                w = (NOPE_STEPS + s) * 4
+                send16(Kr_s[st, row, L.D_NOPE - HD + s * 32 + q * 8], peer, raw[r, w], raw[r, w + 1], raw[r, w + 2],
+                       raw[r, w + 3], bars[st])
+
+    @T.macro
+    def store_row(Kl_s, Kr_s, st, row, raw, sw, r, q, outw, fac):
+        """Row ``r`` of this lane (tile row ``row``) dequantised into stage ``st``: nope step ``s`` covers columns
+        ``64 s + 16 q ..``; the RoPE values land at columns ``448 + 32 s + 8 q ..``."""
+        store_row_sent(Kl_s, Kr_s, st, row, raw, sw, r, q, outw, fac, None, None)
 
     @T.macro
     def store_half(K_s, st, row, raw, sw, r, q, outw, fac, half):
@@ -191,4 +228,4 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
                 for v in T.vectorized(8):
                     K_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
 
-    return RowMacros(load_q, entry, load_rows, store_row, store_half, load_one)
+    return RowMacros(load_q, entry, load_rows, store_row, store_half, load_one, store_row_sent)

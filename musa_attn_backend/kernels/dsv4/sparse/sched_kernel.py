@@ -25,6 +25,15 @@ An unsplit token's output (``O``, the sink in the denominator) and LSE (natural 
 where no entry is valid) are written by the part that visits it; a split token's pieces write their partials
 (``O_part``, ``L_part``) at the rows the plan gives, merged by :mod:`.combine_kernel`.
 
+The clustered form (``cluster``: 65-128 heads, CUDA sm_90, ``tilelang_impl.SCHED_CLUSTER``; FlashMLA's division at
+128 heads): the two head blocks of a part run as a cluster of two and share the dequantisation. The producer of
+block ``r`` makes rows ``32 r .. 32 r + 31`` of every tile (one row a thread) and stores each 16 bytes of a row
+both into its own stage and, by ``st.async`` (:func:`.rows.send16`, a device function the compile force-includes),
+at the same place of the peer's stage, completing bytes on the peer's ``full`` barrier; a stage's ``full`` then
+expects its 128 local arrivals and the peer's :data:`PEER_BYTES`, and its ``empty`` the consumers of both blocks
+(each consumer thread arrives on both), since a producer writes into both blocks. The blocks synchronise as a
+cluster after their barriers exist and before they exit.
+
 Synchronisation: ``full`` / ``empty`` mbarriers per stage (the producer; both consumers release), ``q_full`` /
 ``q_free`` per piece (the query block), and named barriers between the consumers: P ready (group 0 arrives,
 group 1 waits), P free (group 1 arrives after each tile, group 0 waits before writing P again, once more at the
@@ -38,9 +47,13 @@ from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state, attention_ma
 from .. import layout as L
 from .args import sparse_sizes, word_sets
 from .rows import (BH, BN, HD, LOADS, PRODUCER, ROWS, TWO_POW_120, byte_perm,  # noqa: F401 (the tests')
-                          fp8_row_macros, nope_bytes_to_bf16)
+                          fp8_row_macros, nope_bytes_to_bf16, send4)
 
 CONSUMER_THREADS = 256
+# clustered form: each block's producer makes rows 32 * rank .. + 31 of every tile and stores each 16 bytes both into
+# its own stage and (st.async) into the peer's, so a stage's full barrier expects, beside its 128 local arrivals,
+# the peer's 32 rows of 1,024 bf16 bytes and their 32 flags
+PEER_BYTES = (BN // 2) * L.D * 2 + (BN // 2) * 4
 SCORES_REGS, SECOND_REGS, PRODUCER_REGS = 192, 160, 152
 # named barriers (0 is __syncthreads)
 P_READY, P_FREE, EPILOGUE = 4, 5, 6
@@ -48,13 +61,15 @@ P_READY, P_FREE, EPILOGUE = 4, 5, 6
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
-                           num_stages: int = 2, pdl: bool = False):
+                           num_stages: int = 2, pdl: bool = False, cluster: bool = False):
     """The scheduled sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A
     token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
     ``pdl``: every block triggers the dependent launch of the combine at its start (programmatic dependent launch:
     the combine's blocks are resident when the last parts finish; it waits for this grid's completion before it
-    reads a partial)."""
+    reads a partial). ``cluster`` (65-128 heads, CUDA sm_90): the two head blocks of a part run as a cluster sharing
+    the dequantisation (see :data:`PEER_BYTES`)."""
     assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
+    assert not cluster or BH < H <= 2 * BH, "a cluster is the two head blocks of 65-128 heads"
     D, NS = L.D, num_stages
     sizes = sparse_sizes()
     NT, K1, K2 = sizes.NT, sizes.K1, sizes.K2
@@ -64,8 +79,21 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
 
-    load_q, entry, load_rows, store_row, _, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2)
+    NR = 1 if cluster else ROWS  # rows a producer thread makes per tile
+    load_q, entry, load_rows, store_row, _, load_one, store_row_sent = fp8_row_macros(H, has_extra, q_dtype, K1, K2,
+                                                                                     NR)
     softmax_step = attention_macros(BH, BN, HD, HD, 0, 0, False, q_dtype).softmax_step  # the dense programs' step
+
+    def launch(blocks, parts):
+        """The kernel frame: ``blocks x parts`` blocks, in clusters of the two head blocks of a part if ``cluster``."""
+        if cluster:
+            return T.ClusterKernel(blocks, parts, cluster_dims=(2, 1, 1), threads=CONSUMER_THREADS + PRODUCER)
+        return T.Kernel(blocks, parts, threads=CONSUMER_THREADS + PRODUCER)
+
+    def row_of(base_row, r, rank):
+        """The tile row of a producer thread's buffer row ``r``: rows ``base_row`` and ``base_row + 32``, or in a
+        cluster its block's half, ``base_row + 32 * rank``."""
+        return base_row + (rank if cluster else r) * 32
 
     def token_tiles(t, t0, t1, j0, j1, tiles):
         """``(pc, jb, je)`` of token ``t`` in a part that spans tiles ``j0 ..`` of token ``t0`` to tiles ``.. j1`` of
@@ -92,7 +120,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
         O_part: T.Tensor((NP, H, D), ACC),
         L_part: T.Tensor((NP, H), ACC),
     ):
-        with T.Kernel(head_blocks, PARTS, threads=CONSUMER_THREADS + PRODUCER) as (bh, bp):
+        with launch(head_blocks, PARTS) as (bh, bp):
             if pdl:
                 T.pdl_trigger()
             Ql_s = T.alloc_shared([BH, HD], q_dtype)
@@ -104,7 +132,10 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
             alpha_s = T.alloc_shared([BH], ACC, scope="shared")
             oscale_s = T.alloc_shared([2, BH], ACC, scope="shared")
             full = T.alloc_barrier([PRODUCER] * NS)
-            empty = T.alloc_barrier([CONSUMER_THREADS] * NS)
+            if cluster:  # both blocks' consumers release a stage: its producers store into both blocks
+                empty = T.alloc_cluster_barrier([2 * CONSUMER_THREADS] * NS)
+            else:
+                empty = T.alloc_barrier([CONSUMER_THREADS] * NS)
             q_full = T.alloc_barrier(PRODUCER)
             q_free = T.alloc_barrier(CONSUMER_THREADS // 2)
             tx = T.get_thread_binding()
@@ -114,6 +145,9 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
             t1 = part_meta[bp, 2]
             j1 = part_meta[bp, 3]
             scale_log2 = sm_scale * LOG2E
+            if cluster:
+                peer = 1 - bh  # the other block of the cluster (rank = head block)
+                T.cluster_sync()  # both blocks' barriers exist before either arrives on or stores into the other's
 
             # ---- warp group 0: scores, softmax, O[:, :256] ----
             with T.ws(0):
@@ -150,6 +184,8 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         T.wgmma_gemm(acc_p, Kl_s[st, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
                         T.mbarrier_arrive(empty[st])
+                        if cluster:
+                            T.mbarrier_arrive(empty[st], peer)
                         k = k + 1
                     # epilogue: the rows' output scale (shared with group 1), the left half, the LSE
                     row = split_row[t]
@@ -200,6 +236,8 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         T.wgmma_gemm(P_s, Kr_s[st, :, :], acc_o2, policy=T.GemmWarpPolicy.FullRow)
                         T.wait_wgmma(0)
                         T.mbarrier_arrive(empty[st])
+                        if cluster:
+                            T.mbarrier_arrive(empty[st], peer)
                         T.named_barrier_arrive(P_FREE, CONSUMER_THREADS)
                         k2 = k2 + 1
                     T.sync_threads(EPILOGUE, CONSUMER_THREADS)
@@ -220,35 +258,39 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                 p = tx - CONSUMER_THREADS
                 q = (p % 32) // 8  # this lane's 16-byte column of each 64-byte step
                 base_row = (p // 32) * 8 + p % 8  # this thread's first row; the second is 32 rows on
-                raw = T.alloc_local([ROWS, LOADS * 4], "int32")
-                sw = T.alloc_local([ROWS, 2], "int32")
-                idx = T.alloc_local([ROWS], "int32")
-                nidx = T.alloc_local([ROWS], "int32")
-                ok = T.alloc_local([ROWS], "int32")
+                raw = T.alloc_local([NR, LOADS * 4], "int32")
+                sw = T.alloc_local([NR, 2], "int32")
+                idx = T.alloc_local([NR], "int32")
+                nidx = T.alloc_local([NR], "int32")
+                ok = T.alloc_local([NR], "int32")
                 outw = T.alloc_local([8], "int32")
                 fac = T.alloc_local([2], "uint16")
                 kp = T.alloc_var("int32")
                 kp = 0
                 if t0 <= t1:  # the first tile's indices (later pieces': read during the piece before)
-                    for r in T.unroll(ROWS):
-                        entry(nidx, r, j0, T.ceildiv(T.max(T.min(L1[t0], K1), 0), BN), base_row + r * 32, t0, I1,
-                              L1, I2, L2)
+                    for r in T.unroll(NR):
+                        entry(nidx, r, j0, T.ceildiv(T.max(T.min(L1[t0], K1), 0), BN), row_of(base_row, r, bh), t0,
+                              I1, L1, I2, L2)
                 for t in T.serial(t0, t1 + 1):
                     pc, jb, je = token_tiles(t, t0, t1, j0, j1, tiles)
                     n1 = T.ceildiv(T.max(T.min(L1[t], K1), 0), BN)
                     for j in T.serial(jb, je):
                         st = kp % NS
-                        for r in T.unroll(ROWS):
+                        for r in T.unroll(NR):
                             idx[r] = nidx[r]
-                        load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2,
-                                  stride2, slots2)
+                        if cluster:
+                            load_one(raw, sw, 0, 0, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2,
+                                     stride2, slots2)
+                        else:
+                            load_rows(raw, sw, idx, ok, q, j < n1, CW, CS, rows1, stride1, slots1, XW, XS, rows2,
+                                      stride2, slots2)
                         if j + 1 < je:  # the next tile's indices, read while this one's rows arrive
-                            for r in T.unroll(ROWS):
-                                entry(nidx, r, j + 1, n1, base_row + r * 32, t, I1, L1, I2, L2)
+                            for r in T.unroll(NR):
+                                entry(nidx, r, j + 1, n1, row_of(base_row, r, bh), t, I1, L1, I2, L2)
                         elif t < t1:  # or the next piece's first
-                            for r in T.unroll(ROWS):
-                                entry(nidx, r, 0, T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN), base_row + r * 32,
-                                      t + 1, I1, L1, I2, L2)
+                            for r in T.unroll(NR):
+                                entry(nidx, r, 0, T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN),
+                                      row_of(base_row, r, bh), t + 1, I1, L1, I2, L2)
                         if j == jb:  # the query rows, once the scores group is done with the last ones; their
                             # copies' latency runs beside this tile's loads
                             if pc > 0:
@@ -258,12 +300,24 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                             T.fence_proxy_async()
                             T.mbarrier_arrive(q_full)
                         T.mbarrier_wait_parity(empty[st], ((kp // NS) & 1) ^ 1)
-                        for r in T.unroll(ROWS):
-                            store_row(Kl_s, Kr_s, st, base_row + r * 32, raw, sw, r, q, outw, fac)
+                        if cluster:  # this block's half of the tile's rows, into both blocks' stage
+                            store_row_sent(Kl_s, Kr_s, st, row_of(base_row, 0, bh), raw, sw, 0, q, outw, fac, peer,
+                                           full)
                             if q == 0:
-                                ok_s[st, base_row + r * 32] = ok[r]
+                                ok_s[st, row_of(base_row, 0, bh)] = ok[0]
+                                send4(ok_s[st, row_of(base_row, 0, bh)], peer, ok[0], full[st])
+                        else:
+                            for r in T.unroll(ROWS):
+                                store_row(Kl_s, Kr_s, st, base_row + r * 32, raw, sw, r, q, outw, fac)
+                                if q == 0:
+                                    ok_s[st, base_row + r * 32] = ok[r]
                         T.fence_proxy_async()  # generic-proxy stores, read by the WGMMAs (async proxy)
-                        T.mbarrier_arrive(full[st])
+                        if cluster and p == 0:  # the peer's half arrives as bytes on this barrier
+                            T.mbarrier_arrive_expect_tx(full[st], PEER_BYTES)
+                        else:
+                            T.mbarrier_arrive(full[st])
                         kp = kp + 1
+            if cluster:
+                T.cluster_sync()  # neither block exits while the other may still arrive on or store into it
 
     return sparse_mqa_sched

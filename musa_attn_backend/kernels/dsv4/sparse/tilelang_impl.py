@@ -16,6 +16,7 @@ from ...attention.combine_kernel import build_combine
 from .. import _glue, layout as L
 from .._glue import _flat_views, _no_race_check
 from .mqa_kernel import build_sparse_mqa
+from .rows import CLUSTER_STORE_HEADER
 
 BLOCK_H = 64
 BLOCK_N = 64
@@ -143,9 +144,25 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
     _check_program("scheduled", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
     pdl = _sched_pdl(target)
-    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl",) if pdl else ())
-    return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl),
-                          target=target, pass_configs=_ws_pass_configs())
+    cluster = _sched_cluster(H, target)
+    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl",) if pdl else ()) + \
+        (("cluster",) if cluster else ())
+    return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl,
+                                                              cluster=cluster),
+                          target=target, pass_configs=_ws_pass_configs(),
+                          headers=(CLUSTER_STORE_HEADER,) if cluster else ())
+
+
+def _sched_cluster(H: int, target) -> bool:
+    """Whether the scheduled program runs the two head blocks of 65-128 heads as a cluster sharing the
+    dequantisation (each producer makes half of every tile's rows, into both blocks' stage), where the target has
+    clusters, once :data:`SCHED_CLUSTER` is on."""
+    return SCHED_CLUSTER and BLOCK_H < H <= 2 * BLOCK_H and features_of(target)["clusters"]
+
+
+# Off until its GPU tests and FlashMLA's cases have passed and it has been timed beside the unclustered program
+# (built 2026-12-07 with no device lent; the bulk-copy cluster form before it was correct and slower, docs/dsv4.md)
+SCHED_CLUSTER = False
 
 
 def _sched_pdl(target) -> bool:
@@ -353,7 +370,7 @@ def _sched_kernels(H: int, has_extra: bool, has_sink: bool) -> tuple:
     """The scheduled program and its combine for this platform, looked up once per shape (a launch then costs no
     compile-cache key), each as its :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without
     TileLang's Python wrapper where the platform allows it: an eager decode step launches both on every layer)."""
-    key = (H, has_extra, has_sink)
+    key = (H, has_extra, has_sink, SCHED_CLUSTER)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
         hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16")),
