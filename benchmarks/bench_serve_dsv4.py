@@ -43,10 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _p in (str(ROOT), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+sys.path[:0] = [p for p in (str(HERE.parent), str(HERE)) if p not in sys.path]  # the package, bench_attention
 
 VOCAB = 129_280
 FIRST_TOKEN = 32  # prompts stay clear of the special tokens
