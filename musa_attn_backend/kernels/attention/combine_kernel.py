@@ -4,7 +4,7 @@
 import functools
 
 from ..._tilelang import tl_lang as T
-from .tl_common import ACC, LOG2E
+from .tl_common import ACC, LOG2E, NEG_INF
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,7 +22,6 @@ def build_combine(Hq: int, DV: int, q_dtype: str, has_sinks: bool, threads: int 
     chunk re-reads it with weight 0)."""
     NT = T.dynamic("num_tokens")
     SPLITS = T.dynamic("num_splits")
-    NEG_INF = -T.infinity(ACC)
 
     @T.prim_func
     def combine(

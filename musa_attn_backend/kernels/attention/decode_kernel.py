@@ -4,8 +4,8 @@
 import functools
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, paged_program, paged_sizes, qk_product,
-                        request_rows, slot_buffer, slot_row, visible)
+from .tl_common import (ACC, LOG2E, NEG_INF, SLOT_TILES, Tiles, attention_macros, paged_program, paged_sizes,
+                        qk_product, request_rows, slot_buffer, slot_row, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,7 +37,6 @@ def build_decode(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: str
     sizes = paged_sizes()
     NT, B, _, MP = sizes
     SPLITS = T.dynamic("num_splits")  # leading dimension of the partials
-    NEG_INF = -T.infinity(ACC)
     out_dtype = ACC if split else q_dtype
     # Fewer than 64 rows (e.g. 1 token x 4 heads): 16-row tiles on mma.sync with warps splitting the
     # columns, instead of 64-row warpgroup MMAs that are mostly padding.

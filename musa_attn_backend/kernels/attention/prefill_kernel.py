@@ -4,8 +4,8 @@ gathers or whole-tile copies (conventions: :mod:`.tl_common`)."""
 import functools
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, SLOT_TILES, Tiles, attention_macros, page_row, paged_program, paged_sizes,
-                        qk_product, query_tile_macro, slot_buffer, visible)
+from .tl_common import (ACC, LOG2E, NEG_INF, SLOT_TILES, Tiles, attention_macros, page_row, paged_program,
+                        paged_sizes, qk_product, query_tile_macro, slot_buffer, visible)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +40,6 @@ def build_prefill(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, kv_dtype: st
     BM, BN = block_M, block_N
     sizes = paged_sizes()
     NT, B, _, MP = sizes
-    NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
     D1 = d_parts[0] if d_parts else D  # the first part of the head dim; D - D1 the second (0: not cut)
     assert sum(d_parts or (D,)) == D and len(d_parts) <= 2, d_parts

@@ -12,8 +12,8 @@ import functools
 from typing import Any
 
 from ..._tilelang import tl_lang as T
-from .tl_common import (ACC, LOG2E, attention_macros, page_row, paged_program, paged_sizes, query_tile_macro,
-                        slot_row, visible)
+from .tl_common import (ACC, LOG2E, NEG_INF, attention_macros, page_row, paged_program, paged_sizes,
+                        query_tile_macro, slot_row, visible)
 
 # Named barriers (id 0 is __syncthreads; TileLang's own partial syncs are not used by its consumer code, which
 # only touches registers, and shared memory through TMA and WGMMA)
@@ -68,7 +68,6 @@ def build_prefill_pingpong(Hq: int, Hkv: int, D: int, DV: int, q_dtype: str, cau
     BN, NS = block_N, num_stages
     sizes = paged_sizes()
     NT, B, _, MP = sizes
-    NEG_INF = -T.infinity(ACC)
     HS_K, HS_V = k_layout[2], v_layout[2]
     rows_per_copy = tma_rows or BN
     copies_per_tile = BN // rows_per_copy

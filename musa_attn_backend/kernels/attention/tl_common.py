@@ -35,6 +35,7 @@ from .._tir import CHUNK_BYTES
 
 LOG2E = 1.4426950408889634
 ACC = "float32"
+NEG_INF = -T.infinity(ACC)  # minus infinity in the accumulators' type: the running max of a row that saw no key
 SLOT_TILES = 8  # tiles whose cache rows are resolved together before each pipelined run
 # the 16-bit row width MUSA's GEMM layouts take: at most this many elements, or multiples of it
 GEMM_EXTENT_CHUNK = CHUNK_BYTES // 2
@@ -260,10 +261,10 @@ class AttentionMacros(NamedTuple):
 def attention_macros(BM, BN, D, DV, HS_K, HS_V, is_fp8, q_dtype, slot_tiles=SLOT_TILES,
                      D1=None) -> AttentionMacros:
     """Tile loads and the online-softmax step shared by the prefill and decode programs (the step also by
-    DeepSeek-V4's portable and scheduled sparse programs; ``BM`` x ``BN`` score tiles, head dims ``D`` / ``DV``, head strides ``HS_K`` / ``HS_V`` of the cache rows; ``D1``: the width of the
-    head dim's first part where the K tiles are cut in two, :func:`head_parts`)."""
+    DeepSeek-V4's portable and scheduled sparse programs; ``BM`` x ``BN`` score tiles, head dims ``D`` / ``DV``,
+    head strides ``HS_K`` / ``HS_V`` of the cache rows; ``D1``: the width of the head dim's first part where the K
+    tiles are cut in two, :func:`head_parts`)."""
     D1 = D1 or D
-    NEG_INF = -T.infinity(ACC)
 
     @T.macro
     def alloc_state():
