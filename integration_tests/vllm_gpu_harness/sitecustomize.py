@@ -49,6 +49,15 @@ for n in ("cutlass_scaled_mm_supports_fp8", "cutlass_scaled_mm_supports_block_fp
 import importlib.abc, importlib.machinery, importlib.util, os, sys
 
 
+def _real_spec(finder, name):
+    """The module spec the import system finds for ``name`` with ``finder`` taken off ``sys.meta_path``."""
+    sys.meta_path.remove(finder)
+    try:
+        return importlib.util.find_spec(name)
+    finally:
+        sys.meta_path.insert(0, finder)
+
+
 class _FaPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """vllm.vllm_flash_attn without its ImportError: the package raises when neither _vllm_fa2_C nor _vllm_fa3_C
     loads; its flash_attn_interface imports fine and reports FA2/FA3 unavailable."""
@@ -56,11 +65,7 @@ class _FaPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
         if name != "vllm.vllm_flash_attn":
             return None
-        sys.meta_path.remove(self)
-        try:
-            real = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
+        real = _real_spec(self, name)
         spec = importlib.machinery.ModuleSpec(name, self, is_package=True)
         spec.submodule_search_locations = list(real.submodule_search_locations)
         return spec
@@ -272,11 +277,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         patch = self.patches.get(name)
         if patch is None:
             return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
+        spec = _real_spec(self, name)
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module
