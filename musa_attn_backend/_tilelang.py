@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import threading
@@ -57,6 +58,12 @@ def kernel_digest(full_key) -> str:
     return hashlib.sha256(repr(full_key).encode()).hexdigest()[:32]
 
 
+@functools.lru_cache(maxsize=None)
+def _header_text(path) -> str:
+    """A force-included header's text (read once a process: a kernel's key holds it)."""
+    return Path(path).read_text()
+
+
 def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass_configs=None,
                    headers: tuple = ()):
     """Compile ``build()`` (a ``@T.prim_func``) once per (key, target, pass configs, TileLang version, kernel
@@ -75,7 +82,7 @@ def compile_cached(key: Hashable, build: Callable[[], Any], *, target=None, pass
     if _handler is not None:
         return _handler(key, build, target, pass_configs)
     full_key = (key, repr(target), repr(sorted((pass_configs or {}).items())), tilelang_version(),
-                kernel_settings()) + tuple(Path(h).read_text() for h in headers)
+                kernel_settings()) + tuple(_header_text(h) for h in headers)
     kernel = _kernels.get(full_key)
     if kernel is not None:
         return kernel
@@ -211,7 +218,6 @@ def lower(func, target, pass_configs: Optional[dict] = None) -> LoweredProgram:
     """TileLang's lowering of the prim_func ``func`` for ``target`` (any form TileLang takes), up to the
     generated device source. Runs no device compiler (nvcc, mcc): this is what tells whether a program lowers
     for a target on a machine without its toolchain. Raises what the lowering raises."""
-    import functools
     import importlib
 
     from tilelang import tvm
