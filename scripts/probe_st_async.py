@@ -1,45 +1,33 @@
 """Probe of the building block issue 37's next design needs (docs/dsv4.md, "Sharing the dequantisation at 128
 heads"): a per-thread 16-byte store into the shared memory of the other CTA of a cluster of two, completing bytes
 on that CTA's mbarrier (PTX ``st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32``), which TileLang has
-no operation for. The store is a device function in a header the kernel's compile force-includes (``-include``),
-called from TileLang with ``T.call_extern``; the kernel is a two-CTA exchange: each CTA's 128 threads store their
+no operation for. The store is the package's own (``rows.send16``: a device function of
+``kernels/dsv4/sparse/cluster_store.cuh``, which the kernel's compile force-includes, called with ``T.call_extern``;
+what the clustered scheduled program calls); the kernel is a two-CTA exchange: each CTA's 128 threads store their
 four words of ``A[cta]`` into the peer's stage, each CTA waits on its own barrier (armed for the 2,048 bytes the
 peer sends) and copies its stage to ``B[cta]``, so ``B[c] == A[1 - c]``.
 
     python scripts/probe_st_async.py            # compile for sm_90a (CPU machine: nvcc only) and print the source
     python scripts/probe_st_async.py --run      # on a Hopper GPU: run it and check the exchange
 
-CUDA only (MUSA MP31 has no clusters); not used by the package yet.
+CUDA only (MUSA MP31 has no clusters).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-HEADER = r"""
-#pragma once
-// 16 bytes (four 32-bit words) into the shared memory of CTA `rank` of this cluster, at the address `local` has in
-// this CTA, completing 16 transaction bytes on that CTA's mbarrier at the address `bar` has here
-__device__ __forceinline__ void musa_attn_st_async_v4(void* local, unsigned rank, unsigned w0, unsigned w1,
-                                                       unsigned w2, unsigned w3, void* bar) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(local));
-  unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  unsigned rs, rb;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rs) : "r"(s), "r"(rank));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"(rank));
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-               :: "r"(rs), "r"(w0), "r"(w1), "r"(w2), "r"(w3), "r"(rb) : "memory");
-}
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 THREADS = 128
 
 
 def build():
     import tilelang.language as T
+
+    from musa_attn_backend.kernels.dsv4.sparse.rows import send16
 
     @T.prim_func
     def exchange(A: T.Tensor((2, THREADS, 4), "uint32"), B: T.Tensor((2, THREADS, 4), "uint32")):
@@ -50,8 +38,8 @@ def build():
             T.cluster_sync()  # both barriers exist before either CTA stores into the other
             if tx == 0:
                 T.mbarrier_arrive_expect_tx(bar[0], THREADS * 16)
-            T.call_extern("handle", "musa_attn_st_async_v4", T.address_of(S[tx, 0]), 1 - T.block_rank_in_cluster(),
-                          A[bx, tx, 0], A[bx, tx, 1], A[bx, tx, 2], A[bx, tx, 3], T.address_of(bar[0]))
+            send16(S[tx, 0], 1 - T.block_rank_in_cluster(), A[bx, tx, 0], A[bx, tx, 1], A[bx, tx, 2], A[bx, tx, 3],
+                   bar[0])
             T.mbarrier_wait_parity(bar[0], 0)
             for j in T.serial(4):
                 B[bx, tx, j] = S[tx, j]
@@ -66,9 +54,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import tilelang as tl
 
-    header = Path(tempfile.mkdtemp()) / "musa_attn_st_async.h"
-    header.write_text(HEADER)
-    kernel = tl.compile(build(), target={"kind": "cuda", "arch": "sm_90a"}, compile_flags=["-include", str(header)])
+    from musa_attn_backend.kernels.dsv4.sparse.rows import CLUSTER_STORE_HEADER
+
+    kernel = tl.compile(build(), target={"kind": "cuda", "arch": "sm_90a"},
+                        compile_flags=["-include", str(CLUSTER_STORE_HEADER)])
     if not args.run:
         print(kernel.get_kernel_source())
         return 0
