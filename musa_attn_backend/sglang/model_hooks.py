@@ -247,7 +247,7 @@ def install() -> None:
                               _configure_kv_cache, HookType.AROUND)
     global _replaced
     _replaced = (kind, list(targets))
-    logger.info("musa_attn_backend: DeepSeek-V4 model kernels replaced on %s: %s", kind, ", ".join(targets))
+    log_replaced()
 
 
 def log_replaced() -> None:
