@@ -161,15 +161,18 @@ def _compile(job):
 
     kind, args, kwargs = job
     kwargs = dict(kwargs)
-    if kwargs.get("program") == CLUSTER:
-        ti.SCHED_CLUSTER, kwargs["program"] = True, "scheduled"
+    if kwargs.get("program") in SCHED_FORMS:
+        ti.SCHED_CLUSTER, kwargs["program"] = kwargs["program"] == CLUSTER, "scheduled"
     with config.override(musa_forms=kwargs.pop("musa_forms", False)):
         getattr(wti if kind.startswith("write_") else ti, kind)(*args, **kwargs)
     return job
 
 
-# the scheduled program's clustered 65-128-head form (tilelang_impl.SCHED_CLUSTER), named as a program here
-CLUSTER = "cluster"
+# the scheduled program's two 65-128-head forms, named as programs here: "cluster", the clustered form at every
+# token count, and "plain", the unclustered one; "scheduled" is the program as it runs (the clustered form from
+# tilelang_impl.SCHED_CLUSTER_MIN_TOKENS query tokens)
+CLUSTER, PLAIN = "cluster", "plain"
+SCHED_FORMS = {CLUSTER: (True, 0), PLAIN: (False, 0)}
 
 
 def precompile(configs, portable: bool, tilings: str, workers: int = 8, programs=()) -> None:
@@ -183,6 +186,8 @@ def precompile(configs, portable: bool, tilings: str, workers: int = 8, programs
     hopper = ti.sparse_mqa_program() != "portable"
     variants = [dict(program=ti.sparse_mqa_program())]
     variants += [dict(program=p) for p in programs if p != ti.sparse_mqa_program()]
+    if ti.sparse_mqa_program() == "scheduled" and PLAIN not in programs:  # its form for calls of few tokens
+        variants.append(dict(program=PLAIN))
     variants += [dict(program="portable")] if hopper and portable else []
     variants += [dict(program="portable", musa_forms=True)] if portable else []
     jobs = [("sparse_mqa_kernel", (CONFIGS[c][0], True, True, split, "bfloat16"), v)
@@ -223,9 +228,9 @@ def main(argv=None):
     ap.add_argument("--writer-tilings", default="", help="also time the writers at these tilings, "
                                                           "tokens-per-block:threads, comma-separated (e.g. 16:256)")
     ap.add_argument("--programs", default="scheduled",
-                    help="also time these sparse MQA programs (comma-separated: scheduled, cluster (the scheduled "
-                         "one's clustered 65-128-head form), paired, portable); "
-                         "ours_ms is the default program's")
+                    help="also time these sparse MQA programs (comma-separated: scheduled, cluster and plain (the "
+                         "scheduled one's clustered and unclustered 65-128-head forms at every token count), paired, "
+                         "portable); ours_ms is the default program's")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
@@ -247,6 +252,7 @@ def main(argv=None):
     prefill_t = (4096,) if args.quick else (4096, 16384)
     g = torch.Generator(device="cuda").manual_seed(0)
     program = tilelang_impl.sparse_mqa_program()
+    sched_defaults = (tilelang_impl.SCHED_CLUSTER, tilelang_impl.SCHED_CLUSTER_MIN_TOKENS)
     for cfg, (H, K) in ((c, CONFIGS[c]) for c in args.configs.split(",")):
         ops = set(args.ops.split(","))
         runs = ([("decode", B, 1) for B in decode_b if "decode" in ops]
@@ -260,9 +266,11 @@ def main(argv=None):
             plan = dsv4.sparse_mqa_plan(q, i1, None, i2, None)
 
             def ours(prog=program):
-                tilelang_impl.SCHED_CLUSTER = prog == CLUSTER
+                # the scheduled program's forms by SCHED_FORMS, the defaults restored for every other program
+                tilelang_impl.SCHED_CLUSTER, tilelang_impl.SCHED_CLUSTER_MIN_TOKENS = SCHED_FORMS.get(
+                    prog, sched_defaults)
                 tilelang_impl.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out,
-                                                  program="scheduled" if prog == CLUSTER else prog, plan=plan)
+                                                  program="scheduled" if prog in SCHED_FORMS else prog, plan=plan)
 
             ms = bench_ms(ours)
             extra = {"program": program}

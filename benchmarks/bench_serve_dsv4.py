@@ -222,7 +222,9 @@ def main(argv=None) -> int:
               kv_cache_dtype="fp8", block_size=args.block_size, load_format="dummy",
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_len,
               max_num_seqs=max(64, max(batches)), enable_prefix_caching=False, enforce_eager=args.eager, seed=0,
-              compilation_config=compilation, tensor_parallel_size=args.tp, disable_custom_all_reduce=True)
+              compilation_config=compilation, tensor_parallel_size=args.tp, disable_custom_all_reduce=True,
+              # vLLM's JIT warmup of its own V4 kernels (CuTe DSL on CUDA) warms kernels this backend replaces
+              kernel_config={"enable_jit_warmup": False})
     load_s = time.perf_counter() - t_load
     engine = llm.llm_engine
     stamp = datetime.now(timezone.utc)

@@ -225,6 +225,28 @@ def dsv4_table(results: Path = RESULTS) -> str:
     return "\n".join([note, "", *head, *lines])
 
 
+def serve_table(results: Path = RESULTS) -> str:
+    """The V4-Flash-sized serving run (``bench_serve_dsv4.py``), the newest: one line a (batch, context)."""
+    runs = sorted(results.glob("serve-dsv4-*.json"), reverse=True)
+    if not runs:
+        return "No V4 serving run yet."
+    doc = json.loads(runs[0].read_text())
+    m = doc["model"]
+    lines = [f"`{runs[0].name}` ({doc['device'].replace('NVIDIA ', '')}, commit {doc['commit'][:7]}, "
+             f"{doc['date'][:10]}): {doc['engine']}, V4-Flash dimensions, {m['layers']} layers (compress ratios "
+             f"{', '.join(map(str, m['compress_ratios']))}), {m['quant']} weights, graphs {doc['graphs']}, TP "
+             f"{doc['tp']}; attention, indexer, compressors, writers and MoE experts ours, vLLM's linear layers and "
+             f"mHC; a decode step's kernels summed by the profiler. The first row includes compiling what the "
+             f"warmup missed.", "",
+             "| batch | context | TTFT | prefill tok/s | decode step | decode tok/s | kernels a step |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        kern = f"{r['kernel_ms']:.2f} ms" if r.get("kernel_ms") else ""
+        lines.append(f"| {r['batch']} | {r['context']} | {r['ttft_ms']:.0f} ms | {r['prefill_tok_s']:,.0f} | "
+                     f"{r['decode_step_ms']:.2f} ms | {r['decode_tok_s']:,.0f} | {kern} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=RESULTS)

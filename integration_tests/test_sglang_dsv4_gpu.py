@@ -47,7 +47,7 @@ def test_tiny_deepseek_v4_on_a_gpu_agrees_with_the_reference(tmp_path, monkeypat
     asks = prompts(config["vocab_size"])
     log = logs / f"sglang-gpu-{'graphs' if graphs else 'eager'}.log"
     extra = [*SERVER["extra"], "--sampling-backend", "pytorch", "--moe-runner-backend", "triton", "--skip-tokenizer-init",
-             *(["--cuda-graph-max-bs", "4"] if graphs else ["--disable-cuda-graph"])]
+             *(["--cuda-graph-max-bs-decode", "4"] if graphs else ["--disable-cuda-graph"])]
     with sglang_server(model, "tilelang_musa", log=log, shim_log=logs / "shim.log", device="cuda", shim=None,
                        page_size=SERVER["page_size"], max_total_tokens=SERVER["max_total_tokens"],
                        startup_timeout=SERVER["startup_timeout"], extra=extra) as base:

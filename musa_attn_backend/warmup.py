@@ -132,6 +132,7 @@ BUILDERS = {
     "write_kv": ("musa_attn_backend.kernels.kv_cache.tilelang_impl", "write_kv_kernel"),
     "dsv4_sparse_mqa": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "sparse_mqa_kernel"),
     "dsv4_combine": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "combine_kernel"),
+    "dsv4_sched": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "sched_kernel"),
     "dsv4_sparse_combine": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "sched_combine_kernel"),
     "dsv4_write_kv": ("musa_attn_backend.kernels.dsv4.writers.tilelang_impl", "write_kv_v4_kernel"),
     "dsv4_write_index_k": ("musa_attn_backend.kernels.dsv4.writers.tilelang_impl", "write_index_k_kernel"),

@@ -130,7 +130,7 @@ def _index_tiles(model: V4Model, ratio: int, block_n: int) -> int:
 
 
 def _attention(model: V4Model, engine: str) -> list[Job]:
-    from .kernels.dsv4.sparse.tilelang_impl import sparse_mqa_block_n, sparse_mqa_program
+    from .kernels.dsv4.sparse.tilelang_impl import _sched_cluster, sparse_mqa_block_n, sparse_mqa_program
 
     H = attention_heads(model, engine)
     jobs = []
@@ -140,6 +140,9 @@ def _attention(model: V4Model, engine: str) -> list[Job]:
         jobs.append(Job("dsv4_sparse_mqa", (H, extra, True, False, "bfloat16")))
         if program == "scheduled":  # one program, split or not, and its combine, launched every time
             jobs.append(Job("dsv4_sparse_combine", (H, True, "bfloat16")))
+            if _sched_cluster(H, None):  # the job above built the clustered form, for calls of many tokens;
+                # calls of fewer take the unclustered one (tilelang_impl.SCHED_CLUSTER_MIN_TOKENS)
+                jobs.append(Job("dsv4_sched", (H, extra, True, "bfloat16"), (("cluster", False),)))
         elif program == "paired":  # one program, never split
             pass
         elif _index_tiles(model, ratio, sparse_mqa_block_n()) >= 4:  # num_splits_for splits from 4 tiles on

@@ -29,7 +29,7 @@ case "${1:-}" in
     stamp "cluster + entry tests: $(grep -c " PASSED" "$out/cluster_tests.txt") passed"
     grep -E "FAILED|Error" "$out/cluster_tests.txt" | head -8 | cut -c1-250
     timeout 200 python3 benchmarks/bench_dsv4_attention.py --quick --configs pro --ops decode,decode_mtp \
-      --no-portable --programs scheduled,cluster --out "$out" > "$out/bench_cluster.txt" 2>&1
+      --no-portable --programs scheduled,cluster,plain --out "$out" > "$out/bench_cluster.txt" 2>&1
     stamp "bench rc=$?"; grep -E "^decode" "$out/bench_cluster.txt" | cut -c1-330
     wait
     stamp "warmup: $(tail -1 "$out/warmup.txt")" ;;

@@ -213,28 +213,34 @@ def _topk_softplus_sqrt(w_out, ids_out, tei_out, logits, renormalize, scale, bia
 
 def _moe_align_block_size(topk_ids, num_experts, block_size, sorted_ids, expert_ids, ntpp, expert_map=None,
                           scatter_idx=None):
+    """vLLM's ``moe_align_block_size`` without a host read, so that it can be captured in a CUDA graph: the counts
+    by ``scatter_add_`` (``bincount`` reads its maximum on the host), every entry sorted (the invalid ones last and
+    sent to a spare slot) and each block's expert found by ``searchsorted`` over the experts' block ends."""
     flat = topk_ids.flatten().long()
-    n = flat.numel()
+    n, dev = flat.numel(), flat.device
     if expert_map is not None:
         flat = torch.where(flat >= 0, expert_map.long()[flat.clamp(min=0)], -1)
     valid = (flat >= 0) & (flat < num_experts)
     key = torch.where(valid, flat, num_experts)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
     padded = (counts + block_size - 1) // block_size * block_size
     starts = torch.cumsum(padded, 0) - padded
     cstarts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(key, stable=True)[: int(valid.sum())]
+    order = torch.argsort(key, stable=True)
     e = key[order]
-    rank = torch.arange(order.numel(), device=flat.device) - cstarts[e]
-    sorted_ids.fill_(n)
-    sorted_ids[starts[e] + rank] = order.to(sorted_ids.dtype)
-    blocks = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_size)
-    expert_ids.fill_(-1)
-    expert_ids[: blocks.numel()] = blocks.to(expert_ids.dtype)
-    ntpp.fill_(0)
-    ntpp += padded.sum().to(ntpp.dtype)
+    ec = e.clamp(max=num_experts - 1)
+    rank = torch.arange(n, device=dev) - cstarts[ec]
+    dest = torch.where(e < num_experts, starts[ec] + rank, sorted_ids.numel())
+    buf = torch.full((sorted_ids.numel() + 1,), n, dtype=sorted_ids.dtype, device=dev)
+    buf.scatter_(0, dest, order.to(sorted_ids.dtype))
+    sorted_ids.copy_(buf[:-1])
+    ends = torch.cumsum(padded // block_size, 0)
+    owner = torch.searchsorted(ends, torch.arange(expert_ids.numel(), device=dev), right=True)
+    expert_ids.copy_(torch.where(owner < num_experts, owner, -1).to(expert_ids.dtype))
+    ntpp.copy_(padded.sum().to(ntpp.dtype).expand_as(ntpp))
     if scatter_idx is not None:
-        scatter_idx.copy_(torch.where(valid, torch.arange(n, device=flat.device), -1).view_as(scatter_idx))
+        scatter_idx.copy_(torch.where(valid, torch.arange(n, device=dev), -1).view_as(scatter_idx))
 
 
 def _moe_sum(inp, out, topk_ids=None, expert_map=None):

@@ -238,6 +238,9 @@ def test_clustered_scheduled_program_builds_for_sm90a(use_settings, monkeypatch,
     assert regs == 168 and spills <= 16, (regs, spills)  # one row of bytes a producer thread (the unclustered
     # program holds two and spills 28-144 bytes at 64-128 heads)
     assert ti._sched_cluster(64, HOPPER) is False and ti._sched_cluster(129, HOPPER) is False
+    # by the call's query tokens: the clustered form from SCHED_CLUSTER_MIN_TOKENS on (faster there on the H200)
+    assert ti._sched_cluster(H, HOPPER, ti.SCHED_CLUSTER_MIN_TOKENS) is True
+    assert ti._sched_cluster(H, HOPPER, ti.SCHED_CLUSTER_MIN_TOKENS - 1) is False
     monkeypatch.setattr(ti, "SCHED_CLUSTER", False)
     plain = ti.sched_kernel(H, True, True, "bfloat16", target=HOPPER).get_kernel_source()
     assert "musa_attn_st_async" not in plain and "cluster" not in plain

@@ -72,9 +72,12 @@ def program(request, monkeypatch, use_settings):
     if producer == "musa":
         use_settings(musa_forms=True)
         producer = ""
-    if producer == "cluster":  # the scheduled program's 65-128-head form: the two head blocks a cluster
-        monkeypatch.setattr(tilelang_impl, "SCHED_CLUSTER", True)
+    if producer == "cluster":  # the scheduled program's 65-128-head form: the two head blocks a cluster, at
+        monkeypatch.setattr(tilelang_impl, "SCHED_CLUSTER", True)  # every token count
+        monkeypatch.setattr(tilelang_impl, "SCHED_CLUSTER_MIN_TOKENS", 0)
         producer = ""
+    elif name == "scheduled":  # the unclustered form at every token count
+        monkeypatch.setattr(tilelang_impl, "SCHED_CLUSTER", False)
     if producer == "rows1":  # the paired program's producer holding one row of bytes at a time
         from musa_attn_backend.kernels.dsv4.sparse import paired_kernel
 
@@ -148,7 +151,7 @@ def test_scheduled_program_through_its_entry_equals_tilelangs_wrapper(gpu_device
     tilelang_impl._SCHED_KERNELS.clear()
     monkeypatch.setattr(tilelang_impl, "launcher", _tilelang.launcher)
     outs = [run(torch.full_like(q, float("nan"))).clone() for _ in range(3)]
-    program, combine = tilelang_impl._sched_kernels(heads, False, True)  # the cached pair the runs launched
+    program, combine = tilelang_impl._sched_kernels(heads, False, True, T)  # the cached pair the runs launched
     assert isinstance(program, _tilelang._Entry) and isinstance(combine, _tilelang._Entry)
     static = torch.full_like(q, float("nan"))
     graph = torch.cuda.CUDAGraph()

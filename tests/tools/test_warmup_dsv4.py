@@ -115,6 +115,26 @@ def test_scheduled_program_plans_its_kernels_and_the_keys_its_launch_asks_for(us
                          ("dsv4_sparse_combine", 8, True, "bfloat16")}
 
 
+def test_scheduled_program_plans_both_forms_for_128_heads(use_settings):
+    """65-128 heads a rank on CUDA: the clustered form (calls of SCHED_CLUSTER_MIN_TOKENS tokens and more) and the
+    unclustered one (fewer), each under the key its launch asks for."""
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+
+    use_settings(target="sm_90a", dsv4_program="scheduled")
+    jobs = kinds(wd.plan(wd.from_hf_config(PRO, tp=1), engine="vllm"))
+    assert {j.args[0] for j in jobs["dsv4_sparse_mqa"]} == {128}
+    assert {(j.args[:2], j.kwargs) for j in jobs["dsv4_sched"]} == {((128, False), (("cluster", False),)),
+                                                                      ((128, True), (("cluster", False),))}
+    keys = []
+    with _tilelang.intercepting(lambda k, b, t, p: keys.append(k)):
+        for job in jobs["dsv4_sparse_mqa"] + jobs["dsv4_sched"]:
+            warmup._build(job)
+    assert set(keys) == {("dsv4_sparse_mqa_sched", 128, extra, True, "bfloat16") + form
+                         for extra in (False, True) for form in ((), ("cluster",))}
+    assert ti._sched_cluster(128, None, ti.SCHED_CLUSTER_MIN_TOKENS)  # what the launches ask for, by tokens
+    assert not ti._sched_cluster(128, None, 1)
+
+
 def test_plans_build_for_both_targets_and_keep_musas_rules():
     """Every job of the tiny V4's and V4-Pro's plans builds (the launchers' getters accept its arguments) for
     sm_90a and mp_31, and on mp_31 keeps every rule of MUSA's lowering."""

@@ -137,14 +137,15 @@ def _ws_pass_configs() -> dict:
             tl.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True, **_no_race_check()}
 
 
-def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
-    """The compiled scheduled sparse MQA program (:mod:`.sched_kernel`)."""
+def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None, cluster=None):
+    """The compiled scheduled sparse MQA program (:mod:`.sched_kernel`); ``cluster``: its clustered form (None:
+    :func:`_sched_cluster` for a call of many tokens)."""
     from .sched_kernel import build_sparse_mqa_sched
 
     _check_program("scheduled", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
     pdl = _sched_pdl(target)
-    cluster = _sched_cluster(H, target)
+    cluster = _sched_cluster(H, target) if cluster is None else cluster
     key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl",) if pdl else ()) + \
         (("cluster",) if cluster else ())
     return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl,
@@ -153,16 +154,20 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
                           headers=(CLUSTER_STORE_HEADER,) if cluster else ())
 
 
-def _sched_cluster(H: int, target) -> bool:
+def _sched_cluster(H: int, target, tokens=None) -> bool:
     """Whether the scheduled program runs the two head blocks of 65-128 heads as a cluster sharing the
     dequantisation (each producer makes half of every tile's rows, into both blocks' stage), where the target has
-    clusters, once :data:`SCHED_CLUSTER` is on."""
-    return SCHED_CLUSTER and BLOCK_H < H <= 2 * BLOCK_H and features_of(target)["clusters"]
+    clusters, while :data:`SCHED_CLUSTER` is on, for a call of ``tokens`` query tokens (None: a call of many)."""
+    return (SCHED_CLUSTER and BLOCK_H < H <= 2 * BLOCK_H and features_of(target)["clusters"]
+            and (tokens is None or tokens >= SCHED_CLUSTER_MIN_TOKENS))
 
 
-# Off until its GPU tests and FlashMLA's cases have passed and it has been timed beside the unclustered program
-# (built 2026-12-07 with no device lent; the bulk-copy cluster form before it was correct and slower, docs/dsv4.md)
-SCHED_CLUSTER = False
+# On from 32 query tokens: on the H200 (2026-12-07, dsv4-attention-20261207T060323Z.json, V4-Pro decode) the
+# clustered form took 0.069 / 0.082 / 0.167 ms at 32 / 64 / 128 tokens against the unclustered 0.072 / 0.088 /
+# 0.175 (outputs equal bit for bit), and 0.031 / 0.033 ms against 0.030 / 0.032 at 1 / 2 tokens, where the
+# cluster's start and end synchronisation outweighs the halved dequantisation
+SCHED_CLUSTER = True
+SCHED_CLUSTER_MIN_TOKENS = 32
 
 
 def _sched_pdl(target) -> bool:
@@ -318,7 +323,7 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
     o_part = _alloc((plan.num_partials, H, L.D), torch.float32, dev)
     l_part = _alloc((plan.num_partials, H), torch.float32, dev)
     empty = float("inf") if empty_lse_inf else float("-inf")
-    program, combine = _sched_kernels(H, has_extra, has_sink)
+    program, combine = _sched_kernels(H, has_extra, has_sink, T)
     program(q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
             plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
     groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
@@ -366,14 +371,16 @@ _SCHED_KERNELS: dict = {}
 on_change(_SCHED_KERNELS.clear)
 
 
-def _sched_kernels(H: int, has_extra: bool, has_sink: bool) -> tuple:
-    """The scheduled program and its combine for this platform, looked up once per shape (a launch then costs no
-    compile-cache key), each as its :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without
-    TileLang's Python wrapper where the platform allows it: an eager decode step launches both on every layer)."""
-    key = (H, has_extra, has_sink, SCHED_CLUSTER)
+def _sched_kernels(H: int, has_extra: bool, has_sink: bool, tokens=None) -> tuple:
+    """The scheduled program (clustered or not, :func:`_sched_cluster` for ``tokens`` query tokens) and its combine
+    for this platform, looked up once per shape (a launch then costs no compile-cache key), each as its
+    :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without TileLang's Python wrapper where the
+    platform allows it: an eager decode step launches both on every layer)."""
+    cluster = _sched_cluster(H, None, tokens)
+    key = (H, has_extra, has_sink, cluster)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
-        hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16")),
+        hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16", cluster=cluster)),
                                      launcher(sched_combine_kernel(H, has_sink, "bfloat16")))
     return hit
 
