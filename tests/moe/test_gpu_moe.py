@@ -102,7 +102,22 @@ def test_contiguous_matches_reference(gpu_device, shape, T, E, skew):
     assert torch.isnan(out[~rows]).all()
 
 
-def test_contiguous_malformed_layout_gives_nan_rows(gpu_device):
+PERSISTENT = dict(policy="FullRow", persistent=132)  # the persistent form (TileLang 0.1.15), one block an H100/H200 SM
+
+
+def _needs_persistent(tiling):
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    if tiling.get("persistent") and tilelang_impl._tl_version() < (0, 1, 15):
+        pytest.skip("the persistent contiguous program needs TileLang >= 0.1.15")
+
+
+@pytest.mark.parametrize("tiling", [{}, PERSISTENT])
+def test_contiguous_malformed_layout_gives_nan_rows(gpu_device, tiling, monkeypatch):
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    _needs_persistent(tiling)
+    monkeypatch.setattr(tilelang_impl, "CONTIGUOUS", {**tilelang_impl.CONTIGUOUS, **tiling})
     E, N, K = 3, 256, 256
     b, sb = weights(E, N, K, gpu_device)
     layout = torch.full((512,), -1, dtype=torch.int32)
@@ -289,13 +304,14 @@ def test_fused_experts_is_captured_in_a_cuda_graph(gpu_device, T, layout, path, 
 
 
 @pytest.mark.parametrize("tiling", [dict(policy="FullRow"), dict(policy="FullRow", num_stages=3),
-                                    dict(policy="FullRow", swizzle=8)])
+                                    dict(policy="FullRow", swizzle=8), PERSISTENT, dict(PERSISTENT, num_stages=3)])
 @pytest.mark.parametrize("shape,T,E", [("small", 333, 8), ("flash_down", 2048, 256)])
 def test_contiguous_tilings_match_reference(gpu_device, tiling, shape, T, E):
     """The contiguous program under the other tilings ``bench_moe.py --tiling`` measures (one m64n128 WGMMA a
     k-slice; three stages), before any of them becomes the default."""
     from musa_attn_backend.kernels.moe import tilelang_impl
 
+    _needs_persistent(tiling)
     N, K = SHAPES[shape]
     b, sb = weights(E, N, K, gpu_device, seed=3)
     row_src, layout = moe.align_routing(routing(T, 6, E, True, gpu_device, seed=3), E)

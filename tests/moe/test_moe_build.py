@@ -212,6 +212,54 @@ def test_contiguous_swizzle_knob_sets_the_block_order():
     assert "rasterization2DRow" not in plain and "tl::rasterization2DRow<8>()" in panels
 
 
+def test_persistent_contiguous_needs_tilelang_0_1_15(monkeypatch):
+    """The persistent form (``--tiling persistent=132``) is refused by name on a TileLang whose warp
+    specialisation cannot lower a pipeline inside a loop (0.1.12 fails with "failed to replace pipeline loop")."""
+    monkeypatch.setattr(ti, "_tl_version", lambda: (0, 1, 12))
+    with pytest.raises(ValueError, match=r"persistent contiguous program needs TileLang >= 0.1.15.*persistent=0"):
+        ti.contiguous_kernel(4096, 4096, target=HOPPER, persistent=132)
+
+
+PERSISTENT_BUILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import tilelang
+from musa_attn_backend._tilelang import lower
+from musa_attn_backend.kernels.moe.contiguous_kernel import build_grouped_gemm_contiguous
+from musa_attn_backend.testing.toolchain import HOPPER
+src = lower(build_grouped_gemm_contiguous(4096, 4096, policy="FullRow", persistent=132), HOPPER,
+            pass_configs={tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}).source
+print(tilelang.__version__)
+print(src)
+"""
+
+
+def test_persistent_contiguous_lowers_on_tilelang_0_1_15():
+    """The persistent form under TileLang 0.1.15 (the oracles' site of ``make setup``): 132 blocks, warp
+    specialised (a producer warp group of TMA loads), the tile loop with no whole-block barrier in it and the
+    consumers' two named barriers around the staging of D (the overlap of one tile's epilogue with the next
+    tile's loads depends on both)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    oracles = Path(sys.prefix) / "oracles"
+    if not (oracles / "tilelang").is_dir():
+        pytest.skip(f"no TileLang 0.1.15 at {oracles} (make setup installs it)")
+    root = Path(__file__).resolve().parents[2]
+    # without what importing TileLang 0.1.12 here put in the environment (its library and template paths)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TVM_", "TL_", "TILELANG_"))}
+    res = subprocess.run([sys.executable, "-c", PERSISTENT_BUILD, str(root)], capture_output=True, text=True,
+                         timeout=600, env={**env, "PYTHONPATH": str(oracles)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    version, src = res.stdout.split("\n", 1)
+    assert version.startswith("0.1.15")
+    loop = src[src.index("for (int t = 0;"):]
+    assert "__launch_bounds__(384, 1)" in src and "tl::tma_load(" in loop and "wgmma_ss<" in loop
+    assert "__syncthreads()" not in loop and loop.count("tl::__sync_thread_partial(3, 256);") == 2
+
+
 def _fp4_conversion_program(R: int, C: int, scale_dtype: str):
     """A CPU program (TileLang's C target) writing one tile of FP4 weights in float32 through both TIR forms the
     FP4 GEMMs use: the byte form (:func:`fp4_weight`) and the word form (:func:`fp4_from_word`)."""

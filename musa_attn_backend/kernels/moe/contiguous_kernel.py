@@ -102,16 +102,78 @@ def _contiguous_body(N: int, K: int, block_n: int, num_stages: int, threads: int
     return body, KS
 
 
+def _persistent_body(N: int, K: int, block_n: int, num_stages: int, threads: int, M, E, policy: str, workers: int):
+    """The FP8 program's persistent form: ``workers`` blocks (the SM count), block ``w`` computing tiles ``w, w +
+    workers, ...`` in the grid's launch order (column fastest), so that its producer warps load the next tile's
+    first stages while its consumers store the last one (a block a tile waits for its pipeline to fill every
+    tile). TileLang 0.1.12's warp specialisation cannot lower a pipeline inside a loop (TileLang 0.1.15 can), and
+    its storage-sync pass would put a whole-block barrier at the top of each tile, so that pass is off for this
+    form (:func:`.tilelang_impl.contiguous_kernel`) and the consumers' two barriers around the staging of ``D``
+    are written here (named barrier 3, the 256 consumer threads). The K loop runs for every tile, with no step for
+    a tile whose expert is outside ``[0, E)`` (the pass requires the pipeline outside any branch); the epilogue
+    writes NaN for such a tile's rows, as the other form does."""
+    assert N % block_n == 0 and 128 % block_n == 0 and K % 128 == 0 and threads == 256
+    block_m, block_k = 128, 128
+    KS, NT = K // block_k, N // block_n
+
+    @T.macro
+    def body(A, SA, B, SB, layout, D):
+        with T.Kernel(workers, threads=threads) as w:
+            A_s = T.alloc_shared((block_m, block_k), FP8)
+            B_s = T.alloc_shared((block_n, block_k), FP8)
+            D_s = T.alloc_shared((block_m, block_n), BF16)
+            scale = T.alloc_fragment((block_m,), ACC)
+            part = T.alloc_fragment((block_m, block_n), ACC)
+            acc = T.alloc_fragment((block_m, block_n), ACC)
+            NAN_BF16 = T.reinterpret(T.uint16(0x7FC0), BF16)
+            # the tile's first row and column are written out where used: a local bound in the loop hides the
+            # pipeline from the warp-specialisation pass
+            for t in T.serial(T.ceildiv(T.ceildiv(M, block_m) * NT - w, workers)):
+                T.clear(acc)
+                for k in T.Pipelined(T.if_then_else(T.And(layout[(w + t * workers) // NT * block_m] >= 0,
+                                                          layout[(w + t * workers) // NT * block_m] < E), KS, 0),
+                                     num_stages=num_stages):
+                    T.copy(A[(w + t * workers) // NT * block_m, k * block_k], A_s)
+                    T.copy(B[layout[(w + t * workers) // NT * block_m], (w + t * workers) % NT * block_n,
+                             k * block_k], B_s)
+                    for i in T.Parallel(block_m):
+                        scale[i] = (T.if_then_else((w + t * workers) // NT * block_m + i < M,
+                                                   SA[T.min((w + t * workers) // NT * block_m + i, M - 1), k], 0.0)
+                                    * SB[layout[(w + t * workers) // NT * block_m],
+                                         (w + t * workers) % NT * block_n // 128, k])
+                    T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True,
+                           policy=getattr(T.GemmWarpPolicy, policy))
+                    for i, j in T.Parallel(block_m, block_n):
+                        acc[i, j] += part[i, j] * scale[i]
+                T.sync_threads(3, 256)  # the last tile's reads of D_s are done
+                T.copy(acc, D_s)
+                T.sync_threads(3, 256)
+                for i, j in T.Parallel(block_m, block_n):
+                    if (w + t * workers) // NT * block_m + i < M:
+                        if layout[(w + t * workers) // NT * block_m + i] >= 0:
+                            D[(w + t * workers) // NT * block_m + i, (w + t * workers) % NT * block_n + j] = \
+                                T.if_then_else(T.And(layout[(w + t * workers) // NT * block_m + i]
+                                                     == layout[(w + t * workers) // NT * block_m],
+                                                     layout[(w + t * workers) // NT * block_m] < E),
+                                               D_s[i, j], NAN_BF16)
+
+    return body, KS
+
+
 @functools.lru_cache(maxsize=None)
 def build_grouped_gemm_contiguous(N: int, K: int, block_n: int = 128, num_stages: int = 4, threads: int = 256,
-                                  policy: str = "Square", swizzle: int = 0):
+                                  policy: str = "Square", swizzle: int = 0, persistent: int = 0):
     """FP8 weights. ``N``, ``K``: the weights' shape (multiples of 128); ``M`` and the expert count are dynamic.
     ``policy``: how the tile GEMM splits the block among the warps (TileLang's ``GemmWarpPolicy``: ``Square``,
     ``FullRow``: each warp group whole rows of the tile, ``FullCol``). ``swizzle``: 0 launches the blocks row of
     tiles by row of tiles; a panel width launches them in panels of that many tile columns (``T.use_swizzle``),
-    so blocks running together share weight tiles in L2."""
+    so blocks running together share weight tiles in L2. ``persistent``: 0 launches a block a tile; a block count
+    (the SM count) launches the persistent form (:func:`_persistent_body`; TileLang 0.1.15)."""
     M, E = T.dynamic("m"), T.dynamic("experts")
-    body, KS = _contiguous_body(N, K, block_n, num_stages, threads, M, E, False, policy=policy, swizzle=swizzle)
+    if persistent:
+        body, KS = _persistent_body(N, K, block_n, num_stages, threads, M, E, policy, persistent)
+    else:
+        body, KS = _contiguous_body(N, K, block_n, num_stages, threads, M, E, False, policy=policy, swizzle=swizzle)
 
     @T.prim_func
     def grouped_gemm_contiguous(

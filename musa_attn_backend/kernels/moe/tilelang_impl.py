@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
+from .._common import check
 from ..._tilelang import compile_cached, tl
 from ...platform import features_of
 from .combine_kernel import build_combine_experts
@@ -65,7 +68,21 @@ def _limit(limit):
 
 
 def contiguous_kernel(N: int, K: int, target=None, **tiling):
-    return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, (N, K), target, tiling)
+    """The contiguous FP8 program under ``CONTIGUOUS`` with ``tiling``'s overrides. ``persistent`` (a block count)
+    takes the persistent form, which TileLang 0.1.15 lowers and 0.1.12 cannot (refused here with the reason);
+    its pipeline is synchronised by its own barriers (:func:`.contiguous_kernel._persistent_body`)."""
+    cfg = {**CONTIGUOUS, **tiling}
+    if not cfg.get("persistent"):
+        return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, (N, K), target, tiling)
+    check(_tl_version() >= (0, 1, 15), lambda: f"grouped_gemm_fp8: the persistent contiguous program needs "
+                                               f"TileLang >= 0.1.15 (a pipeline inside a loop under warp "
+                                               f"specialisation), this is {tl.__version__}; set persistent=0")
+    return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, (N, K), target, tiling,
+                   pass_configs={tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+
+
+def _tl_version() -> tuple:
+    return tuple(int(p) for p in re.findall(r"\d+", tl.__version__)[:3])
 
 
 def masked_kernel(N: int, K: int, target=None, **tiling):
