@@ -20,8 +20,16 @@ case "${1:-}" in
   call1)
     cfg=$(mktemp -d)/v4-flash-sized
     python3 benchmarks/bench_serve_dsv4.py --config-only "$cfg" > /dev/null
-    (MUSA_ATTN_MOE=on timeout "${T_WARM:-300}" python3 -m musa_attn_backend.cli warmup --model-config "$cfg" \
-       --engine vllm --experts fp8 -j 6 > "$out/warmup.txt" 2>&1) &
+    tiny=$(mktemp -d)/tiny-v4
+    python3 -c "import sys, pathlib; sys.path.insert(0, 'integration_tests'); from tiny_dsv4 import build; \
+build(pathlib.Path('$tiny'))"
+    # the V4-Flash-sized model's kernels (call3), then the tiny V4's for both engines (call2: a cold cache cost
+    # vLLM's eager test its 200 s on 2026-12-07)
+    ((MUSA_ATTN_MOE=on timeout "${T_WARM:-300}" python3 -m musa_attn_backend.cli warmup --model-config "$cfg" \
+        --engine vllm --experts fp8 -j 6
+      timeout 200 python3 -m musa_attn_backend.cli warmup --model-config "$tiny" --engine vllm -j 6
+      MUSA_ATTN_MODEL_KERNELS=on timeout 200 python3 -m musa_attn_backend.cli warmup --model-config "$tiny" \
+        --engine sglang --page-size 256 -j 6) > "$out/warmup.txt" 2>&1) &
     timeout 200 python3 benchmarks/bench_dsv4_attention.py --quick --configs pro,flash --ops decode,decode_mtp \
       --no-portable --programs scheduled,cluster,plain --out "$out" > "$out/bench_cluster.txt" 2>&1
     stamp "attention bench rc=$?"; grep -E "^decode" "$out/bench_cluster.txt" | cut -c1-330
