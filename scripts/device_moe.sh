@@ -37,7 +37,8 @@ for part in "${parts[@]}"; do
     tilings)
       IFS=';' read -r -a tilings <<< "${TILINGS:-policy=FullRow;policy=FullRow,num_stages=3;policy=FullRow,swizzle=8}"
       for t in "${tilings[@]}"; do  # compile every tiling's kernels at once
-        python3 benchmarks/bench_moe.py --models flash --compile-only 4 --tiling "$t" > /dev/null 2>&1 &
+        timeout "${T_COMPILE:-150}" python3 benchmarks/bench_moe.py --models flash --compile-only 4 --tiling "$t" \
+          > /dev/null 2>&1 &
       done
       wait
       for t in "${tilings[@]}"; do

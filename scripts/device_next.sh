@@ -30,13 +30,13 @@ build(pathlib.Path('$tiny'))"
       timeout 200 python3 -m musa_attn_backend.cli warmup --model-config "$tiny" --engine vllm -j 6
       MUSA_ATTN_MODEL_KERNELS=on timeout 200 python3 -m musa_attn_backend.cli warmup --model-config "$tiny" \
         --engine sglang --page-size 256 -j 6) > "$out/warmup.txt" 2>&1) &
-    timeout 200 python3 benchmarks/bench_dsv4_attention.py --quick --configs pro,flash --ops decode,decode_mtp \
+    timeout 170 python3 benchmarks/bench_dsv4_attention.py --quick --configs pro,flash --ops decode,decode_mtp \
       --no-portable --programs scheduled,cluster,plain --out "$out" > "$out/bench_cluster.txt" 2>&1
     stamp "attention bench rc=$?"; grep -E "^decode" "$out/bench_cluster.txt" | cut -c1-330
-    timeout 150 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py \
+    timeout 170 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py \
       -k "tilings or malformed" > "$out/moe_persistent_tests.txt" 2>&1
     stamp "persistent MoE tests: $(tail -1 "$out/moe_persistent_tests.txt")"
-    T3=${T3:-100} TILINGS="policy=FullRow;policy=FullRow,persistent=132;policy=FullRow,persistent=132,num_stages=3" \
+    T3=${T3:-100} TILINGS="policy=FullRow;policy=FullRow,persistent=132" \
       bash scripts/device_moe.sh tilings
     wait
     stamp "warmup: $(grep -E "done in|error" "$out/warmup.txt" | tail -1)" ;;
