@@ -115,10 +115,10 @@ class _Entry:
     the caller), one entry per device: TileLang 0.1.12 makes one per device, so the entry of the device current
     at the call is taken (the kernel's own call makes it on a device's first launch)."""
 
-    __slots__ = ("kernel", "adapter", "entries")
+    __slots__ = ("kernel", "adapter", "entries", "handles")
 
     def __init__(self, kernel, adapter):
-        self.kernel, self.adapter, self.entries = kernel, adapter, {}
+        self.kernel, self.adapter, self.entries, self.handles = kernel, adapter, {}, {}
 
     def __call__(self, *args):
         device = torch.cuda.current_device()
@@ -128,6 +128,20 @@ class _Entry:
             self.entries[device] = _compiled_entry(self.adapter, device)
             return None
         return entry(*args)
+
+    def handle(self, device: int):
+        """The TVM-FFI handle of the entry's function on ``device`` (for :mod:`._ffi_launch`; the function object
+        is kept here), None before the kernel's first launch there."""
+        hit = self.handles.get(device)
+        if hit is None:
+            entry = self.entries.get(device)
+            if entry is None:
+                return None
+            import tvm_ffi
+
+            fn = entry if isinstance(entry, tvm_ffi.Function) else entry[entry.entry_name]
+            hit = self.handles[device] = (int(fn.__chandle__()), fn)
+        return hit[0]
 
 
 def _compiled_entry(adapter, device: int):

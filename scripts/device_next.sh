@@ -8,8 +8,8 @@
 #          tilings with it beside the default and DeepGEMM
 #   call2  (carry .device/env.sh .device/fw; about 9 minutes) the engines: SGLang eager and CUDA graphs, vLLM's
 #          eager, graphs and graphs-block64 modes under runner V2 (issue 40, scripts/device_engines_gpu.sh)
-#   call3  (no carry) the V4-Flash-sized serving bench (scripts/device_serve_dsv4.sh; its warmup finds call1's
-#          kernels in the cache)
+#   call3  (no carry) the compiled launch's GPU test (issue 38), then the V4-Flash-sized serving bench
+#          (scripts/device_serve_dsv4.sh; its warmup finds call1's kernels in the cache)
 #   call4  (no carry) the MoE bench with DeepGEMM beside (issue 39)
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -44,7 +44,11 @@ build(pathlib.Path('$tiny'))"
     SGK="eager or cuda_graphs" VLLM_RUNNERS=1 T_SERVE=${T_SERVE:-300} T_VLLM=${T_VLLM:-200} \
       bash scripts/device_engines_gpu.sh ;;
   call3)
-    BUDGET=${BUDGET:-330} T_BENCH=${T_BENCH:-450} bash scripts/device_serve_dsv4.sh ;;
+    # first the scheduled program's launches through one call into C++ (issue 38, built 2026-12-07 without a GPU)
+    timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py -k "through_its_entry" \
+      > "$out/entry_tests.txt" 2>&1
+    stamp "entry tests: $(tail -1 "$out/entry_tests.txt")"
+    BUDGET=${BUDGET:-300} T_BENCH=${T_BENCH:-420} bash scripts/device_serve_dsv4.sh ;;
   call4)
     T2=${T2:-300} bash scripts/device_moe.sh bench ;;
   *) echo "usage: scripts/device_next.sh call1|call2|call3|call4"; exit 2 ;;

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from musa_attn_backend import _tilelang
+from musa_attn_backend import _tilelang, config
 from musa_attn_backend.kernels import dsv4
 from musa_attn_backend.kernels.dsv4.sparse import flash_mla
 from musa_attn_backend.kernels.dsv4.sparse import schedule
@@ -421,3 +421,82 @@ def test_a_batchs_later_calls_launch_what_the_checked_call_launched(use_settings
         fresh = dsv4.get_mla_metadata()[0]
         dsv4.flash_mla_with_kvcache(q, cache.unsqueeze(2), tile_scheduler_metadata=fresh, **kw)
         assert fresh.checked is not None and fresh.planned is None
+
+
+class _FakeEntry:
+    """A compiled entry stand-in: a handle once launched, every launch's arguments recorded."""
+
+    def __init__(self, handle):
+        self.h, self.calls, self.launched = handle, [], False
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        self.launched = True
+
+    def handle(self, device):
+        return self.h if self.launched else None
+
+
+def test_compiled_launch_passes_the_python_paths_arguments(monkeypatch):
+    """``SCHED_COMPILED_LAUNCH``: after a kernel pair's first launch (through Python, which makes the entries),
+    FlashMLA's entry hands ``_ffi_launch.run`` the two kernels' handles and the same argument lists the Python
+    path passes, the LSE, the partials and the output as placeholders of the tensors it asks for, in the
+    kernels' order; the results come back as the entry's (out, lse)."""
+    from musa_attn_backend import _ffi_launch
+    from musa_attn_backend.kernels.dsv4 import layout as L
+    from musa_attn_backend.kernels.dsv4.sparse import flash_mla
+
+    monkeypatch.setattr(flash_mla, "resolve_impl", lambda impl, device, op: "tilelang")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    program, combine = _FakeEntry(11), _FakeEntry(22)
+    monkeypatch.setattr(ti, "_sched_kernels", lambda *a: (program, combine))
+    runs = []
+
+    def fake_run(calls, allocs, like):
+        made = [torch.full(shape, float(i), dtype=dtype) for i, (shape, dtype) in enumerate(allocs)]
+        runs.append((calls, allocs, made))
+        return made
+
+    monkeypatch.setattr(_ffi_launch, "run", fake_run)
+    monkeypatch.setattr(ti, "SCHED_COMPILED_LAUNCH", True)
+    b, h = 3, 64
+    swa, c4 = L.new_kv_cache(4, 256, "cpu"), L.new_kv_cache(64, 64, "cpu")
+    q = torch.randn(b, 1, h, 512).to(torch.bfloat16)
+    i1 = torch.randint(0, 4 * 256, (b, 1, 128), dtype=torch.int32)
+    i2 = torch.randint(0, 64 * 64, (b, 1, 512), dtype=torch.int32)
+    sink = torch.randn(h)
+    with config.override(target="sm_90a", dsv4_program="scheduled"):
+        meta = dsv4.get_mla_metadata()[0]
+        call = lambda: dsv4.flash_mla_with_kvcache(  # noqa: E731
+            q, swa.unsqueeze(2), None, None, 512, meta, indices=i1, attn_sink=sink, extra_k_cache=c4.unsqueeze(2),
+            extra_indices_in_kvcache=i2)
+        call()  # the first launch: through Python
+        assert len(program.calls) == 1 and len(combine.calls) == 1 and not runs
+        out, lse = call()
+    assert len(program.calls) == 1 and len(runs) == 1
+    (calls, allocs, made) = runs[0]
+    assert [c[0] for c in calls] == [11, 22]
+    T = b
+    assert [(tuple(s), d) for s, d in allocs[:3]] == [((T, h), torch.float32), ((allocs[1][0][0], h, 512),
+                                                                                 torch.float32),
+                                                       ((allocs[1][0][0], h), torch.float32)]
+    assert len(allocs) == 4 and tuple(allocs[3][0]) == (T, h, 512) and allocs[3][1] == torch.bfloat16
+    assert out.shape == (b, 1, h, 512) and torch.equal(out.reshape(T, h, 512), made[3])
+    assert torch.equal(lse.reshape(T, h), made[0])
+
+    def same(python_args, compiled_args):
+        assert len(python_args) == len(compiled_args)
+        for p, c in zip(python_args, compiled_args):
+            if isinstance(c, _ffi_launch.Alloc):  # the Python path's own scratch tensor of the same shape
+                assert isinstance(p, torch.Tensor) and tuple(p.shape) == tuple(made[c[0]].shape)
+                assert p.dtype == made[c[0]].dtype
+            elif isinstance(c, torch.Tensor):
+                assert isinstance(p, torch.Tensor) and torch.equal(p, c) and p.dtype == c.dtype
+            else:
+                assert p == c and type(p) is type(c)
+
+    same(program.calls[0], calls[0][1])
+    same(combine.calls[0], calls[1][1])
+    placeholders = [a[0] for a in calls[0][1] if isinstance(a, _ffi_launch.Alloc)]
+    assert placeholders == [3, 0, 1, 2]  # out, lse, o_part, l_part: the program's last four arguments
+    assert [a[0] for a in calls[1][1] if isinstance(a, _ffi_launch.Alloc)] == [1, 2, 3, 0]

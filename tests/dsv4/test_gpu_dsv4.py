@@ -126,13 +126,25 @@ def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device, program):
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "compiled"])
 @pytest.mark.parametrize("heads,T", [(64, 1), (128, 37)])
-def test_scheduled_program_through_its_entry_equals_tilelangs_wrapper(gpu_device, heads, T, monkeypatch):
+def test_scheduled_program_through_its_entry_equals_tilelangs_wrapper(gpu_device, heads, T, compiled, monkeypatch):
     """The scheduled program and its combine launched through ``_tilelang.launcher`` (the compiled entry without
     TileLang's Python wrapper, on CUDA) write bit for bit what the same kernels launched through the wrapper
-    write, over three launches (the first one on a device goes through the wrapper), graph capture included."""
+    write, over three launches (the first one on a device goes through the wrapper), graph capture included;
+    ``compiled``: the launches after the first through one call into C++ (``_ffi_launch``,
+    ``SCHED_COMPILED_LAUNCH``), the LSE and partials made there."""
     from musa_attn_backend import _tilelang
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
+
+    monkeypatch.setattr(tilelang_impl, "SCHED_COMPILED_LAUNCH", compiled)
+    compiled_calls = []
+    if compiled:
+        from musa_attn_backend import _ffi_launch
+
+        _ffi_launch.load()  # built before the kernels (30-60 s the first time)
+        real_run = _ffi_launch.run
+        monkeypatch.setattr(_ffi_launch, "run", lambda *a, **k: compiled_calls.append(1) or real_run(*a, **k))
 
     dev = gpu_device
     cache, slots = filled_cache(4, 64, dev, seed=heads)
@@ -161,6 +173,7 @@ def test_scheduled_program_through_its_entry_equals_tilelangs_wrapper(gpu_device
     torch.cuda.synchronize()
     for out in outs + [static]:
         assert torch.equal(out, wrapped)
+    assert len(compiled_calls) == (3 if compiled else 0)  # the second and third runs and the captured one
 
 
 def _raw(cache):

@@ -27,7 +27,7 @@ LAYERS = [
     (f"{P}.config",),
     (f"{P}.cache",),
     (f"{P}.platform",),
-    (f"{P}._tilelang", f"{P}.tuning"),
+    (f"{P}._tilelang", f"{P}._ffi_launch", f"{P}.tuning"),
     (f"{P}.metadata",),
     (f"{P}.kernels",),
     (f"{P}.metadata.sglang_dsv4", f"{P}.metadata.vllm_dsv4"),

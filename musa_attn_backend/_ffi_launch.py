@@ -1,0 +1,75 @@
+"""Compiled launches of TileLang kernels (``csrc/ffi_launch.cpp``): several kernels' compiled TVM-FFI entries
+called in one crossing from Python, with the scratch tensors they share made in C++ and every tensor passed as a
+DLTensor pointer, on the stream torch is on. For the hottest eager paths (a decode step's attention launches on
+every layer), where Python's part of two launches costs more than the GPU work.
+
+The extension is built on first use with torch's C++ extension loader into the cache directory (``ext/``), keyed
+by the torch and TVM-FFI versions, and loaded from there afterwards. Where it cannot be built, :func:`load`
+raises with the compiler's reason; the callers that use it do so only behind their own switch, never as a silent
+replacement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .cache import cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "ffi_launch.cpp"
+
+_lock = threading.Lock()
+_module = None
+
+
+def _tvm_ffi_paths() -> tuple[Path, Path]:
+    import tvm_ffi
+
+    root = Path(tvm_ffi.__file__).resolve().parent
+    return root / "include", root / "lib"
+
+
+def load():
+    """The compiled module (built once per torch / TVM-FFI / source version, then loaded from the cache)."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None:
+            import tvm_ffi
+            from torch.utils import cpp_extension
+
+            include, lib = _tvm_ffi_paths()
+            text = SOURCE.read_bytes()
+            tag = hashlib.sha256(text + f"{torch.__version__} {tvm_ffi.__version__}".encode()).hexdigest()[:16]
+            build = cache_dir(create=True) / "ext" / f"ffi_launch_{tag}"
+            build.mkdir(parents=True, exist_ok=True)
+            _module = cpp_extension.load(
+                name=f"musa_attn_ffi_launch_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+                extra_include_paths=[str(include)], extra_cflags=["-O2"],
+                extra_ldflags=[f"-L{lib}", "-ltvm_ffi", f"-Wl,-rpath,{lib}"], verbose=False)
+    return _module
+
+
+class Alloc(tuple):
+    """Argument placeholder: the ``i``-th tensor of :func:`run`'s ``allocs``."""
+
+    def __new__(cls, i: int):
+        return super().__new__(cls, (i,))
+
+
+def handle(entry) -> int:
+    """The TVM-FFI handle of a compiled entry (a ``tvm_ffi.Function``; the caller keeps the object alive)."""
+    return int(entry.__chandle__())
+
+
+def run(calls: Sequence[tuple[int, Sequence]], allocs: Sequence[tuple[Sequence[int], torch.dtype]],
+        like: torch.Tensor, module: Optional[object] = None) -> list:
+    """Make ``allocs`` (shape, dtype) on ``like``'s device, then call each ``(handle, args)`` of ``calls`` in
+    order (``args``: tensors, ints, floats, :class:`Alloc`); returns the made tensors. An entry's error is raised
+    as a RuntimeError with the entry's message (its argument checks run as when Python calls it)."""
+    return (module or load()).run(calls, allocs, like)
