@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ...._tilelang import compile_cached, launcher, tl, tl_dtype
+from .... import _ffi_launch
 from ....config import on_change, settings
 from ....platform import features_of, get_platform, stream_capturing
 from ..._common import check
@@ -312,6 +313,9 @@ def scheduled_launch(q, cache, i1, lengths, extra_cache, i2, extra_lengths, has_
     return out, lse
 
 
+# the compiled call's placeholders: the LSE, the partials and (when the caller passes none) the output
+_ALLOCS = tuple(_ffi_launch.Alloc(i) for i in range(4))
+
 # Off until its GPU tests have passed (written 2026-12-07 with no device time left; its plumbing is tested on the
 # CPU against a compiled entry's own argument checks): the scheduled program and its combine launched by one call
 # into C++ (:mod:`musa_attn_backend._ffi_launch`), the LSE and partials made there (issue 38's host path)
@@ -324,8 +328,6 @@ def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks,
     results, the LSE, the partials and (``out`` None) the output made in C++. None where the kernels have no
     compiled entry on this device yet (their first launch there goes through TileLang, which makes it) or the
     platform launches through TileLang's wrapper."""
-    from .... import _ffi_launch
-
     T, H, _ = q.shape
     dev = q.device
     program, combine = _sched_kernels(H, has_extra, has_sink, T)
@@ -339,12 +341,12 @@ def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks,
         extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
     else:
         extra_views, extra_geo = main_views, (1, 1, 0)
-    lse, o_part, l_part = _ffi_launch.Alloc(0), _ffi_launch.Alloc(1), _ffi_launch.Alloc(2)
+    lse, o_part, l_part, made_out = _ALLOCS
     allocs = [((T, H), torch.float32), ((plan.num_partials, H, L.D), torch.float32),
               ((plan.num_partials, H), torch.float32)]
     if out is None:
         allocs.append((tuple(q.shape), q.dtype))
-    o = _ffi_launch.Alloc(3) if out is None else out
+    o = made_out if out is None else out
     empty = float("inf") if empty_lse_inf else float("-inf")
     groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))
     made = _ffi_launch.run(
