@@ -468,7 +468,7 @@ def fp4_forms(forms, time, fn) -> dict:
     return out
 
 
-def kernels_for(models, tiling: dict) -> list:
+def kernels_for(models, tiling: dict, masked_tiling: dict = None) -> list:
     """The TileLang programs a run of ``models`` compiles, as ``(tilelang_impl function, args, tiling)``: the
     contiguous FP8 GEMM under ``tiling`` (and its large-M stages, where the run keeps that rule), everything else
     under its default."""
@@ -482,7 +482,7 @@ def kernels_for(models, tiling: dict) -> list:
         E, H, I = (MODELS[model][k] for k in ("E", "H", "I"))
         for N, K in ((2 * I, H), (H, I)):
             jobs += [("contiguous_kernel", (N, K), t) for t in contiguous]
-            jobs += [("masked_kernel", (N, K), {})]
+            jobs += [("masked_kernel", (N, K), dict(masked_tiling or {}))]
             jobs += [(name, (N, K), {"packing": p, **({"spans": n} if p == "fp8" else {})})
                      for _, p, n in FP4_FORMS for name in ("masked_fp4_kernel", "contiguous_fp4_kernel")]
         jobs += [("contiguous_swiglu_kernel", (I, H, 10.0), {}), ("masked_swiglu_kernel", (I, H, 10.0), {}),
@@ -526,7 +526,10 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results file, beside it")
     ap.add_argument("--tiling", default="", metavar="K=V,...",
                     help="the contiguous programs' tiling for this run (kernels.moe.tilelang_impl.CONTIGUOUS keys: "
-                         "block_n, num_stages, threads, policy, swizzle), recorded in the JSON")
+                         "block_n, num_stages, threads, policy, swizzle, persistent), recorded in the JSON")
+    ap.add_argument("--masked-tiling", default="", metavar="K=V,...",
+                    help="the masked FP8 program's tiling for this run (tilelang_impl.MASKED keys: block_m, "
+                         "block_n, num_stages, threads), recorded in the JSON")
     args = ap.parse_args(argv)
     if args.plot:
         src = Path(args.plot)
@@ -541,9 +544,11 @@ def main(argv=None) -> int:
     tilelang_impl.CONTIGUOUS.update(tiling)
     if "num_stages" in tiling:  # the run's stages at every size
         tilelang_impl.LARGE_M_STAGES = None
+    masked_tiling = {k: int(v) for k, v in (i.split("=", 1) for i in filter(None, args.masked_tiling.split(",")))}
+    tilelang_impl.MASKED.update(masked_tiling)
     if args.compile_only:
         models = ["flash"] if args.quick else args.models.split(",")
-        compile_all(kernels_for(models, tiling), args.compile_only)
+        compile_all(kernels_for(models, tiling, masked_tiling), args.compile_only)
         return 0
     ceilings = {}
     if not args.smoke:
@@ -581,7 +586,7 @@ def main(argv=None) -> int:
                     + f"  | {peer}")), flush=True)
                 doc = {"kind": "moe-grouped-gemm", "device": torch.cuda.get_device_name() if device == "cuda"
                        else "cpu", "commit": git_commit(), "date": stamp.isoformat(), "versions": versions(),
-                       "ceilings": ceilings, "tiling": dict(tilelang_impl.CONTIGUOUS),
+                       "ceilings": ceilings, "tiling": dict(tilelang_impl.CONTIGUOUS), "masked_tiling": dict(tilelang_impl.MASKED),
                        "large_m_stages": tilelang_impl.LARGE_M_STAGES, "rows": rows}
                 path.write_text(json.dumps(doc, indent=1) + "\n")
     if device == "cuda" and plot(rows, path.with_suffix(".png")):

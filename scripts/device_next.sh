@@ -10,7 +10,8 @@
 #          eager, graphs and graphs-block64 modes under runner V2 (issue 40, scripts/device_engines_gpu.sh)
 #   call3  (no carry) the compiled launch's GPU test (issue 38), then the V4-Flash-sized serving bench
 #          (scripts/device_serve_dsv4.sh; its warmup finds call1's kernels in the cache)
-#   call4  (no carry) the MoE bench with DeepGEMM beside (issue 39)
+#   call4  (no carry) the MoE bench with DeepGEMM beside (issue 39), then the masked program with 64-column
+#          panels at decode sizes
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -50,6 +51,12 @@ build(pathlib.Path('$tiny'))"
     stamp "entry tests: $(tail -1 "$out/entry_tests.txt")"
     BUDGET=${BUDGET:-300} T_BENCH=${T_BENCH:-420} bash scripts/device_serve_dsv4.sh ;;
   call4)
-    T2=${T2:-300} bash scripts/device_moe.sh bench ;;
+    T2=${T2:-300} bash scripts/device_moe.sh bench
+    # the masked program with 64-column weight panels at decode sizes (docs/moe.md: the decode estimate)
+    timeout 120 python3 benchmarks/bench_moe.py --models flash --compile-only 8 --masked-tiling block_n=64 \
+      > /dev/null 2>&1
+    timeout 150 python3 benchmarks/bench_moe.py --models flash --tokens 1,8,64,512 --ops gate_up,down,layer \
+      --masked-tiling block_n=64 --out "$out" > "$out/masked_n64.txt" 2>&1
+    stamp "masked block_n 64: rc=$?"; grep -E "^moe_" "$out/masked_n64.txt" | cut -c1-160 ;;
   *) echo "usage: scripts/device_next.sh call1|call2|call3|call4"; exit 2 ;;
 esac
