@@ -73,3 +73,22 @@ def test_deepgemm_peer_is_checked_against_our_fp8_answer(load_bench, monkeypatch
             peer = row["peers"][name]
             assert "error" not in peer, peer
             assert (peer["calc_diff"] < 1e-6) == agrees, (name, scale, peer)
+
+
+def test_tilings_are_applied_and_recorded(load_bench, tmp_path, monkeypatch):
+    """``--tiling`` / ``--masked-tiling``: the programs' tilings for the run, in the JSON as the run used them
+    (restored afterwards: they are module state)."""
+    import json
+
+    from musa_attn_backend.kernels.moe import tilelang_impl
+
+    monkeypatch.setattr(tilelang_impl, "CONTIGUOUS", dict(tilelang_impl.CONTIGUOUS))
+    monkeypatch.setattr(tilelang_impl, "MASKED", dict(tilelang_impl.MASKED))
+    monkeypatch.setattr(tilelang_impl, "LARGE_M_STAGES", tilelang_impl.LARGE_M_STAGES)
+    bench = load_bench("bench_moe")
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--masked-tiling", "block_n=64",
+                       "--tiling", "policy=FullRow,swizzle=8"]) == 0
+    (path,) = tmp_path.glob("moe-smoke-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["masked_tiling"]["block_n"] == 64 and doc["tiling"]["swizzle"] == 8
+    assert doc["tiling"]["policy"] == "FullRow"
