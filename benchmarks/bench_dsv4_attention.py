@@ -309,14 +309,15 @@ def main(argv=None):
                     attn_sink=sink, extra_k_cache=c4.unsqueeze(2), extra_indices_in_kvcache=i2.view(B, s_q, K))
                 entry()
                 extra["entry_eager_ms"] = bench_ms(entry, graph=False)
-                try:  # the same through one call into C++ (tilelang_impl.SCHED_COMPILED_LAUNCH, off by default)
+                compiled_default = tilelang_impl.SCHED_COMPILED_LAUNCH
+                try:  # the same through one call into C++ (tilelang_impl.SCHED_COMPILED_LAUNCH)
                     tilelang_impl.SCHED_COMPILED_LAUNCH = True
                     entry()
                     extra["entry_compiled_eager_ms"] = bench_ms(entry, graph=False)
                 except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                     errors.setdefault("compiled_launch", f"{type(e).__name__}: {str(e)[:300]}")
                 finally:
-                    tilelang_impl.SCHED_COMPILED_LAUNCH = False
+                    tilelang_impl.SCHED_COMPILED_LAUNCH = compiled_default
             if fm is not None:
                 try:
                     if op == "decode":

@@ -16,8 +16,8 @@ tokens mean nothing: this bench times, ``integration_tests/test_vllm_dsv4_engine
 
 One engine (``LLM``, engine core in this process so that the profiler sees its kernels) serves one untimed
 request (``first_request_s``: whatever compiles at a first use), then every case, in order of cost, until
-``--budget-s`` would be passed (guessed from the last case's prefill rate): ``B`` requests of ``C`` random prompt tokens each (no two
-alike; prefix caching off) are added at once and the engine is stepped:
+``--budget-s`` would be passed (guessed from the last case's prefill rate): ``B`` requests of ``C`` random prompt
+tokens each (no two alike; prefix caching off) are added at once and the engine is stepped:
 
 - ``ttft_ms``: from adding the batch to the step that returned each request's first token (mean, max);
   ``prefill_tok_s``: the batch's prompt tokens over the time until every request has its first token.
@@ -239,8 +239,7 @@ def main(argv=None) -> int:
            "gpu_memory": gpu_memory(llm), "rows": [], "left_out": []}
     rng = random.Random(0)
     # one untimed request first: what compiles at a first use (kernels the warmup did not build, vLLM's own) would
-    # otherwise land in the first row's TTFT and in the rate the budget guesses from (2026-12-07: 8.2 s, so 8 of 12
-    # rows were left out of a 300 s budget that would have held them all)
+    # otherwise land in the first row's TTFT and in the rate the budget guesses from, leaving out rows that fit
     t_warm = time.perf_counter()
     run_case(engine, 1, min(contexts), 2, 0, rng)
     doc["first_request_s"] = time.perf_counter() - t_warm

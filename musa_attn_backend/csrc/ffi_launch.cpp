@@ -1,7 +1,7 @@
 // Compiled TileLang launches in one call from Python: the scratch tensors a call needs are made here, and each
 // kernel's compiled TVM-FFI entry is called with its arguments as DLTensor pointers, on the stream torch is on.
-// What this saves against calling the entries from Python: a torch.empty per scratch tensor (4-6 us each from
-// Python), the conversion of every tensor argument to a TVM-FFI tensor object, and one crossing into C per launch.
+// What this saves against calling the entries from Python: a Python torch.empty per scratch tensor, the
+// conversion of every tensor argument to a TVM-FFI tensor object, and one crossing into C per launch.
 //
 //   run(calls, allocs, like) -> list of the allocated tensors
 //     calls:  sequence of (entry handle: int, args: sequence), each arg a tensor, an int, a float, or a 1-tuple

@@ -116,6 +116,12 @@ def _persistent_body(N: int, K: int, block_n: int, num_stages: int, threads: int
     block_m, block_k = 128, 128
     KS, NT = K // block_k, N // block_n
 
+    def row0(w, t):  # the first row of block w's t-th tile (written out where used, no local: see above)
+        return (w + t * workers) // NT * block_m
+
+    def col0(w, t):  # its first column
+        return (w + t * workers) % NT * block_n
+
     @T.macro
     def body(A, SA, B, SB, layout, D):
         with T.Kernel(workers, threads=threads) as w:
@@ -126,21 +132,17 @@ def _persistent_body(N: int, K: int, block_n: int, num_stages: int, threads: int
             part = T.alloc_fragment((block_m, block_n), ACC)
             acc = T.alloc_fragment((block_m, block_n), ACC)
             NAN_BF16 = T.reinterpret(T.uint16(0x7FC0), BF16)
-            # the tile's first row and column are written out where used: a local bound in the loop hides the
+            # the tile's first row and column are expressions at every use: a local bound in the loop hides the
             # pipeline from the warp-specialisation pass
             for t in T.serial(T.ceildiv(T.ceildiv(M, block_m) * NT - w, workers)):
                 T.clear(acc)
-                for k in T.Pipelined(T.if_then_else(T.And(layout[(w + t * workers) // NT * block_m] >= 0,
-                                                          layout[(w + t * workers) // NT * block_m] < E), KS, 0),
+                for k in T.Pipelined(T.if_then_else(T.And(layout[row0(w, t)] >= 0, layout[row0(w, t)] < E), KS, 0),
                                      num_stages=num_stages):
-                    T.copy(A[(w + t * workers) // NT * block_m, k * block_k], A_s)
-                    T.copy(B[layout[(w + t * workers) // NT * block_m], (w + t * workers) % NT * block_n,
-                             k * block_k], B_s)
+                    T.copy(A[row0(w, t), k * block_k], A_s)
+                    T.copy(B[layout[row0(w, t)], col0(w, t), k * block_k], B_s)
                     for i in T.Parallel(block_m):
-                        scale[i] = (T.if_then_else((w + t * workers) // NT * block_m + i < M,
-                                                   SA[T.min((w + t * workers) // NT * block_m + i, M - 1), k], 0.0)
-                                    * SB[layout[(w + t * workers) // NT * block_m],
-                                         (w + t * workers) % NT * block_n // 128, k])
+                        scale[i] = (T.if_then_else(row0(w, t) + i < M, SA[T.min(row0(w, t) + i, M - 1), k], 0.0)
+                                    * SB[layout[row0(w, t)], col0(w, t) // 128, k])
                     T.gemm(A_s, B_s, part, transpose_B=True, clear_accum=True,
                            policy=getattr(T.GemmWarpPolicy, policy))
                     for i, j in T.Parallel(block_m, block_n):
@@ -149,13 +151,11 @@ def _persistent_body(N: int, K: int, block_n: int, num_stages: int, threads: int
                 T.copy(acc, D_s)
                 T.sync_threads(3, 256)
                 for i, j in T.Parallel(block_m, block_n):
-                    if (w + t * workers) // NT * block_m + i < M:
-                        if layout[(w + t * workers) // NT * block_m + i] >= 0:
-                            D[(w + t * workers) // NT * block_m + i, (w + t * workers) % NT * block_n + j] = \
-                                T.if_then_else(T.And(layout[(w + t * workers) // NT * block_m + i]
-                                                     == layout[(w + t * workers) // NT * block_m],
-                                                     layout[(w + t * workers) // NT * block_m] < E),
-                                               D_s[i, j], NAN_BF16)
+                    if row0(w, t) + i < M:
+                        if layout[row0(w, t) + i] >= 0:
+                            D[row0(w, t) + i, col0(w, t) + j] = T.if_then_else(
+                                T.And(layout[row0(w, t) + i] == layout[row0(w, t)], layout[row0(w, t)] < E),
+                                D_s[i, j], NAN_BF16)
 
     return body, KS
 

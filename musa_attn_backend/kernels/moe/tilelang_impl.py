@@ -7,7 +7,7 @@ import re
 import torch
 
 from .._common import check
-from ..._tilelang import compile_cached, tl
+from ..._tilelang import compile_cached, tilelang_version, tl
 from ...platform import features_of
 from .combine_kernel import build_combine_experts
 from .contiguous_fp4_fp8_kernel import build_grouped_gemm_contiguous_fp4_fp8
@@ -76,13 +76,13 @@ def contiguous_kernel(N: int, K: int, target=None, **tiling):
         return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, (N, K), target, tiling)
     check(_tl_version() >= (0, 1, 15), lambda: f"grouped_gemm_fp8: the persistent contiguous program needs "
                                                f"TileLang >= 0.1.15 (a pipeline inside a loop under warp "
-                                               f"specialisation), this is {tl.__version__}; set persistent=0")
+                                               f"specialisation), this is {tilelang_version()}; set persistent=0")
     return _kernel("moe_fp8_contiguous", build_grouped_gemm_contiguous, CONTIGUOUS, (N, K), target, tiling,
                    pass_configs={tl.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
 
 
 def _tl_version() -> tuple:
-    return tuple(int(p) for p in re.findall(r"\d+", tl.__version__)[:3])
+    return tuple(int(p) for p in re.findall(r"\d+", tilelang_version())[:3])
 
 
 def masked_kernel(N: int, K: int, target=None, **tiling):

@@ -163,10 +163,8 @@ def _sched_cluster(H: int, target, tokens=None) -> bool:
             and (tokens is None or tokens >= SCHED_CLUSTER_MIN_TOKENS))
 
 
-# On from 32 query tokens: on the H200 (2026-12-07, dsv4-attention-20261207T060323Z.json, V4-Pro decode) the
-# clustered form took 0.069 / 0.082 / 0.167 ms at 32 / 64 / 128 tokens against the unclustered 0.072 / 0.088 /
-# 0.175 (outputs equal bit for bit), and 0.031 / 0.033 ms against 0.030 / 0.032 at 1 / 2 tokens, where the
-# cluster's start and end synchronisation outweighs the halved dequantisation
+# On from 32 query tokens: measured faster than the unclustered form there and slower at 1-2 tokens, where the
+# cluster's start and end synchronisation outweighs the halved dequantisation (docs/dsv4.md, the clustered form)
 SCHED_CLUSTER = True
 SCHED_CLUSTER_MIN_TOKENS = 32
 
@@ -336,25 +334,34 @@ def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks,
     hc = combine.handle(index) if hasattr(combine, "handle") else None
     if hp is None or hc is None:
         return None
-    main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
-    if has_extra:
-        extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
-    else:
-        extra_views, extra_geo = main_views, (1, 1, 0)
     lse, o_part, l_part, made_out = _ALLOCS
     allocs = [((T, H), torch.float32), ((plan.num_partials, H, L.D), torch.float32),
               ((plan.num_partials, H), torch.float32)]
     if out is None:
         allocs.append((tuple(q.shape), q.dtype))
-    o = made_out if out is None else out
-    empty = float("inf") if empty_lse_inf else float("-inf")
-    groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))
-    made = _ffi_launch.run(
-        [(hp, (q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
-               plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, o, lse, o_part, l_part)),
-         (hc, (plan.combine, plan.num_split, plan.split_row, o_part, l_part, sinks, empty, groups, o, lse))],
-        allocs, q)
+    program_args, combine_args = _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scale,
+                                             made_out if out is None else out, lse, o_part, l_part, plan,
+                                             empty_lse_inf, op)
+    made = _ffi_launch.run([(hp, program_args), (hc, combine_args)], allocs, q)
     return (made[3] if out is None else out), made[0]
+
+
+def _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scale, out, lse, o_part, l_part, plan,
+                empty_lse_inf, op) -> tuple:
+    """The scheduled program's and its combine's argument lists (``out``, ``lse`` and the partials as given:
+    tensors, or the compiled call's placeholders)."""
+    T = q.shape[0]
+    dev = q.device
+    main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
+    if has_extra:
+        extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
+    else:
+        extra_views, extra_geo = main_views, (1, 1, 0)
+    empty = float("inf") if empty_lse_inf else float("-inf")
+    groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
+    return ((q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
+             plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part),
+            (plan.combine, plan.num_split, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse))
 
 
 def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, lse,
@@ -363,21 +370,15 @@ def _sparse_mqa_scheduled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sink
     caller against the call's shapes."""
     T, H, _ = q.shape
     dev = q.device
-    main_views, main_geo = _cache_word_views(cache, dev, op, "cache")
-    if has_extra:
-        extra_views, extra_geo = _cache_word_views(extra_cache, dev, op, "extra_cache")
-    else:
-        extra_views, extra_geo = main_views, (1, 1, 0)
     # partials from the caching allocator on the current stream (a buffer shared across calls would race where an
     # engine runs attention on two streams)
     o_part = _alloc((plan.num_partials, H, L.D), torch.float32, dev)
     l_part = _alloc((plan.num_partials, H), torch.float32, dev)
-    empty = float("inf") if empty_lse_inf else float("-inf")
+    program_args, combine_args = _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scale, out,
+                                             lse, o_part, l_part, plan, empty_lse_inf, op)
     program, combine = _sched_kernels(H, has_extra, has_sink, T)
-    program(q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
-            plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part)
-    groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
-    combine(plan.combine, plan.num_split, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse)
+    program(*program_args)
+    combine(*combine_args)
 
 
 def _launch_inputs(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, views):
