@@ -220,6 +220,13 @@ def test_persistent_contiguous_needs_tilelang_0_1_15(monkeypatch):
         ti.contiguous_kernel(4096, 4096, target=HOPPER, persistent=132)
 
 
+def test_persistent_contiguous_keeps_mp31s_rules():
+    """The persistent form's TIR within MUSA MP31's lowering rules (both GEMM operands in shared memory, whole
+    tiles): the check every compile runs, here without compiling."""
+    _tilelang.check_portable("persistent", build_grouped_gemm_contiguous(4096, 4096, policy="FullRow",
+                                                                         persistent=132), "mp_31")
+
+
 PERSISTENT_BUILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
