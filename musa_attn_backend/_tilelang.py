@@ -125,7 +125,7 @@ class _Entry:
         entry = self.entries.get(device)
         if entry is None:
             self.kernel(*args)  # through TileLang once on this device: it makes and checks the entry
-            self.entries[device] = _compiled_entry(self.adapter, device)
+            self.entries[device] = _entry_function(_compiled_entry(self.adapter, device))
             return None
         return entry(*args)
 
@@ -137,11 +137,20 @@ class _Entry:
             entry = self.entries.get(device)
             if entry is None:
                 return None
-            import tvm_ffi
-
-            fn = entry if isinstance(entry, tvm_ffi.Function) else entry[entry.entry_name]
-            hit = self.handles[device] = (int(fn.__chandle__()), fn)
+            hit = self.handles[device] = (int(entry.__chandle__()), entry)
         return hit[0]
+
+
+def _entry_function(entry):
+    """The TVM-FFI function behind ``entry``: TileLang keeps a ``tvm.runtime.Executable`` (both versions; its call
+    JIT-links a module and looks ``main`` up on every call) or, for a kernel loaded from TileLang's own cache, a
+    ``tvm_ffi.Module``; either's entry function is taken once, so a launch is one FFI call."""
+    import tvm_ffi
+
+    if isinstance(entry, tvm_ffi.Function):
+        return entry
+    module = entry.jit() if hasattr(entry, "jit") else entry
+    return module[module.entry_name]
 
 
 def _compiled_entry(adapter, device: int):

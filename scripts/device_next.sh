@@ -34,7 +34,7 @@ build(pathlib.Path('$tiny'))"
     timeout 170 python3 benchmarks/bench_dsv4_attention.py --quick --configs pro,flash --ops decode,decode_mtp \
       --no-portable --programs scheduled,cluster,plain --out "$out" > "$out/bench_cluster.txt" 2>&1
     stamp "attention bench rc=$?"; grep -E "^decode" "$out/bench_cluster.txt" | cut -c1-330
-    timeout 170 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py \
+    timeout 170 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py \
       -k "tilings or malformed" > "$out/moe_persistent_tests.txt" 2>&1
     stamp "persistent MoE tests: $(tail -1 "$out/moe_persistent_tests.txt")"
     T3=${T3:-100} TILINGS="policy=FullRow;policy=FullRow,persistent=132" \
@@ -58,5 +58,23 @@ build(pathlib.Path('$tiny'))"
     timeout 150 python3 benchmarks/bench_moe.py --models flash --tokens 1,8,64,512 --ops gate_up,down,layer \
       --masked-tiling block_n=64 --out "$out" > "$out/masked_n64.txt" 2>&1
     stamp "masked block_n 64: rc=$?"; grep -E "^moe_" "$out/masked_n64.txt" | cut -c1-160 ;;
-  *) echo "usage: scripts/device_next.sh call1|call2|call3|call4"; exit 2 ;;
+  call5)
+    # (cold; carry .device/env.sh .device/tl .device/peers .commit) issue 38's host path: where an eager decode
+    # call's host time goes, ours (TileLang's launches and the compiled launch) beside FlashMLA's, alone on the GPU
+    for c in flash pro; do
+      timeout 150 python3 benchmarks/profile_dsv4_entry.py --config $c --tokens 1 --out "$out" 2>&1 | tail -2
+    done
+    stamp "profiles"
+    # then the compiled launch's GPU test (its entry lookup fixed), 32 heads (V4-Flash a rank at TP 2) beside the
+    # masked MoE programs at their new 64-column panels
+    timeout 240 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+      -k "through_its_entry or (sparse_mqa_matches_reference and 32-6 and scheduled)" > "$out/entry_tests.txt" 2>&1 &
+    timeout 300 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py \
+      -k "masked_matches_reference or fused_experts_matches_reference or fused_experts_is_captured" \
+      > "$out/moe_masked_tests.txt" 2>&1
+    wait
+    stamp "entry tests: $(tail -1 "$out/entry_tests.txt")"
+    stamp "masked MoE tests: $(tail -1 "$out/moe_masked_tests.txt")"
+    grep -E "^(FAILED|ERROR)|Error:" "$out/entry_tests.txt" "$out/moe_masked_tests.txt" | head -20 ;;
+  *) echo "usage: scripts/device_next.sh call1|call2|call3|call4|call5"; exit 2 ;;
 esac

@@ -46,6 +46,7 @@ CASES = [
     (64, 3, (8, 256, 0), 128, (40, 64, 0), 512, True),  # SGLang, C4 decode
     (128, 2, (20, 64, 93888), 128, (60, 2, 93888), 1024, True),  # vLLM packed blocks, C128-like rows
     (16, 37, (20, 64, 93888), 128, (40, 64, 93888), 2048, True),
+    (32, 6, (20, 64, 93888), 128, (40, 64, 93888), 512, True),  # V4-Flash's heads a rank at TP 2, 64-token blocks
     (8, 5, (8, 256, 0), 128, None, 0, False),  # SWA-only layer, no sink
     (64, 300, (8, 256, 0), 128, (40, 64, 0), 512, True),  # prefill-like: many tokens, no split
     (24, 9, (8, 256, 0), 100, (40, 64, 0), 70, True),  # K1/K2 not multiples of 64, odd heads

@@ -29,7 +29,9 @@ from .swiglu_quant_kernel import build_swiglu_quant
 # four stages, three from LARGE_M_STAGES' row count on (bench_moe.py's tiling runs: docs/moe.md)
 CONTIGUOUS = dict(block_n=128, num_stages=4, threads=256, policy="FullRow")
 LARGE_M_STAGES = (98304, 3)
-MASKED = dict(block_m=64, block_n=128, num_stages=4, threads=128)
+# masked: 64-column weight panels (twice the blocks of 128 at decode sizes, where an expert has few rows and the
+# grid is otherwise too small to keep every SM reading weights; bench_moe.py --masked-tiling, docs/moe.md)
+MASKED = dict(block_m=64, block_n=64, num_stages=4, threads=128)
 # FP4 weights, by how the programs read and convert them ("packing"): "bytes" or "words" (the same memory as int32
 # words, eight values converted at a time), both to bf16 for a bf16 GEMM; "fp8", words moved to e4m3 for FP8
 # tensor cores (masked_fp4_fp8_kernel.py, contiguous_fp4_fp8_kernel.py; tiled by *_FP4_FP8: swapped, block_m
