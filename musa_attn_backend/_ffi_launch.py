@@ -73,3 +73,20 @@ def run(calls: Sequence[tuple[int, Sequence]], allocs: Sequence[tuple[Sequence[i
     order (``args``: tensors, ints, floats, :class:`Alloc`); returns the made tensors. An entry's error is raised
     as a RuntimeError with the entry's message (its argument checks run as when Python calls it)."""
     return (module or load()).run(calls, allocs, like)
+
+
+class SlotView(tuple):
+    """Argument placeholder for :func:`prepare`: ``view``, a view of ``slots[k]``, remade over each call's
+    ``slots[k]`` (same dtype, shape, strides and byte offset from its data)."""
+
+    def __new__(cls, k: int, view: torch.Tensor):
+        return super().__new__(cls, (k, view))
+
+
+def prepare(calls: Sequence[tuple[int, Sequence]], allocs: Sequence[tuple[Sequence[int], torch.dtype]],
+            slots: Sequence[torch.Tensor], module: Optional[object] = None):
+    """:func:`run`'s launches recorded once for calls that differ only in ``slots`` (tensors; ``calls`` may also
+    name them as :class:`SlotView`): the returned object's ``run(slots: list)`` makes ``allocs`` on ``slots[0]``'s
+    device and launches, or returns None (launching nothing) where a slot differs from the one recorded in shape,
+    strides, dtype, device or data alignment (16 bytes). Tensors in ``calls`` are kept alive by it."""
+    return (module or load()).Prepared(calls, allocs, list(slots))

@@ -9,6 +9,14 @@
 //     allocs: sequence of (shape: sequence of int, dtype: torch.dtype), made with like's device
 //     like:   a tensor on the device the kernels run on (its current stream is set as TVM-FFI's for the calls)
 //
+//   Prepared(calls, allocs, slots).run(slots) -> list of the allocated tensors, or None
+//     the same launches recorded once, for calls that differ only in the tensors in `slots` (a decode batch's
+//     layers): an arg may also be a 2-tuple (k, view), a view of slots[k] (its dtype, shape, strides and byte
+//     offset from slots[k]'s data recorded, so the view is remade over each call's slots[k] without torch).
+//     run() first compares each slot with the one recorded (shape, strides, dtype, device, data pointer modulo
+//     16) and returns None on any difference (the caller then takes its checked path); allocs are made with
+//     slots[0]'s device. Tensors and scalars in `calls` are kept as they are.
+//
 // The entries check every argument themselves (dtype, shape, strides, device), as when Python calls them.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -89,16 +97,37 @@ struct EnvStream {
   }
 };
 
-std::vector<at::Tensor> run(py::sequence calls, py::sequence allocs, const at::Tensor& like) {
+void call_entry(TVMFFIObjectHandle handle, std::vector<TVMFFIAny>& args) {
+  TVMFFIAny result;
+  result.type_index = kTVMFFINone;
+  result.zero_padding = 0;
+  result.v_int64 = 0;
+  if (TVMFFIFunctionCall(handle, args.data(), static_cast<int32_t>(args.size()), &result) != 0) {
+    throw std::runtime_error(take_raised());
+  }
+  if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+}
+
+std::vector<at::Tensor> make_allocs(py::sequence allocs, const at::Tensor& like,
+                                    std::vector<std::pair<std::vector<int64_t>, at::ScalarType>>* keep) {
   std::vector<at::Tensor> made;
-  made.reserve(py::len(allocs));
   for (py::handle spec : allocs) {
     auto pair = spec.cast<py::tuple>();
     auto shape = pair[0].cast<std::vector<int64_t>>();
     PyObject* dtype = pair[1].ptr();
     if (!THPDtype_Check(dtype)) throw std::invalid_argument("ffi_launch: an alloc's dtype must be a torch.dtype");
-    made.push_back(at::empty(shape, like.options().dtype(reinterpret_cast<THPDtype*>(dtype)->scalar_type)));
+    auto st = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+    if (keep != nullptr) {
+      keep->emplace_back(shape, st);
+    } else {
+      made.push_back(at::empty(shape, like.options().dtype(st)));
+    }
   }
+  return made;
+}
+
+std::vector<at::Tensor> run(py::sequence calls, py::sequence allocs, const at::Tensor& like) {
+  std::vector<at::Tensor> made = make_allocs(allocs, like, nullptr);
   EnvStream env(like.device());
   std::vector<at::Tensor> held;  // tensors whose shape and stride arrays the DLTensors point into
   std::vector<DLTensor> tensors;
@@ -140,21 +169,162 @@ std::vector<at::Tensor> run(py::sequence calls, py::sequence allocs, const at::T
       a.v_ptr = &tensors[i];
       ++i;
     }
-    TVMFFIAny result;
-    result.type_index = kTVMFFINone;
-    result.zero_padding = 0;
-    result.v_int64 = 0;
-    if (TVMFFIFunctionCall(handle, args.data(), static_cast<int32_t>(n), &result) != 0) {
-      throw std::runtime_error(take_raised());
-    }
-    if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+    call_entry(handle, args);
   }
   return made;
 }
 
+class Prepared {
+ public:
+  Prepared(py::sequence calls, py::sequence allocs, py::sequence slots) {
+    make_allocs(allocs, at::Tensor(), &allocs_);
+    for (py::handle h : slots) {
+      if (!THPVariable_Check(h.ptr())) throw std::invalid_argument("ffi_launch: Prepared's slots must be tensors");
+      const at::Tensor& t = THPVariable_Unpack(h.ptr());
+      expect_.push_back({t.sizes().vec(), t.strides().vec(), t.scalar_type(), t.device(),
+                         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16, reinterpret_cast<uintptr_t>(t.data_ptr())});
+    }
+    if (expect_.empty()) throw std::invalid_argument("ffi_launch: Prepared needs at least one slot");
+    for (py::handle call : calls) {
+      auto pair = call.cast<py::tuple>();
+      Call c;
+      c.handle = reinterpret_cast<TVMFFIObjectHandle>(pair[0].cast<intptr_t>());
+      size_t i = 0;
+      for (py::handle item : pair[1].cast<py::sequence>()) {
+        PyObject* o = item.ptr();
+        Arg a;
+        if (THPVariable_Check(o)) {
+          a.kind = Arg::kFixed;
+          a.fixed = THPVariable_Unpack(o);
+        } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 1) {
+          a.kind = Arg::kAlloc;
+          a.index = PyLong_AsSsize_t(PyTuple_GET_ITEM(o, 0));
+          if (a.index < 0 || a.index >= static_cast<int64_t>(allocs_.size())) {
+            throw std::out_of_range("ffi_launch: argument " + std::to_string(i) + " names a missing alloc");
+          }
+        } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {
+          a.kind = Arg::kSlot;
+          a.index = PyLong_AsSsize_t(PyTuple_GET_ITEM(o, 0));
+          if (a.index < 0 || a.index >= static_cast<int64_t>(expect_.size()) ||
+              !THPVariable_Check(PyTuple_GET_ITEM(o, 1))) {
+            throw std::invalid_argument("ffi_launch: argument " + std::to_string(i) +
+                                        " must be (slot index, view of that slot)");
+          }
+          const at::Tensor& view = THPVariable_Unpack(PyTuple_GET_ITEM(o, 1));
+          a.offset = static_cast<int64_t>(reinterpret_cast<uintptr_t>(view.data_ptr()) - expect_[a.index].ptr);
+          a.shape = view.sizes().vec();
+          a.strides = view.strides().vec();
+          a.dtype = dl_dtype(view.scalar_type());
+        } else if (PyFloat_Check(o)) {
+          a.kind = Arg::kScalar;
+          a.scalar.type_index = kTVMFFIFloat;
+          a.scalar.zero_padding = 0;
+          a.scalar.v_float64 = PyFloat_AS_DOUBLE(o);
+        } else if (PyLong_Check(o)) {
+          a.kind = Arg::kScalar;
+          a.scalar.type_index = kTVMFFIInt;
+          a.scalar.zero_padding = 0;
+          a.scalar.v_int64 = PyLong_AsLongLong(o);
+        } else {
+          throw std::invalid_argument("ffi_launch: argument " + std::to_string(i) + " is " +
+                                      std::string(Py_TYPE(o)->tp_name) +
+                                      "; tensors, ints, floats, (i,) or (slot, view) only");
+        }
+        c.args.push_back(std::move(a));
+        ++i;
+      }
+      calls_.push_back(std::move(c));
+    }
+  }
+
+  py::object run(py::list slots) {
+    size_t n = py::len(slots);
+    if (n != expect_.size()) return py::none();
+    std::vector<at::Tensor> given;
+    given.reserve(n);
+    for (size_t k = 0; k < n; ++k) {
+      PyObject* o = PyList_GET_ITEM(slots.ptr(), k);
+      if (!THPVariable_Check(o)) return py::none();
+      const at::Tensor& t = THPVariable_Unpack(o);
+      const Expect& e = expect_[k];
+      if (t.scalar_type() != e.dtype || t.device() != e.device || t.sizes() != at::IntArrayRef(e.sizes) ||
+          t.strides() != at::IntArrayRef(e.strides) ||
+          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != e.align) {
+        return py::none();
+      }
+      given.push_back(t);
+    }
+    std::vector<at::Tensor> made;
+    made.reserve(allocs_.size());
+    for (auto& spec : allocs_) made.push_back(at::empty(spec.first, given[0].options().dtype(spec.second)));
+    EnvStream env(given[0].device());
+    std::vector<DLTensor> tensors;
+    std::vector<TVMFFIAny> args;
+    for (const Call& c : calls_) {
+      size_t m = c.args.size();
+      tensors.assign(m, DLTensor{});
+      args.assign(m, TVMFFIAny{});
+      for (size_t i = 0; i < m; ++i) {
+        const Arg& a = c.args[i];
+        if (a.kind == Arg::kScalar) {
+          args[i] = a.scalar;
+          continue;
+        }
+        DLTensor& d = tensors[i];
+        if (a.kind == Arg::kFixed) {
+          to_dl(a.fixed, &d);
+        } else if (a.kind == Arg::kAlloc) {
+          to_dl(made[a.index], &d);
+        } else {
+          const at::Tensor& base = given[a.index];
+          d.data = static_cast<char*>(base.data_ptr()) + a.offset;
+          d.device = dl_device(base.device());
+          d.ndim = static_cast<int32_t>(a.shape.size());
+          d.dtype = a.dtype;
+          d.shape = const_cast<int64_t*>(a.shape.data());
+          d.strides = const_cast<int64_t*>(a.strides.data());
+          d.byte_offset = 0;
+        }
+        args[i].type_index = kTVMFFIDLTensorPtr;
+        args[i].zero_padding = 0;
+        args[i].v_ptr = &d;
+      }
+      call_entry(c.handle, args);
+    }
+    return py::cast(made);
+  }
+
+ private:
+  struct Expect {
+    std::vector<int64_t> sizes, strides;
+    at::ScalarType dtype;
+    at::Device device;
+    uintptr_t align, ptr;
+  };
+  struct Arg {
+    enum Kind { kFixed, kAlloc, kSlot, kScalar } kind = kScalar;
+    at::Tensor fixed;
+    int64_t index = 0, offset = 0;
+    std::vector<int64_t> shape, strides;
+    DLDataType dtype{};
+    TVMFFIAny scalar{};
+  };
+  struct Call {
+    TVMFFIObjectHandle handle = nullptr;
+    std::vector<Arg> args;
+  };
+  std::vector<Expect> expect_;
+  std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> allocs_;
+  std::vector<Call> calls_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Prepared>(m, "Prepared")
+      .def(py::init<py::sequence, py::sequence, py::sequence>(), py::arg("calls"), py::arg("allocs"),
+           py::arg("slots"))
+      .def("run", &Prepared::run, py::arg("slots"));
   m.def("run", &run, "Call compiled TVM-FFI entries with DLTensor arguments, scratch tensors made here",
         py::arg("calls"), py::arg("allocs"), py::arg("like"));
 }

@@ -500,3 +500,91 @@ def test_compiled_launch_passes_the_python_paths_arguments(monkeypatch):
     placeholders = [a[0] for a in calls[0][1] if isinstance(a, _ffi_launch.Alloc)]
     assert placeholders == [3, 0, 1, 2]  # out, lse, o_part, l_part: the program's last four arguments
     assert [a[0] for a in calls[1][1] if isinstance(a, _ffi_launch.Alloc)] == [1, 2, 3, 0]
+
+
+def test_recorded_launches_stand_for_the_batchs_later_calls(monkeypatch):
+    """``SCHED_COMPILED_LAUNCH``: the batch's first compiled call records its launches (``_ffi_launch.prepare``)
+    with the caller's tensors as slots, each launch tensor a view of its slot (the caches' word views included)
+    or one of the batch's own (the plan's); later calls hand ``run`` their tensors in the slots' order and get
+    its results back. A call that differs (its scale, which optional tensors it passes, a tensor ``run`` refuses,
+    a changed setting) takes the checked path, launching through ``_ffi_launch.run`` as before."""
+    from musa_attn_backend import _ffi_launch
+    from musa_attn_backend.kernels.dsv4 import layout as L
+    from musa_attn_backend.kernels.dsv4.sparse import flash_mla
+
+    monkeypatch.setattr(flash_mla, "resolve_impl", lambda impl, device, op: "tilelang")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    program, combine = _FakeEntry(11), _FakeEntry(22)
+    monkeypatch.setattr(ti, "_sched_kernels", lambda *a: (program, combine))
+    runs, prepared = [], []
+
+    def made_for(allocs):
+        return [torch.full(shape, float(i + 1), dtype=dtype) for i, (shape, dtype) in enumerate(allocs)]
+
+    class FakePrepared:
+        def __init__(self, calls, allocs, slots):
+            self.calls, self.allocs, self.slots, self.runs, self.refuse = calls, allocs, slots, [], False
+
+        def run(self, tensors):
+            self.runs.append(tensors)
+            return None if self.refuse else made_for(self.allocs)
+
+    monkeypatch.setattr(_ffi_launch, "run", lambda calls, allocs, like: runs.append(calls) or made_for(allocs))
+    monkeypatch.setattr(_ffi_launch, "prepare", lambda *a: prepared.append(FakePrepared(*a)) or prepared[-1])
+    monkeypatch.setattr(ti, "SCHED_COMPILED_LAUNCH", True)
+    b, h = 3, 64
+    swa, c4 = L.new_kv_cache(4, 256, "cpu"), L.new_kv_cache(64, 64, "cpu")
+    q = torch.randn(b, 1, h, 512).to(torch.bfloat16)
+    i1 = torch.randint(0, 4 * 256, (b, 1, 128), dtype=torch.int32)
+    i2 = torch.randint(0, 64 * 64, (b, 1, 512), dtype=torch.int32)
+    lengths = torch.tensor([5, 128, 0], dtype=torch.int32)
+    sink = torch.randn(h)
+    k4, x4 = swa.unsqueeze(2).view(torch.float8_e4m3fn), c4.unsqueeze(2)  # SGLang passes float8 views
+    with config.override(target="sm_90a", dsv4_program="scheduled"):
+        meta = dsv4.get_mla_metadata()[0]
+
+        def call(**kw):
+            args = dict(indices=i1, attn_sink=sink, extra_k_cache=x4, extra_indices_in_kvcache=i2,
+                        topk_length=lengths)
+            return dsv4.flash_mla_with_kvcache(q, k4, None, None, 512, meta, **{**args, **kw})
+
+        call()  # through Python (the entries made)
+        call()  # compiled, and recorded
+        assert len(runs) == 1 and len(prepared) == 1
+        rec = prepared[0]
+        slots = [q, k4, i1, lengths, sink, x4, i2]
+        assert len(rec.slots) == len(slots) and all(a is b for a, b in zip(rec.slots, slots))
+        for (handle, args), (_, python_args) in zip(rec.calls, runs[0]):
+            assert len(args) == len(python_args)
+            for a, p in zip(args, python_args):
+                if isinstance(a, _ffi_launch.SlotView):  # a view of its slot, the very tensor the launch took
+                    k, view = a
+                    assert view.untyped_storage().data_ptr() == slots[k].untyped_storage().data_ptr()
+                    assert torch.equal(view, p) and view.dtype == p.dtype and view.stride() == p.stride()
+                elif isinstance(a, torch.Tensor):  # the batch's own: none shares a slot's memory
+                    assert all(a.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for s in slots)
+                else:
+                    assert a == p
+        word_views = {a[0] for _, args in rec.calls for a in args if isinstance(a, _ffi_launch.SlotView)}
+        assert word_views == {0, 1, 2, 3, 4, 5, 6}  # every slot feeds a launch
+        out, lse = call()  # a later layer: the recorded launches only
+        assert len(runs) == 1 and len(rec.runs) == 1 and all(a is b for a, b in zip(rec.runs[0], slots))
+        assert out.shape == (b, 1, h, 512) and torch.equal(out.reshape(b, h, 512), torch.full((b, h, 512), 4.0))
+        assert lse.shape == (b, h, 1) and torch.equal(lse, torch.ones(b, h, 1))
+        rec.refuse = True  # run() refuses a tensor (as the C++ side does on a shape, stride or dtype change)
+        call()
+        assert len(runs) == 2 and len(rec.runs) == 2
+        rec.refuse = False
+        call(softmax_scale=0.05)  # another scale: checked, launched through run(), a new record for it
+        assert len(rec.runs) == 2 and len(runs) == 3 and meta.fast is None
+        call(softmax_scale=0.05)
+        assert len(prepared) == 2 and len(runs) == 4
+        call(softmax_scale=0.05)
+        assert len(prepared[1].runs) == 1 and len(runs) == 4
+        with config.override(target="sm_90a", dsv4_program="scheduled"):  # a setting changed: checked again
+            call(softmax_scale=0.05)
+        assert len(prepared[1].runs) == 1
+        out_given = torch.empty(b, 1, h, 512, dtype=torch.bfloat16)
+        before = len(runs)
+        res, _ = call(softmax_scale=0.05, out=out_given)  # out passed where the record made it: checked path
+        assert len(runs) == before + 1 and res.data_ptr() == out_given.data_ptr()

@@ -177,6 +177,69 @@ def test_scheduled_program_through_its_entry_equals_tilelangs_wrapper(gpu_device
     assert len(compiled_calls) == (3 if compiled else 0)  # the second and third runs and the captured one
 
 
+@pytest.mark.parametrize("heads,B,s_q,given", [(64, 1, 1, "none"), (128, 5, 1, "out"), (64, 3, 2, "lengths")])
+def test_flash_mla_entrys_recorded_launches_equal_the_checked_path(gpu_device, heads, B, s_q, given, monkeypatch):
+    """FlashMLA's entry over a batch's layers (one metadata object; each layer its own caches, queries and
+    indices in the same geometry) with the compiled launch on, so the later layers go through the launches the
+    first compiled call recorded (``_ffi_launch.prepare``), equals the same calls with it off bit for bit, the
+    caches passed as float8 views (SGLang) for the extra set; then the recorded launches captured in a CUDA graph
+    and replayed over new query values."""
+    from musa_attn_backend import _ffi_launch
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
+
+    _ffi_launch.load()
+    monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: "scheduled")
+    dev = gpu_device
+    T = B * s_q
+    layers = []
+    for layer in range(4):
+        swa, swa_slots = filled_cache(4, 64, dev, seed=100 + layer)
+        c4, c4_slots = filled_cache(20, 64, dev, seed=200 + layer, stride=93888)
+        i1, _ = make_indices(swa_slots, T, 128, 256, seed=layer, device=dev)
+        i2, _ = make_indices(c4_slots, T, 512, 1280, seed=10 + layer, device=dev)
+        q = torch.randn(B, s_q, heads, 512, device=dev).to(torch.bfloat16)
+        layers.append((q, swa, c4, i1.view(B, s_q, 128), i2.view(B, s_q, 512), torch.randn(heads, device=dev)))
+    lengths = torch.randint(0, 129, (B,), dtype=torch.int32, device=dev) if given == "lengths" else None
+
+    def step(meta, out=None):
+        res = []
+        for q, swa, c4, i1, i2, sink in layers:
+            o = None if out is None else out.fill_(float("nan"))
+            r = dsv4.flash_mla_with_kvcache(q, swa.unsqueeze(2), None, None, 512, meta, indices=i1, attn_sink=sink,
+                                            extra_k_cache=c4.unsqueeze(2).view(torch.float8_e4m3fn),
+                                            extra_indices_in_kvcache=i2, topk_length=lengths, out=o)
+            res.append((r[0].clone(), r[1].clone()))
+        return res
+
+    out = torch.empty(B, s_q, heads, 512, device=dev, dtype=torch.bfloat16) if given == "out" else None
+    monkeypatch.setattr(tilelang_impl, "SCHED_COMPILED_LAUNCH", False)
+    step(dsv4.get_mla_metadata()[0], out)  # the entries made
+    want = step(dsv4.get_mla_metadata()[0], out)
+    monkeypatch.setattr(tilelang_impl, "SCHED_COMPILED_LAUNCH", True)
+    meta = dsv4.get_mla_metadata()[0]
+    got = step(meta, out)
+    # recorded unless a launch takes a copy of the caller's tensor (per-token lengths, s_q > 1)
+    assert (meta.fast is not None) == (given != "lengths" or s_q == 1)
+    for (o1, l1), (o2, l2) in zip(want, got):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    if meta.fast is None:
+        return
+    q0 = layers[0][0]
+    static_out = torch.empty(B, s_q, heads, 512, device=dev, dtype=torch.bfloat16) if out is None else out
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r = dsv4.flash_mla_with_kvcache(q0, layers[0][1].unsqueeze(2), None, None, 512, meta, indices=layers[0][3],
+                                        attn_sink=layers[0][5],
+                                        extra_k_cache=layers[0][2].unsqueeze(2).view(torch.float8_e4m3fn),
+                                        extra_indices_in_kvcache=layers[0][4], topk_length=lengths, out=out)
+        static_out.copy_(r[0])
+    q0.copy_(torch.randn_like(q0, dtype=torch.float32))
+    graph.replay()
+    fresh = step(dsv4.get_mla_metadata()[0], None)[0][0]  # the new values through the checked path
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, fresh)
+
+
 def _raw(cache):
     return torch.as_strided(cache, (cache.untyped_storage().nbytes(),), (1,), 0)
 

@@ -75,3 +75,45 @@ def test_what_the_extension_refuses_is_named():
         _ffi_launch.run([(0, (_ffi_launch.Alloc(1),))], [((1,), torch.float32)], torch.zeros(1))
     with pytest.raises(ValueError, match="dtype must be a torch.dtype"):
         _ffi_launch.run([], [((1,), "float32")], torch.zeros(1))
+
+
+def test_prepared_launches_remake_slot_views_over_each_calls_tensors(entry):
+    """``prepare``: an argument named as a view of slot k is remade over the tensor each ``run`` passes as slot k
+    (its dtype, shape and strides as recorded: the entry's checks pass up to the device's), fixed tensors and
+    allocs as in ``run``; a call whose slots differ from the recorded ones in shape, strides, dtype or 16-byte
+    alignment launches nothing and returns None."""
+    x = torch.randn(2, 3, N)  # the caller's [batch, s, N]; the kernel takes [batch * s, N]
+    y = torch.zeros(6, N)
+    prepared = _ffi_launch.prepare([(entry[0], (_ffi_launch.SlotView(0, x.view(6, N)), y, 2.0, 1))], [], [x])
+    with pytest.raises(RuntimeError, match="input X device_type mismatch, expected cuda"):
+        prepared.run([torch.randn(2, 3, N)])  # ndim, dtype, shape and strides of the remade view all passed
+    wrong = _ffi_launch.prepare([(entry[0], (_ffi_launch.SlotView(0, x.view(3, 2 * N)), y, 2.0, 1))], [], [x])
+    with pytest.raises(RuntimeError, match=r"input X shape\[1\] violates"):
+        wrong.run([torch.randn(2, 3, N)])  # the recorded view's shape, not the slot's, reaches the entry
+    words = _ffi_launch.SlotView(0, x.view(6, N).view(torch.int32))
+    as_bytes = _ffi_launch.prepare([(entry[0], (words, y, 2.0, 1))], [], [x])
+    with pytest.raises(RuntimeError, match="input X dtype mismatch, expected float32"):
+        as_bytes.run([torch.randn(2, 3, N)])  # ... and its dtype
+    alloc = _ffi_launch.prepare([(entry[0], (_ffi_launch.Alloc(0), _ffi_launch.SlotView(0, x.view(6, N)), 2.0, 1))],
+                                [((6, N), torch.float64)], [x])
+    with pytest.raises(RuntimeError, match="input X dtype mismatch, expected float32"):
+        alloc.run([torch.randn(2, 3, N)])  # the alloc made per call, as in run()
+    buf = torch.randn(2 * 3 * N + 4)
+    for other in (torch.randn(3, 2, N), torch.randn(2, N, 3).transpose(1, 2), torch.randn(2, 3, N).double(),
+                  buf[1:1 + 6 * N].view(2, 3, N)):  # shape, strides, dtype, alignment (4 bytes off)
+        assert prepared.run([other]) is None
+    assert prepared.run([]) is None and prepared.run([x, x]) is None
+    with pytest.raises(RuntimeError, match="input X device_type mismatch"):
+        prepared.run([buf[4:4 + 6 * N].view(2, 3, N)])  # 16 bytes off: aligned as the recorded slot, so launched
+
+
+def test_what_prepare_refuses_is_named(entry):
+    x = torch.randn(2, N)
+    with pytest.raises(ValueError, match=r"must be \(slot index, view of that slot\)"):
+        _ffi_launch.prepare([(entry[0], (_ffi_launch.SlotView(1, x), x, 2.0, 1))], [], [x])
+    with pytest.raises(IndexError, match="names a missing alloc"):
+        _ffi_launch.prepare([(entry[0], (_ffi_launch.Alloc(0), x, 2.0, 1))], [], [x])
+    with pytest.raises(ValueError, match="slots must be tensors"):
+        _ffi_launch.prepare([], [], [x, 3])
+    with pytest.raises(ValueError, match="at least one slot"):
+        _ffi_launch.prepare([], [], [])

@@ -45,6 +45,9 @@ class FlashMLASchedMeta:
     # (has extra set, has sink, the sinks stand-in without one, the empty extra list without one); None until a
     # checked call has run the scheduled program with this metadata
     planned: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    # the planned launches recorded in C++ for the batch's later calls (_prepare_fast), where the compiled launch
+    # is on: (the calls' non-tensor arguments, the recorded launches, the settings' generation, what they keep)
+    fast: Optional[tuple] = dataclasses.field(default=None, repr=False)
 
 
 def get_mla_metadata(*args, **kwargs):
@@ -86,10 +89,18 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     ``(B,)``: the leftmost entries of every query of request ``b`` that count. Returns ``(out [B, s_q, H, 512],
     lse [B, H, s_q])`` (``out`` written in place if given). ``block_table`` / ``cache_seqlens`` are ignored
     (sparse mode reads neither), as FlashMLA does."""
+    meta = tile_scheduler_metadata
+    recorded = meta.fast if isinstance(meta, FlashMLASchedMeta) else None
+    if recorded is not None:  # a later call of a batch whose launches are recorded: straight to them, if it matches
+        done = _run_fast(recorded, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                         extra_topk_length, out, _flags(head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache,
+                                                        impl, topk_length, attn_sink, extra_k_cache,
+                                                        extra_indices_in_kvcache, extra_topk_length, out))
+        if done is not None:
+            return done
     from . import check_sparse_mqa_args
 
     op = "flash_mla_with_kvcache"
-    meta = tile_scheduler_metadata
     sig = _signature(q, indices, extra_indices_in_kvcache, topk_length, extra_topk_length, attn_sink, softmax_scale,
                      out, causal, is_fp8_kvcache, head_dim_v, num_splits, impl, extra_k_cache is None)
     # a later layer of a batch whose arguments match the checked signature (shapes, dtypes, devices, flags) skips
@@ -102,6 +113,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                      head_dim_v, num_splits, meta)
     b, s_q, h, _ = q.shape
     # FlashMLA takes the cache as uint8 or as its float8_e4m3fn view (SGLang's pool hands out the latter)
+    given_caches = (k_cache, extra_k_cache)
     k_cache, extra_k_cache = (c.view(torch.uint8) if isinstance(c, torch.Tensor) and c.dtype == torch.float8_e4m3fn
                               else c for c in (k_cache, extra_k_cache))
     T = b * s_q
@@ -116,6 +128,11 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if planned:
         res, lse = _planned_launch(meta, qt, k_cache, it, lengths, extra_k_cache, xt, xlengths, attn_sink, scale, ot,
                                    op)
+        if meta.fast is None:
+            flags = _flags(head_dim_v, num_splits, softmax_scale, causal, is_fp8_kvcache, impl, topk_length,
+                           attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length, out)
+            _prepare_fast(meta, op, flags, q, given_caches, k_cache, indices, topk_length, attn_sink, extra_k_cache,
+                          extra_indices_in_kvcache, extra_topk_length, out, qt, it, xt, lengths, xlengths, scale, ot)
         return res.view(b, s_q, h, L.D), lse.view(b, s_q, h).transpose(1, 2)
     if fast:
         L.check_kv_cache(k_cache, op=op)
@@ -125,7 +142,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         check_sparse_mqa_args(qt, k_cache, it, lengths, extra_cache=extra_k_cache, extra_indices=xt,
                               extra_lengths=xlengths, sink=attn_sink, sm_scale=scale, out=ot)
         if meta is not None:  # a new signature: what the last one's calls launched is made again for this one
-            meta.checked, meta.planned = sig, None
+            meta.checked, meta.planned, meta.fast = sig, None, None
     if resolve_impl(impl, q.device, op) == "reference" or T == 0:
         from .reference import sparse_mqa_reference
 
@@ -176,6 +193,73 @@ def _planned_launch(meta: FlashMLASchedMeta, qt, k_cache, it, lengths, extra_k_c
         qt.contiguous(), k_cache, it.contiguous(), lengths, extra_k_cache, xt.contiguous() if has_extra else no_extra,
         xlengths if has_extra else None, has_extra, attn_sink.contiguous() if has_sink else no_sinks, has_sink,
         float(scale), ot, meta.tile_scheduler_metadata, True, op)
+
+
+def _flags(*args) -> tuple:
+    """What a recorded call's non-tensor arguments were (the first six) and which optional tensors it passed."""
+    return args[:6] + tuple(a is None for a in args[6:])
+
+
+def _prepare_fast(meta: FlashMLASchedMeta, op, flags, q, given_caches, k_cache, indices, topk_length, attn_sink,
+                  extra_k_cache, extra_indices, extra_topk_length, out, qt, it, xt, lengths, xlengths, scale,
+                  ot) -> None:
+    """After a planned call (:func:`_planned_launch`) with the compiled launch on: its launches recorded in C++
+    (``tilelang_impl.prepare_scheduled``) for the batch's later calls, with the caller's tensors as they come
+    (``given_caches``: the caches as passed, uint8 or float8 views of the uint8 ``k_cache`` and
+    ``extra_k_cache``). Nothing is recorded where a launch tensor is a copy of the caller's (a non-contiguous
+    argument, lengths of another dtype, per-token lengths expanded for s_q > 1): those calls stay on the planned
+    path."""
+    ti = _launcher()
+    has_extra, has_sink, no_sinks, no_extra = meta.planned
+    plan = meta.tile_scheduler_metadata
+    qc, ic = qt.contiguous(), it.contiguous()
+    xc = xt.contiguous() if has_extra else no_extra
+    sinks = attn_sink.contiguous() if has_sink else no_sinks
+    slots = [(q, qc), (given_caches[0], k_cache), (indices, ic)]
+    if topk_length is not None:
+        slots.append((topk_length, lengths))
+    if attn_sink is not None:
+        slots.append((attn_sink, sinks))
+    if extra_k_cache is not None:
+        slots.append((given_caches[1], extra_k_cache))
+    if extra_indices is not None:
+        slots.append((extra_indices, *([xc] if has_extra else [])))
+    if extra_topk_length is not None:
+        slots.append((extra_topk_length, *([xlengths] if has_extra else [])))
+    if out is not None:
+        slots.append((out, ot))
+    l1 = ti._lengths(lengths, qc.shape[0], ic.shape[1], q.device) if lengths is not None else None
+    l2 = ti._lengths(xlengths, qc.shape[0], xc.shape[1], q.device) if has_extra and xlengths is not None else None
+    if (l1 is not None and l1 is not lengths) or (l2 is not None and l2 is not xlengths):
+        return  # the launch takes a converted copy of the caller's lengths
+    l1 = l1 if l1 is not None else ti._plan_lengths(plan, ic.shape[1], q.device)
+    l2 = l2 if l2 is not None else ti._plan_lengths(plan, xc.shape[1], q.device)
+    fixed = (plan.part_meta, plan.tiles, plan.first_part, plan.split_row, plan.combine, plan.num_split,
+             *(t for t in (no_sinks, no_extra) if t is not None),
+             *(t for t, given in ((l1, lengths), (l2, xlengths if has_extra else None)) if given is None))
+    made = ti.prepare_scheduled(slots, qc, k_cache, ic, l1, extra_k_cache, xc, l2, has_extra, sinks, has_sink,
+                                float(scale), ot, plan, True, op, fixed)
+    if made is not None:
+        b, s_q, h, _ = q.shape
+        meta.fast = (flags, made[0], ti._GENERATION[0], made[1], (b, s_q, h))
+
+
+def _run_fast(fast, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
+              out, flags):
+    """A call through the batch's recorded launches (:func:`_prepare_fast`), or None where it differs from the
+    recorded one (its non-tensor arguments, which optional tensors it passes, any tensor's shape, strides, dtype,
+    device or alignment) or a setting changed since: the caller then takes the checked path."""
+    recorded_flags, prepared, generation, _, (b, s_q, h) = fast
+    ti = _LAUNCHER
+    if flags != recorded_flags or ti is None or generation != ti._GENERATION[0] or not ti.SCHED_COMPILED_LAUNCH:
+        return None
+    tensors = [t for t in (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
+                           extra_topk_length, out) if t is not None]
+    made = prepared.run(tensors)
+    if made is None:
+        return None
+    res = out if out is not None else made[3].view(b, s_q, h, L.D)
+    return res, made[0].view(b, s_q, h).transpose(1, 2)
 
 
 def _check_entry(op, q, indices, extra_indices, extra_topk_length, out, causal, is_fp8_kvcache, head_dim_v,

@@ -346,6 +346,65 @@ def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks,
     return (made[3] if out is None else out), made[0]
 
 
+class _NotPreparable(Exception):
+    pass
+
+
+def prepare_scheduled(slots: list, q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out,
+                      plan, empty_lse_inf, op, fixed: tuple):
+    """:func:`scheduled_launch`'s compiled launches recorded for calls that differ only in the tensors of
+    ``slots`` (``(caller's tensor, what the launches take of it...)`` pairs, in the order a later call passes the
+    tensors; each launch tensor must be a view of its caller's tensor: the word views of a cache are named here),
+    every other launch tensor one of ``fixed`` (the batch's: the plan's, the stand-ins without sinks or extra set).
+    ``out`` None: the output is made per call. Returns ``(prepared, kept)`` (``prepared.run(tensors)``: see
+    :func:`.._ffi_launch.prepare`; ``kept``: what must outlive it), or None where the launches cannot be recorded
+    (no compiled entry on this device yet, a launch tensor that is a copy rather than a view, graph capture)."""
+    T, H, _ = q.shape
+    dev = q.device
+    if not SCHED_COMPILED_LAUNCH or settings().poison or stream_capturing(dev):
+        return None
+    program, combine = _sched_kernels(H, has_extra, has_sink, T)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    hp = program.handle(index) if hasattr(program, "handle") else None
+    hc = combine.handle(index) if hasattr(combine, "handle") else None
+    if hp is None or hc is None:
+        return None
+    owner, keep = {}, []
+    for k, (given, *views) in enumerate(slots):
+        if any(v is cache for v in views):
+            views += _cache_word_views(cache, dev, op, "cache")[0]
+        if has_extra and any(v is extra_cache for v in views):
+            views += _cache_word_views(extra_cache, dev, op, "extra_cache")[0]
+        for v in views:
+            if v.untyped_storage().data_ptr() != given.untyped_storage().data_ptr():
+                return None  # a copy (made for this call): it cannot stand for later calls' tensors
+            owner[id(v)] = k
+            keep.append(v)
+    fixed_ids = {id(t) for t in fixed}
+    lse, o_part, l_part, made_out = _ALLOCS
+    allocs = [((T, H), torch.float32), ((plan.num_partials, H, L.D), torch.float32),
+              ((plan.num_partials, H), torch.float32)] + ([] if out is not None else [(tuple(q.shape), q.dtype)])
+    program_args, combine_args = _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scale,
+                                             made_out if out is None else out, lse, o_part, l_part, plan,
+                                             empty_lse_inf, op)
+
+    def recorded(args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if id(a) in owner:
+                    a = _ffi_launch.SlotView(owner[id(a)], a)
+                elif id(a) not in fixed_ids:
+                    raise _NotPreparable(a.shape)
+            yield a
+
+    try:
+        calls = [(hp, tuple(recorded(program_args))), (hc, tuple(recorded(combine_args)))]
+    except _NotPreparable:
+        return None
+    prepared = _ffi_launch.prepare(calls, allocs, [s[0] for s in slots])
+    return prepared, (program, combine, keep)
+
+
 def _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scale, out, lse, o_part, l_part, plan,
                 empty_lse_inf, op) -> tuple:
     """The scheduled program's and its combine's argument lists (``out``, ``lse`` and the partials as given:
@@ -420,6 +479,9 @@ def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, e
 
 _SCHED_KERNELS: dict = {}
 on_change(_SCHED_KERNELS.clear)
+# bumped when a setting changes: launches recorded before (prepare_scheduled) are not replayed after
+_GENERATION = [0]
+on_change(lambda: _GENERATION.__setitem__(0, _GENERATION[0] + 1))
 
 
 def _sched_kernels(H: int, has_extra: bool, has_sink: bool, tokens=None) -> tuple:
