@@ -12,6 +12,7 @@ replacement.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from pathlib import Path
 from typing import Optional, Sequence
@@ -19,11 +20,50 @@ from typing import Optional, Sequence
 import torch
 
 from .cache import cache_dir
+from .config import on_change, settings
 
 SOURCE = Path(__file__).with_name("csrc") / "ffi_launch.cpp"
 
 _lock = threading.Lock()
 _module = None
+_enabled: list = [None]  # enabled()'s answer for the current settings
+_warned: set = set()
+on_change(lambda: _enabled.__setitem__(0, None))
+log = logging.getLogger("musa_attn_backend")
+
+
+def wanted(target_kind: Optional[str] = None) -> bool:
+    """Whether ``MUSA_ATTN_COMPILED_LAUNCH`` asks for the compiled launch on ``target_kind`` (default: this
+    platform's): not ``off``, and the platform calls TileLang's compiled entries directly
+    (:func:`musa_attn_backend.platform.direct_launch`: CUDA)."""
+    from .platform import direct_launch
+
+    return settings().compiled_launch != "off" and direct_launch(target_kind)
+
+
+def enabled() -> bool:
+    """Whether the launches that offer it go through :func:`run` / :func:`prepare` now: :func:`wanted`, and the
+    extension loads (built here the first time: 30-60 s; ``musa-attn warmup`` builds it before serving). A build
+    that fails raises under ``on``; under ``auto`` it is reported once, as a warning with the compiler's reason,
+    and the answer is False (TileLang's launches: the same kernels and results, more host time)."""
+    hit = _enabled[0]
+    if hit is None:
+        hit = wanted()
+        if hit:
+            try:
+                load()
+            except Exception as e:  # noqa: BLE001 - reported (or raised under "on"), never silent
+                if settings().compiled_launch == "on":
+                    raise RuntimeError(f"MUSA_ATTN_COMPILED_LAUNCH=on: the compiled launch's extension "
+                                       f"({SOURCE.name}) did not build: {e}") from e
+                if SOURCE.name not in _warned:
+                    _warned.add(SOURCE.name)
+                    log.warning("musa_attn_backend: the compiled launch's extension (%s) did not build, so "
+                                "DeepSeek-V4's sparse decode launches through TileLang (more host time a call; "
+                                "MUSA_ATTN_COMPILED_LAUNCH=off silences this): %s", SOURCE.name, e)
+                hit = False
+        _enabled[0] = hit
+    return hit
 
 
 def _tvm_ffi_paths() -> tuple[Path, Path]:

@@ -318,12 +318,40 @@ def cmd_warmup(args) -> int:
           f"into {cache_dir()}")
     t0 = time.perf_counter()
     warmup.run(jobs, workers=args.jobs, progress=not args.quiet)
+    if isinstance(model, warmup_dsv4.V4Model) and not _build_compiled_launch(platform):
+        return 1
     after = len(list(markers.glob("*.done")))
     record = warmup.record_settings(platform)
     print(f"warmup: done in {time.perf_counter() - t0:.1f}s; {after - before} compiled now, "
           f"{len(jobs) - (after - before)} already in the cache; kernel settings "
           f"{' '.join(f'{k}={v}' for k, v in config.kernel_settings())} recorded in {record}")
     return 0
+
+
+def _build_compiled_launch(platform) -> bool:
+    """The compiled launch's extension (``_ffi_launch``: DeepSeek-V4's sparse decode launches) built into the cache
+    where ``MUSA_ATTN_COMPILED_LAUNCH`` and the target ask for it, so the server loads it rather than building it
+    at its first decode. False (an error printed) where it fails under ``on``; under ``auto`` a failure is printed
+    as a warning and the server will launch through TileLang."""
+    import time
+
+    from . import _ffi_launch
+    from .config import settings
+
+    if not _ffi_launch.wanted(platform.target_kind):
+        return True
+    t0 = time.perf_counter()
+    try:
+        _ffi_launch.load()
+    except Exception as e:  # noqa: BLE001 - reported with the compiler's reason
+        strict = settings().compiled_launch == "on"
+        then = ("MUSA_ATTN_COMPILED_LAUNCH=on: a server would refuse to run without it" if strict else
+                "the server will launch through TileLang (MUSA_ATTN_COMPILED_LAUNCH=off: not tried)")
+        print(f"musa-attn warmup: {'error' if strict else 'warning'}: the compiled launch's extension did not "
+              f"build ({e}); {then}", file=sys.stderr)
+        return not strict
+    print(f"warmup: compiled launch extension ready in {time.perf_counter() - t0:.1f}s")
+    return True
 
 
 def _lower_only(jobs, model, args, platform) -> int:

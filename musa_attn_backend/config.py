@@ -122,6 +122,13 @@ class Settings:
         meaning="SGLang's DeepSeek-V4 model-side kernels (q norm + RoPE, RoPE, clamped SwiGLU, mHC) are this package's "
                 "(sglang.model_hooks): auto (where SGLang has none of its own: MUSA and CPU), on (also on CUDA: the "
                 "MUSA situation on an NVIDIA GPU), off (SGLang's own, which exist on CUDA only)")
+    compiled_launch: str = _switch(
+        "MUSA_ATTN_COMPILED_LAUNCH", default="auto", kernels=False,
+        meaning="DeepSeek-V4's sparse decode launches its kernels through one call into C++ (musa_attn_backend/csrc, "
+                "built with torch's extension loader into the cache directory by warmup or at first use), and "
+                "FlashMLA's entry replays a batch's launches recorded there, where the platform calls TileLang's "
+                "compiled entries directly (CUDA): auto (a build that fails is reported once, with the compiler's "
+                "reason, and TileLang's launches are used), on (a build that fails raises), off (TileLang's launches)")
     commit: Optional[str] = _switch(
         "MUSA_ATTN_COMMIT", default=None, kernels=False,
         meaning="the commit benchmark results record where the checkout has no usable git metadata (benchmarks only)")
@@ -133,6 +140,7 @@ SWITCHES: tuple[Switch, ...] = tuple(
     for f in dataclasses.fields(Settings))
 BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
 CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"), "model_kernels": ("auto", "on", "off"),
+                                       "compiled_launch": ("auto", "on", "off"),
                                        "dsv4_program": ("auto", "scheduled", "paired", "portable")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")

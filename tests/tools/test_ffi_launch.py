@@ -117,3 +117,45 @@ def test_what_prepare_refuses_is_named(entry):
         _ffi_launch.prepare([], [], [x, 3])
     with pytest.raises(ValueError, match="at least one slot"):
         _ffi_launch.prepare([], [], [])
+
+
+def test_the_switch_decides_and_a_failed_build_is_never_silent(monkeypatch, caplog, capsys):
+    """``MUSA_ATTN_COMPILED_LAUNCH``: off, or a platform that keeps TileLang's wrapper (MUSA), never loads the
+    extension; auto turns a failed build into one warning with its reason and TileLang's launches; on raises it.
+    A settings change asks again. ``musa-attn warmup`` builds it (a failure: a warning under auto, an error under
+    on)."""
+    import logging
+
+    from musa_attn_backend import cli, config
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+    from musa_attn_backend.platform import get_platform
+
+    loads = []
+
+    def failing():
+        loads.append(1)
+        raise OSError("g++: not found")
+
+    monkeypatch.setattr(_ffi_launch, "load", failing)
+    monkeypatch.setattr(_ffi_launch, "_warned", set())
+    with config.override(target="sm_90a", compiled_launch="off"):
+        assert not _ffi_launch.enabled() and not loads
+    with config.override(target="mp_31", compiled_launch="on"):
+        assert not _ffi_launch.wanted() and not _ffi_launch.enabled() and not loads
+    with config.override(target="sm_90a", compiled_launch="auto"), caplog.at_level(logging.WARNING):
+        assert not _ffi_launch.enabled() and not _ffi_launch.enabled() and len(loads) == 1
+        assert ti.compiled_launch_on() is False
+        monkeypatch.setattr(ti, "SCHED_COMPILED_LAUNCH", True)  # forced (tests, benchmarks)
+        assert ti.compiled_launch_on() is True
+        monkeypatch.setattr(ti, "SCHED_COMPILED_LAUNCH", None)
+        assert cli._build_compiled_launch(get_platform())  # warmup goes on: the server would launch via TileLang
+    assert [r for r in caplog.records if "g++: not found" in r.getMessage()][:1]
+    assert len([r for r in caplog.records if "did not build" in r.getMessage()]) == 1
+    assert "warning: the compiled launch's extension did not build (g++: not found)" in capsys.readouterr().err
+    with config.override(target="sm_90a", compiled_launch="on"):
+        with pytest.raises(RuntimeError, match="MUSA_ATTN_COMPILED_LAUNCH=on: .* did not build: g\\+\\+: not found"):
+            _ffi_launch.enabled()
+        assert not cli._build_compiled_launch(get_platform())
+    monkeypatch.setattr(_ffi_launch, "load", lambda: loads.append(2) or object())
+    with config.override(target="sm_90a", compiled_launch="auto"):
+        assert _ffi_launch.enabled() and loads[-1] == 2 and ti.compiled_launch_on()

@@ -298,7 +298,7 @@ def scheduled_launch(q, cache, i1, lengths, extra_cache, i2, extra_lengths, has_
     # every extra entry counts, or no extra set (no entry: lengths 0)
     l2 = (_lengths(extra_lengths, T, i2.shape[1], dev) if extra_lengths is not None
           else _plan_lengths(plan, i2.shape[1], dev))
-    if T and SCHED_COMPILED_LAUNCH and not settings().poison:
+    if T and compiled_launch_on() and not settings().poison:
         done = _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out,
                                    plan, empty_lse_inf, op)
         if done is not None:
@@ -314,10 +314,16 @@ def scheduled_launch(q, cache, i1, lengths, extra_cache, i2, extra_lengths, has_
 # the compiled call's placeholders: the LSE, the partials and (when the caller passes none) the output
 _ALLOCS = tuple(_ffi_launch.Alloc(i) for i in range(4))
 
-# Off until its GPU tests have passed (written 2026-12-07 with no device time left; its plumbing is tested on the
-# CPU against a compiled entry's own argument checks): the scheduled program and its combine launched by one call
-# into C++ (:mod:`musa_attn_backend._ffi_launch`), the LSE and partials made there (issue 38's host path)
-SCHED_COMPILED_LAUNCH = False
+# The scheduled program and its combine launched by one call into C++ (:mod:`musa_attn_backend._ffi_launch`), the
+# LSE and partials made there (issue 38's host path): None follows MUSA_ATTN_COMPILED_LAUNCH (_ffi_launch.enabled);
+# True / False force it (the tests and the benchmarks compare both)
+SCHED_COMPILED_LAUNCH: Optional[bool] = None
+
+
+def compiled_launch_on() -> bool:
+    """Whether the scheduled program's launches go through :mod:`.._ffi_launch` now."""
+    forced = SCHED_COMPILED_LAUNCH
+    return _ffi_launch.enabled() if forced is None else forced
 
 
 def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, plan,
@@ -361,7 +367,7 @@ def prepare_scheduled(slots: list, q, cache, i1, l1, extra_cache, i2, l2, has_ex
     (no compiled entry on this device yet, a launch tensor that is a copy rather than a view, graph capture)."""
     T, H, _ = q.shape
     dev = q.device
-    if not SCHED_COMPILED_LAUNCH or settings().poison or stream_capturing(dev):
+    if not compiled_launch_on() or settings().poison or stream_capturing(dev):
         return None
     program, combine = _sched_kernels(H, has_extra, has_sink, T)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
