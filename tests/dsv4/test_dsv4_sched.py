@@ -437,19 +437,38 @@ class _FakeEntry:
         return self.h if self.launched else None
 
 
-def test_compiled_launch_passes_the_python_paths_arguments(monkeypatch):
-    """``SCHED_COMPILED_LAUNCH``: after a kernel pair's first launch (through Python, which makes the entries),
-    FlashMLA's entry hands ``_ffi_launch.run`` the two kernels' handles and the same argument lists the Python
-    path passes, the LSE, the partials and the output as placeholders of the tensors it asks for, in the
-    kernels' order; the results come back as the entry's (out, lse)."""
-    from musa_attn_backend import _ffi_launch
-    from musa_attn_backend.kernels.dsv4 import layout as L
+def _compiled_pair(monkeypatch):
+    """The compiled launch forced on over a fake kernel pair (handles 11 and 22 once launched), the TileLang path
+    taken on this CPU."""
     from musa_attn_backend.kernels.dsv4.sparse import flash_mla
 
     monkeypatch.setattr(flash_mla, "resolve_impl", lambda impl, device, op: "tilelang")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     program, combine = _FakeEntry(11), _FakeEntry(22)
     monkeypatch.setattr(ti, "_sched_kernels", lambda *a: (program, combine))
+    monkeypatch.setattr(ti, "SCHED_COMPILED_LAUNCH", True)
+    return program, combine
+
+
+def _decode_batch(b: int, h: int):
+    """``(swa, c4, q, indices, extra_indices, sink)`` of a ``b``-request decode batch, CPU."""
+    from musa_attn_backend.kernels.dsv4 import layout as L
+
+    swa, c4 = L.new_kv_cache(4, 256, "cpu"), L.new_kv_cache(64, 64, "cpu")
+    q = torch.randn(b, 1, h, 512).to(torch.bfloat16)
+    i1 = torch.randint(0, 4 * 256, (b, 1, 128), dtype=torch.int32)
+    i2 = torch.randint(0, 64 * 64, (b, 1, 512), dtype=torch.int32)
+    return swa, c4, q, i1, i2, torch.randn(h)
+
+
+def test_compiled_launch_passes_the_python_paths_arguments(monkeypatch):
+    """``SCHED_COMPILED_LAUNCH``: after a kernel pair's first launch (through Python, which makes the entries),
+    FlashMLA's entry hands ``_ffi_launch.run`` the two kernels' handles and the same argument lists the Python
+    path passes, the LSE, the partials and the output as placeholders of the tensors it asks for, in the
+    kernels' order; the results come back as the entry's (out, lse)."""
+    from musa_attn_backend import _ffi_launch
+
+    program, combine = _compiled_pair(monkeypatch)
     runs = []
 
     def fake_run(calls, allocs, like):
@@ -458,13 +477,8 @@ def test_compiled_launch_passes_the_python_paths_arguments(monkeypatch):
         return made
 
     monkeypatch.setattr(_ffi_launch, "run", fake_run)
-    monkeypatch.setattr(ti, "SCHED_COMPILED_LAUNCH", True)
     b, h = 3, 64
-    swa, c4 = L.new_kv_cache(4, 256, "cpu"), L.new_kv_cache(64, 64, "cpu")
-    q = torch.randn(b, 1, h, 512).to(torch.bfloat16)
-    i1 = torch.randint(0, 4 * 256, (b, 1, 128), dtype=torch.int32)
-    i2 = torch.randint(0, 64 * 64, (b, 1, 512), dtype=torch.int32)
-    sink = torch.randn(h)
+    swa, c4, q, i1, i2, sink = _decode_batch(b, h)
     with config.override(target="sm_90a", dsv4_program="scheduled"):
         meta = dsv4.get_mla_metadata()[0]
         call = lambda: dsv4.flash_mla_with_kvcache(  # noqa: E731
@@ -509,13 +523,8 @@ def test_recorded_launches_stand_for_the_batchs_later_calls(monkeypatch):
     its results back. A call that differs (its scale, which optional tensors it passes, a tensor ``run`` refuses,
     a changed setting) takes the checked path, launching through ``_ffi_launch.run`` as before."""
     from musa_attn_backend import _ffi_launch
-    from musa_attn_backend.kernels.dsv4 import layout as L
-    from musa_attn_backend.kernels.dsv4.sparse import flash_mla
 
-    monkeypatch.setattr(flash_mla, "resolve_impl", lambda impl, device, op: "tilelang")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    program, combine = _FakeEntry(11), _FakeEntry(22)
-    monkeypatch.setattr(ti, "_sched_kernels", lambda *a: (program, combine))
+    _compiled_pair(monkeypatch)
     runs, prepared = [], []
 
     def made_for(allocs):
@@ -531,14 +540,9 @@ def test_recorded_launches_stand_for_the_batchs_later_calls(monkeypatch):
 
     monkeypatch.setattr(_ffi_launch, "run", lambda calls, allocs, like: runs.append(calls) or made_for(allocs))
     monkeypatch.setattr(_ffi_launch, "prepare", lambda *a: prepared.append(FakePrepared(*a)) or prepared[-1])
-    monkeypatch.setattr(ti, "SCHED_COMPILED_LAUNCH", True)
     b, h = 3, 64
-    swa, c4 = L.new_kv_cache(4, 256, "cpu"), L.new_kv_cache(64, 64, "cpu")
-    q = torch.randn(b, 1, h, 512).to(torch.bfloat16)
-    i1 = torch.randint(0, 4 * 256, (b, 1, 128), dtype=torch.int32)
-    i2 = torch.randint(0, 64 * 64, (b, 1, 512), dtype=torch.int32)
+    swa, c4, q, i1, i2, sink = _decode_batch(b, h)
     lengths = torch.tensor([5, 128, 0], dtype=torch.int32)
-    sink = torch.randn(h)
     k4, x4 = swa.unsqueeze(2).view(torch.float8_e4m3fn), c4.unsqueeze(2)  # SGLang passes float8 views
     with config.override(target="sm_90a", dsv4_program="scheduled"):
         meta = dsv4.get_mla_metadata()[0]

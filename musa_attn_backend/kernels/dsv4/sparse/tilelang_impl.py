@@ -326,12 +326,11 @@ def compiled_launch_on() -> bool:
     return _ffi_launch.enabled() if forced is None else forced
 
 
-def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, plan,
-                        empty_lse_inf, op):
-    """:func:`scheduled_launch`'s launches through :func:`.._ffi_launch.run`: the same two kernels, arguments and
-    results, the LSE, the partials and (``out`` None) the output made in C++. None where the kernels have no
-    compiled entry on this device yet (their first launch there goes through TileLang, which makes it) or the
-    platform launches through TileLang's wrapper."""
+def _compiled_pair(q, has_extra, has_sink, out, plan):
+    """``((program handle, combine handle), allocs, (program, combine))`` for a compiled launch of the scheduled
+    program on ``q``'s device: the allocs are the LSE, the partials and (``out`` None) the output, in
+    :data:`_ALLOCS`' order. None where either kernel has no compiled entry there yet (its first launch on a
+    device goes through TileLang, which makes it) or the platform launches through TileLang's wrapper."""
     T, H, _ = q.shape
     dev = q.device
     program, combine = _sched_kernels(H, has_extra, has_sink, T)
@@ -340,11 +339,22 @@ def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks,
     hc = combine.handle(index) if hasattr(combine, "handle") else None
     if hp is None or hc is None:
         return None
-    lse, o_part, l_part, made_out = _ALLOCS
     allocs = [((T, H), torch.float32), ((plan.num_partials, H, L.D), torch.float32),
-              ((plan.num_partials, H), torch.float32)]
-    if out is None:
-        allocs.append((tuple(q.shape), q.dtype))
+              ((plan.num_partials, H), torch.float32)] + ([] if out is not None else [(tuple(q.shape), q.dtype)])
+    return (hp, hc), allocs, (program, combine)
+
+
+def _scheduled_compiled(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, has_sink, sm_scale, out, plan,
+                        empty_lse_inf, op):
+    """:func:`scheduled_launch`'s launches through :func:`.._ffi_launch.run`: the same two kernels, arguments and
+    results, the LSE, the partials and (``out`` None) the output made in C++. None where the kernels have no
+    compiled entry on this device yet (their first launch there goes through TileLang, which makes it) or the
+    platform launches through TileLang's wrapper."""
+    found = _compiled_pair(q, has_extra, has_sink, out, plan)
+    if found is None:
+        return None
+    (hp, hc), allocs, _ = found
+    lse, o_part, l_part, made_out = _ALLOCS
     program_args, combine_args = _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scale,
                                              made_out if out is None else out, lse, o_part, l_part, plan,
                                              empty_lse_inf, op)
@@ -365,16 +375,13 @@ def prepare_scheduled(slots: list, q, cache, i1, l1, extra_cache, i2, l2, has_ex
     ``out`` None: the output is made per call. Returns ``(prepared, kept)`` (``prepared.run(tensors)``: see
     :func:`.._ffi_launch.prepare`; ``kept``: what must outlive it), or None where the launches cannot be recorded
     (no compiled entry on this device yet, a launch tensor that is a copy rather than a view, graph capture)."""
-    T, H, _ = q.shape
     dev = q.device
     if not compiled_launch_on() or settings().poison or stream_capturing(dev):
         return None
-    program, combine = _sched_kernels(H, has_extra, has_sink, T)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    hp = program.handle(index) if hasattr(program, "handle") else None
-    hc = combine.handle(index) if hasattr(combine, "handle") else None
-    if hp is None or hc is None:
+    found = _compiled_pair(q, has_extra, has_sink, out, plan)
+    if found is None:
         return None
+    (hp, hc), allocs, (program, combine) = found
     owner, keep = {}, []
     for k, (given, *views) in enumerate(slots):
         if any(v is cache for v in views):
@@ -388,8 +395,6 @@ def prepare_scheduled(slots: list, q, cache, i1, l1, extra_cache, i2, l2, has_ex
             keep.append(v)
     fixed_ids = {id(t) for t in fixed}
     lse, o_part, l_part, made_out = _ALLOCS
-    allocs = [((T, H), torch.float32), ((plan.num_partials, H, L.D), torch.float32),
-              ((plan.num_partials, H), torch.float32)] + ([] if out is not None else [(tuple(q.shape), q.dtype)])
     program_args, combine_args = _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scale,
                                              made_out if out is None else out, lse, o_part, l_part, plan,
                                              empty_lse_inf, op)
