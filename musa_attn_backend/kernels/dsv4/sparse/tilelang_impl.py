@@ -334,9 +334,10 @@ def _compiled_pair(q, has_extra, has_sink, out, plan):
     T, H, _ = q.shape
     dev = q.device
     program, combine = _sched_kernels(H, has_extra, has_sink, T)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    hp = program.handle(index) if hasattr(program, "handle") else None
-    hc = combine.handle(index) if hasattr(combine, "handle") else None
+    if not (hasattr(program, "handle") and hasattr(combine, "handle")):
+        return None  # kernels TileLang launches itself (its wrapper kept, or stand-ins where nothing launches)
+    index = dev.index if dev.index is not None else 0 if dev.type == "cpu" else torch.cuda.current_device()
+    hp, hc = program.handle(index), combine.handle(index)
     if hp is None or hc is None:
         return None
     allocs = [((T, H), torch.float32), ((plan.num_partials, H, L.D), torch.float32),
