@@ -226,7 +226,8 @@ def dsv4_table(results: Path = RESULTS) -> str:
 
 
 def serve_table(results: Path = RESULTS) -> str:
-    """The V4-Flash-sized serving run (``bench_serve_dsv4.py``), the newest: one line a (batch, context)."""
+    """The V4-Flash-sized serving run (``bench_serve_dsv4.py``), the newest: one line a batch, its contexts side by
+    side (each cell ``4k / 16k / 32k`` where the run has those contexts)."""
     runs = sorted(results.glob("serve-dsv4-*.json"), reverse=True)
     if not runs:
         return "No V4 serving run yet."
@@ -239,12 +240,20 @@ def serve_table(results: Path = RESULTS) -> str:
              f"mHC; a decode step's kernels summed by the profiler. "
              + (f"Rows after one untimed request ({doc['first_request_s']:.1f} s)." if "first_request_s" in doc
                 else "The first row includes compiling what the warmup missed."), "",
-             "| batch | context | TTFT | prefill tok/s | decode step | decode tok/s | kernels a step |",
-             "|---|---|---|---|---|---|---|"]
-    for r in doc["rows"]:
-        kern = f"{r['kernel_ms']:.2f} ms" if r.get("kernel_ms") else ""
-        lines.append(f"| {r['batch']} | {r['context']} | {r['ttft_ms']:.0f} ms | {r['prefill_tok_s']:,.0f} | "
-                     f"{r['decode_step_ms']:.2f} ms | {r['decode_tok_s']:,.0f} | {kern} |")
+    ]
+    contexts = sorted({r["context"] for r in doc["rows"]})
+    by = {(r["batch"], r["context"]): r for r in doc["rows"]}
+    ctx = " / ".join(f"{c // 1024}k" for c in contexts)
+    lines += [f"| batch | TTFT, ms ({ctx}) | decode step, ms | decode tok/s | kernels a step, ms |",
+              "|---|---|---|---|---|"]
+
+    def cells(batch, fmt, key):
+        return " / ".join(fmt.format(by[(batch, c)][key]) if (batch, c) in by and by[(batch, c)].get(key) else "-"
+                          for c in contexts)
+
+    for b in sorted({r["batch"] for r in doc["rows"]}):
+        lines.append(f"| {b} | {cells(b, '{:.0f}', 'ttft_ms')} | {cells(b, '{:.2f}', 'decode_step_ms')} | "
+                     f"{cells(b, '{:,.0f}', 'decode_tok_s')} | {cells(b, '{:.2f}', 'kernel_ms')} |")
     return "\n".join(lines)
 
 
