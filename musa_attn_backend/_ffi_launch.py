@@ -73,6 +73,30 @@ def _tvm_ffi_paths() -> tuple[Path, Path]:
     return root / "include", root / "lib"
 
 
+def _build_dir(create: bool = False) -> tuple[str, Path]:
+    """The extension's tag (its source, torch's and TVM-FFI's versions) and its build directory in the cache."""
+    import tvm_ffi
+
+    text = SOURCE.read_bytes()
+    tag = hashlib.sha256(text + f"{torch.__version__} {tvm_ffi.__version__}".encode()).hexdigest()[:16]
+    return tag, cache_dir(create=create) / "ext" / f"ffi_launch_{tag}"
+
+
+def status() -> str:
+    """One line for ``musa-attn doctor``: whether the compiled launch is used here and whether it is built."""
+    if settings().compiled_launch == "off":
+        return "off (MUSA_ATTN_COMPILED_LAUNCH=off): TileLang's launches"
+    if not wanted():
+        return "not used on this platform (TileLang's launches)"
+    try:
+        tag, build = _build_dir()
+    except Exception as e:  # noqa: BLE001 - reported as the status
+        return f"unavailable: {type(e).__name__}: {e}"
+    built = build / f"musa_attn_ffi_launch_{tag}.so"
+    return (f"{settings().compiled_launch}, built ({built})" if built.exists() else
+            f"{settings().compiled_launch}, not built yet (musa-attn warmup builds it, else the first V4 decode)")
+
+
 def load():
     """The compiled module (built once per torch / TVM-FFI / source version, then loaded from the cache)."""
     global _module
@@ -80,13 +104,10 @@ def load():
         return _module
     with _lock:
         if _module is None:
-            import tvm_ffi
             from torch.utils import cpp_extension
 
             include, lib = _tvm_ffi_paths()
-            text = SOURCE.read_bytes()
-            tag = hashlib.sha256(text + f"{torch.__version__} {tvm_ffi.__version__}".encode()).hexdigest()[:16]
-            build = cache_dir(create=True) / "ext" / f"ffi_launch_{tag}"
+            tag, build = _build_dir(create=True)
             build.mkdir(parents=True, exist_ok=True)
             _module = cpp_extension.load(
                 name=f"musa_attn_ffi_launch_{tag}", sources=[str(SOURCE)], build_directory=str(build),

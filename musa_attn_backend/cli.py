@@ -133,6 +133,10 @@ def collect(require: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
 
     info["cache_dir"] = str(cache_dir())
     info["tilelang_cache_dir"] = str(tilelang_cache_dir())
+    if p is not None:
+        from . import _ffi_launch
+
+        info["compiled_launch"] = _ffi_launch.status()
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -199,6 +203,7 @@ def print_report(info: dict, problems: list[str]) -> None:
         ("mcc", info["mcc"] or "not found"),
         ("kernel cache", info["cache_dir"]),
         ("tilelang cache", info["tilelang_cache_dir"]),
+        ("compiled launch", info.get("compiled_launch", "?")),
     ]
     for engine, r in info["engines"].items():
         if not r["installed"]:

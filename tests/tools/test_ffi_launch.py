@@ -159,3 +159,20 @@ def test_the_switch_decides_and_a_failed_build_is_never_silent(monkeypatch, capl
     monkeypatch.setattr(_ffi_launch, "load", lambda: loads.append(2) or object())
     with config.override(target="sm_90a", compiled_launch="auto"):
         assert _ffi_launch.enabled() and loads[-1] == 2 and ti.compiled_launch_on()
+
+
+def test_doctor_says_whether_the_compiled_launch_is_used_and_built(tmp_path):
+    from musa_attn_backend import cli, config
+
+    with config.override(target="sm_90a", compiled_launch="off"):
+        assert _ffi_launch.status().startswith("off (MUSA_ATTN_COMPILED_LAUNCH=off)")
+    with config.override(target="mp_31"):
+        assert _ffi_launch.status().startswith("not used on this platform")
+    with config.override(target="sm_90a", cache_dir=tmp_path):
+        assert _ffi_launch.status().startswith("auto, not built yet")
+        tag, build = _ffi_launch._build_dir(create=True)
+        build.mkdir(parents=True)
+        (build / f"musa_attn_ffi_launch_{tag}.so").write_bytes(b"")
+        assert _ffi_launch.status() == f"auto, built ({build / f'musa_attn_ffi_launch_{tag}.so'})"
+        info, _ = cli.collect()
+        assert info["compiled_launch"] == _ffi_launch.status()
