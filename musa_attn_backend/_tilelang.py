@@ -115,10 +115,10 @@ class _Entry:
     the caller), one entry per device: TileLang 0.1.12 makes one per device, so the entry of the device current
     at the call is taken (the kernel's own call makes it on a device's first launch)."""
 
-    __slots__ = ("kernel", "adapter", "entries", "handles")
+    __slots__ = ("kernel", "adapter", "entries")
 
     def __init__(self, kernel, adapter):
-        self.kernel, self.adapter, self.entries, self.handles = kernel, adapter, {}, {}
+        self.kernel, self.adapter, self.entries = kernel, adapter, {}
 
     def __call__(self, *args):
         device = torch.cuda.current_device()
@@ -132,13 +132,8 @@ class _Entry:
     def handle(self, device: int):
         """The TVM-FFI handle of the entry's function on ``device`` (for :mod:`._ffi_launch`; the function object
         is kept here), None before the kernel's first launch there."""
-        hit = self.handles.get(device)
-        if hit is None:
-            entry = self.entries.get(device)
-            if entry is None:
-                return None
-            hit = self.handles[device] = (int(entry.__chandle__()), entry)
-        return hit[0]
+        entry = self.entries.get(device)
+        return None if entry is None else int(entry.__chandle__())
 
 
 def _entry_function(entry):

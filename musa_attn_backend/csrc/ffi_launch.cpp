@@ -108,26 +108,29 @@ void call_entry(TVMFFIObjectHandle handle, std::vector<TVMFFIAny>& args) {
   if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
 }
 
-std::vector<at::Tensor> make_allocs(py::sequence allocs, const at::Tensor& like,
-                                    std::vector<std::pair<std::vector<int64_t>, at::ScalarType>>* keep) {
-  std::vector<at::Tensor> made;
+using AllocSpecs = std::vector<std::pair<std::vector<int64_t>, at::ScalarType>>;
+
+// allocs: sequence of (shape, torch.dtype)
+AllocSpecs parse_allocs(py::sequence allocs) {
+  AllocSpecs specs;
   for (py::handle spec : allocs) {
     auto pair = spec.cast<py::tuple>();
-    auto shape = pair[0].cast<std::vector<int64_t>>();
     PyObject* dtype = pair[1].ptr();
     if (!THPDtype_Check(dtype)) throw std::invalid_argument("ffi_launch: an alloc's dtype must be a torch.dtype");
-    auto st = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
-    if (keep != nullptr) {
-      keep->emplace_back(shape, st);
-    } else {
-      made.push_back(at::empty(shape, like.options().dtype(st)));
-    }
+    specs.emplace_back(pair[0].cast<std::vector<int64_t>>(), reinterpret_cast<THPDtype*>(dtype)->scalar_type);
   }
+  return specs;
+}
+
+std::vector<at::Tensor> make_allocs(const AllocSpecs& specs, const at::Tensor& like) {
+  std::vector<at::Tensor> made;
+  made.reserve(specs.size());
+  for (const auto& spec : specs) made.push_back(at::empty(spec.first, like.options().dtype(spec.second)));
   return made;
 }
 
 std::vector<at::Tensor> run(py::sequence calls, py::sequence allocs, const at::Tensor& like) {
-  std::vector<at::Tensor> made = make_allocs(allocs, like, nullptr);
+  std::vector<at::Tensor> made = make_allocs(parse_allocs(allocs), like);
   EnvStream env(like.device());
   std::vector<at::Tensor> held;  // tensors whose shape and stride arrays the DLTensors point into
   std::vector<DLTensor> tensors;
@@ -176,8 +179,7 @@ std::vector<at::Tensor> run(py::sequence calls, py::sequence allocs, const at::T
 
 class Prepared {
  public:
-  Prepared(py::sequence calls, py::sequence allocs, py::sequence slots) {
-    make_allocs(allocs, at::Tensor(), &allocs_);
+  Prepared(py::sequence calls, py::sequence allocs, py::sequence slots) : allocs_(parse_allocs(allocs)) {
     for (py::handle h : slots) {
       if (!THPVariable_Check(h.ptr())) throw std::invalid_argument("ffi_launch: Prepared's slots must be tensors");
       const at::Tensor& t = THPVariable_Unpack(h.ptr());
@@ -254,9 +256,7 @@ class Prepared {
       }
       given.push_back(t);
     }
-    std::vector<at::Tensor> made;
-    made.reserve(allocs_.size());
-    for (auto& spec : allocs_) made.push_back(at::empty(spec.first, given[0].options().dtype(spec.second)));
+    std::vector<at::Tensor> made = make_allocs(allocs_, given[0]);
     EnvStream env(given[0].device());
     std::vector<DLTensor> tensors;
     std::vector<TVMFFIAny> args;
@@ -313,8 +313,8 @@ class Prepared {
     TVMFFIObjectHandle handle = nullptr;
     std::vector<Arg> args;
   };
+  AllocSpecs allocs_;
   std::vector<Expect> expect_;
-  std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> allocs_;
   std::vector<Call> calls_;
 };
 

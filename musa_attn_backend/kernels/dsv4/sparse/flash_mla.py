@@ -250,8 +250,8 @@ def _run_fast(fast, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, 
     recorded one (its non-tensor arguments, which optional tensors it passes, any tensor's shape, strides, dtype,
     device or alignment) or a setting changed since: the caller then takes the checked path."""
     recorded_flags, prepared, generation, _, (b, s_q, h) = fast
-    ti = _LAUNCHER
-    if flags != recorded_flags or ti is None or generation != ti._GENERATION[0] or not ti.compiled_launch_on():
+    ti = _launcher()
+    if flags != recorded_flags or generation != ti._GENERATION[0] or not ti.compiled_launch_on():
         return None
     tensors = [t for t in (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices,
                            extra_topk_length, out) if t is not None]
