@@ -36,10 +36,11 @@ TARGET_ENV = config.BY_FIELD["target"].env
 
 DEVICE_KINDS = ("cuda", "musa", "cpu")
 # the capability flags a Platform carries (kernels branch on these, never on the device name)
-FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "clusters",
-            "gemm_a_in_registers", "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices", "wide_float_vectors")
 # the flags whose absence brings in a rule on the programs' TIR (kernels._tir.RULES), checked before lowering
-LOWERING_FLAGS = FEATURES[6:]
+LOWERING_FLAGS = ("gemm_a_in_registers", "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices",
+                  "wide_float_vectors")
+FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "clusters",
+            "load_hints") + LOWERING_FLAGS
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -74,6 +75,9 @@ class Platform:
     # thread-block clusters whose blocks store into each other's shared memory and arrive on each other's barriers
     # (CUDA sm_90+)
     clusters: bool = False
+    # global loads may carry cache hints (PTX ld.global.nc with an L1 eviction priority and an L2 prefetch size,
+    # through a force-included device function): CUDA sm_80+
+    load_hints: bool = False
     # a tile GEMM may take A from registers with B in shared memory (CUDA); else P goes through shared memory
     gemm_a_in_registers: bool = False
     # one shared tile may be a GEMM operand read K-major by one GEMM and MN-major by another (CUDA); else each
@@ -152,6 +156,7 @@ def _cuda_features(arch: str) -> dict:
         "warp_specialized": cc == 90 and m.group(3) == "a",
         "dependent_launch": cc >= 90,
         "clusters": cc >= 90,
+        "load_hints": cc >= 80,
         "gemm_a_in_registers": True,
         "gemm_tile_two_majors": True,
         "gemm_any_extent": True,
@@ -175,6 +180,7 @@ def _musa_features(arch: str) -> dict:
         "warp_specialized": False,
         "dependent_launch": False,
         "clusters": False,
+        "load_hints": False,
         # SQMMA, PH1 WMMA and the FMA fallback of tilelang-musa's GEMM lowering read A from shared memory only
         "gemm_a_in_registers": False,
         # what tilelang-musa's lowering for MP31 refuses (docs/musa.md): its layout inference lays a shared GEMM

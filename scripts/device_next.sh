@@ -36,11 +36,23 @@ case "${1:-}" in
       stamp "bench from $tree"
     done
     grep -h -E "^(moe_|decode)" "$out"/moe_*.txt "$out"/dsv4_*.txt | cut -c1-140 ;;
+  variants)
+    # issue 37: the scheduled program's variants (PDL trigger place, hinted loads) beside FlashMLA, the GPU tests of
+    # hint+end, ncu of both kernels at 64 tokens (Flash and Pro)
+    timeout 400 python3 scripts/sched_variants.py --out "$out" --variants base,end,hint,hint+end \
+      --tests hint+end > "$out/variants.txt" 2>&1
+    stamp "variants rc=$?"
+    PROFILE_PROGRAMS=scheduled timeout 150 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section InstructionStats --section ComputeWorkloadAnalysis \
+      python3 scripts/profile_dsv4_attention.py --ncu --cases flash:64:1,pro:64:1 > "$out/ncu.txt" 2>&1
+    stamp "ncu rc=$?"
+    grep -E "^\{|rc |passed|failed" "$out/variants.txt" | cut -c1-600 | tail -20 ;;
   next2)
     timeout 200 python3 benchmarks/bench_vllm_dsv4.py --quick --out "$out" > "$out/vllm_dsv4.txt" 2>&1
     stamp "vLLM layer bench rc=$?"
     timeout 200 python3 benchmarks/bench_sglang_dsv4.py --quick --out "$out" > "$out/sglang_dsv4.txt" 2>&1
     stamp "SGLang backend bench rc=$?"
     tail -20 "$out/vllm_dsv4.txt" "$out/sglang_dsv4.txt" | cut -c1-200 ;;
-  *) echo "usage: scripts/device_next.sh next1|next2"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh variants|next1|next2"; exit 2 ;;
 esac

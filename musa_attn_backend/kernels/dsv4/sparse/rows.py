@@ -61,6 +61,14 @@ class RowMacros(NamedTuple):
 
 # the device functions of the clustered programs' stores into the peer CTA (force-included where they are built)
 CLUSTER_STORE_HEADER = Path(__file__).with_name("cluster_store.cuh")
+# the hinted cache load of a producer built with ``load_hint`` (force-included where it is built)
+LOAD_HINT_HEADER = Path(__file__).with_name("load_hint.cuh")
+
+
+def load16_hinted(dst, src):
+    """The 16 bytes at global ``src`` (an element's address is taken) into the local ``dst`` element and the three
+    after it, with an L1 evict-last and a 256-byte L2 prefetch hint (:data:`LOAD_HINT_HEADER`; CUDA)."""
+    return T.call_extern("handle", "musa_attn_ld16_hint", T.address_of(dst), T.address_of(src))
 
 
 def send16(elem, peer, w0, w1, w2, w3, bar):
@@ -76,10 +84,12 @@ def send4(elem, peer, w, bar):
     return T.call_extern("handle", "musa_attn_st_async_b32", T.address_of(elem), peer, w, T.address_of(bar))
 
 
-def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int = ROWS) -> RowMacros:
+def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int = ROWS,
+                   load_hint: bool = False) -> RowMacros:
     """The producer's macros for ``H`` query heads (blocks of ``BH``) and index lists of ``K1`` / ``K2`` entries
     (the program's dynamic sizes); ``buf_rows``: the rows the producer's byte buffer holds (``ROWS``, or 1 for a
-    producer that loads and stores one row at a time)."""
+    producer that loads and stores one row at a time); ``load_hint``: the cache rows' 16-byte loads by
+    :func:`load16_hinted` (the program is then built with :data:`LOAD_HINT_HEADER`)."""
     D = L.D
 
     # ---- producer ---------------------------------------------------------------------------------------------
@@ -115,17 +125,35 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
             else:
                 dst[r] = -1
 
+    def row_page(idx, rows):
+        """The page of slot ``idx`` (int64); with ``load_hint`` by one unsigned division (no floor fix-ups: a
+        negative index is not read)."""
+        if load_hint:
+            return T.Cast("int64", T.Cast("uint32", idx) // T.Cast("uint32", rows))
+        return T.Cast("int64", idx // rows)
+
+    def row_offset(idx, rows, scale, add=0):
+        """``add + (idx % rows) * scale`` as int64 (the slot's place in its page, in units of ``scale``)."""
+        if load_hint:
+            return T.Cast("int64", add) + T.Cast("int64", T.Cast("uint32", idx) % T.Cast("uint32", rows)) * scale
+        if scale == 1:
+            return T.Cast("int64", add + idx % rows)
+        return T.Cast("int64", idx % rows * scale)
+
     @T.macro
     def load_row(raw, sw, r, idx, q, CW, CS, rows, stride16, slots):
         """Row ``r``'s loads for lane ``q`` of its four: the nope and RoPE units into ``raw[r]`` (zeros for an
         invalid index, not read) and the row's eight scale bytes into ``sw[r]``."""
-        page = T.Cast("int64", idx // rows)
-        base = page * stride16 + T.Cast("int64", idx % rows * UNITS)
-        sbase = page * stride16 * 2 + T.Cast("int64", rows * (L.DATA_BYTES // 8) + idx % rows)
+        page = row_page(idx, rows)
+        base = page * stride16 + row_offset(idx, rows, UNITS)
+        sbase = page * stride16 * 2 + row_offset(idx, rows, 1, rows * (L.DATA_BYTES // 8))
         if T.And(idx >= 0, idx < slots):
             for s in T.unroll(LOADS):
-                for v in T.vectorized(4):
-                    raw[r, s * 4 + v] = CW[base + s * 4 + q, v]
+                if load_hint:
+                    T.evaluate(load16_hinted(raw[r, s * 4], CW[base + s * 4 + q, 0]))
+                else:
+                    for v in T.vectorized(4):
+                        raw[r, s * 4 + v] = CW[base + s * 4 + q, v]
             for v in T.vectorized(2):
                 sw[r, v] = CS[sbase, v]
         else:

@@ -61,12 +61,15 @@ P_READY, P_FREE, EPILOGUE = 4, 5, 6
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
-                           num_stages: int = 2, pdl: bool = False, cluster: bool = False):
+                           num_stages: int = 2, pdl: str = "", cluster: bool = False, load_hint: bool = False):
     """The scheduled sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A
     token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
-    ``pdl``: every block triggers the dependent launch of the combine at its start (programmatic dependent launch:
-    the combine's blocks are resident when the last parts finish; it waits for this grid's completion before it
-    reads a partial). ``cluster`` (65-128 heads, CUDA sm_90): the two head blocks of a part run as a cluster sharing
+    ``pdl``: where each block triggers the programmatic dependent launch of the combine (which waits for this
+    grid's completion before it reads a partial): ``"start"``, at the block's start; ``"end"``, once its scores
+    group has issued the last tile's GEMMs of its last token, before that token's epilogue (FlashMLA's SM90
+    decode triggers there), so the combine's launch overlaps the grid's tail; ``""``, none. ``load_hint``: the
+    producer's cache loads carry an L1 evict-last and a 256-byte L2 prefetch hint (:func:`.rows.fp8_row_macros`;
+    CUDA only). ``cluster`` (65-128 heads, CUDA sm_90): the two head blocks of a part run as a cluster sharing
     the dequantisation (see :data:`PEER_BYTES`)."""
     assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
     assert not cluster or BH < H <= 2 * BH, "a cluster is the two head blocks of 65-128 heads"
@@ -80,8 +83,9 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     head_blocks = (H + BH - 1) // BH
 
     NR = 1 if cluster else ROWS  # rows a producer thread makes per tile
+    assert pdl in ("", "start", "end"), pdl
     load_q, entry, load_rows, store_row, _, load_one, store_row_sent = fp8_row_macros(H, has_extra, q_dtype, K1, K2,
-                                                                                     NR)
+                                                                                     NR, load_hint=load_hint)
     softmax_step = attention_macros(BH, BN, HD, HD, 0, 0, False, q_dtype).softmax_step  # the dense programs' step
 
     def launch(blocks, parts):
@@ -121,7 +125,7 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
         L_part: T.Tensor((NP, H), ACC),
     ):
         with launch(head_blocks, PARTS) as (bh, bp):
-            if pdl:
+            if pdl == "start":
                 T.pdl_trigger()
             Ql_s = T.alloc_shared([BH, HD], q_dtype)
             Qr_s = T.alloc_shared([BH, HD], q_dtype)
@@ -187,6 +191,9 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         if cluster:
                             T.mbarrier_arrive(empty[st], peer)
                         k = k + 1
+                    if pdl == "end":
+                        if T.And(t == t1, tx == 0):  # the part's last tile is done: the combine may launch
+                            T.pdl_trigger()
                     # epilogue: the rows' output scale (shared with group 1), the left half, the LSE
                     row = split_row[t]
                     piece = row + bp - first_part[t]

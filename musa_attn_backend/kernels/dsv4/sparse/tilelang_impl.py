@@ -17,7 +17,7 @@ from ...attention.combine_kernel import build_combine
 from .. import _glue, layout as L
 from .._glue import _flat_views, _no_race_check
 from .mqa_kernel import build_sparse_mqa
-from .rows import CLUSTER_STORE_HEADER
+from .rows import CLUSTER_STORE_HEADER, LOAD_HINT_HEADER
 
 BLOCK_H = 64
 BLOCK_N = 64
@@ -147,12 +147,14 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the scheduled program takes bfloat16 q, got {q_dtype}")
     pdl = _sched_pdl(target)
     cluster = _sched_cluster(H, target) if cluster is None else cluster
-    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl",) if pdl else ()) + \
-        (("cluster",) if cluster else ())
+    hint = SCHED_LOAD_HINT and features_of(target)["load_hints"]
+    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + ((("pdl",) if pdl == "start" else
+                                                                         ("pdl", pdl)) if pdl else ()) + \
+        (("cluster",) if cluster else ()) + (("load_hint",) if hint else ())
+    headers = ((CLUSTER_STORE_HEADER,) if cluster else ()) + ((LOAD_HINT_HEADER,) if hint else ())
     return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl,
-                                                              cluster=cluster),
-                          target=target, pass_configs=_ws_pass_configs(),
-                          headers=(CLUSTER_STORE_HEADER,) if cluster else ())
+                                                              cluster=cluster, load_hint=hint),
+                          target=target, pass_configs=_ws_pass_configs(), headers=headers)
 
 
 def _sched_cluster(H: int, target, tokens=None) -> bool:
@@ -169,15 +171,20 @@ SCHED_CLUSTER = True
 SCHED_CLUSTER_MIN_TOKENS = 32
 
 
-def _sched_pdl(target) -> bool:
-    """The scheduled program's combine as its programmatic dependent launch: where the target has it (CUDA sm_90+)
-    and ``MUSA_ATTN_PDL`` allows it (both kernels are built alike), once :data:`SCHED_PDL` is on."""
-    return SCHED_PDL and settings().pdl and features_of(target)["dependent_launch"]
+def _sched_pdl(target) -> str:
+    """Where the scheduled program triggers its combine's programmatic dependent launch (:data:`SCHED_PDL`; ``""``:
+    no dependent launch): where the target has it (CUDA sm_90+) and ``MUSA_ATTN_PDL`` allows it (both kernels are
+    built alike)."""
+    return SCHED_PDL if SCHED_PDL and settings().pdl and features_of(target)["dependent_launch"] else ""
 
 
-# Off until the scheduled program's GPU tests and FlashMLA's cases have passed with it (written 2026-12-06, when no
-# device was lent): the dense decode's combine has run this way since issue 7, this pair has not.
-SCHED_PDL = False
+# "": off. "start" (every block triggers at its start) was measured slower at every decode size under CUDA graphs
+# (H100, 2026-12-06, pdl-check-20261206T185735Z); "end" (FlashMLA's place: after a block's last tile, the
+# combine's blocks with no split token exiting before the wait) is to be measured.
+SCHED_PDL = ""
+# the producer's cache loads with an L1 evict-last and a 256-byte L2 prefetch hint and unsigned slot arithmetic
+# (FlashMLA's producer loads so); CUDA only (a force-included device function), to be measured
+SCHED_LOAD_HINT = False
 
 
 def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
@@ -200,9 +207,9 @@ def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     """The compiled merge of the scheduled program's split tokens (:mod:`.combine_kernel`)."""
     from .combine_kernel import build_sparse_combine
 
-    pdl = _sched_pdl(target)
-    return compile_cached(("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ()),
-                          lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl), target=target)
+    pdl = {"start": True, "end": "early"}.get(_sched_pdl(target), False)
+    key = ("dsv4_sparse_combine", H, has_sink, q_dtype) + ((("pdl",) if pdl is True else ("pdl", pdl)) if pdl else ())
+    return compile_cached(key, lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl), target=target)
 
 
 def combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
@@ -502,7 +509,7 @@ def _sched_kernels(H: int, has_extra: bool, has_sink: bool, tokens=None) -> tupl
     :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without TileLang's Python wrapper where the
     platform allows it: an eager decode step launches both on every layer)."""
     cluster = _sched_cluster(H, None, tokens)
-    key = (H, has_extra, has_sink, cluster)
+    key = (H, has_extra, has_sink, cluster, SCHED_PDL, SCHED_LOAD_HINT)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
         hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16", cluster=cluster)),
