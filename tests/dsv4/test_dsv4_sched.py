@@ -212,6 +212,41 @@ def test_scheduled_program_compiles_for_sm90a(use_settings, H, extra):
     assert "__global__" in comb
 
 
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_scheduled_program_variants_build_for_sm90a(use_settings, monkeypatch, tmp_path):
+    """SCHED_PDL='end': one thread of the scores group triggers the combine's launch once its part's last token's
+    tiles are done (before that token's epilogue), none at the start; the combine, launched as the dependent,
+    reads the plan's count of split tokens before its grid-dependency wait and waits only where it has a token to
+    merge. SCHED_LOAD_HINT: every cache-row load through the hinted device function (LDG with an L1 evict-last
+    and a 256-byte L2 prefetch in the SASS), the slot split by an unsigned division, no more spill than the
+    default build. Off, the program is the default's: no trigger, plain loads."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from test_dsv4_build import _ptxas_spills
+
+    from musa_attn_backend.kernels.dsv4.sparse.rows import LOAD_HINT_HEADER
+
+    use_settings(dsv4_program="scheduled", pdl=True)
+    base = ti.sched_kernel(64, True, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert "TriggerProgrammatic" not in base and "musa_attn_ld16_hint" not in base
+    monkeypatch.setattr(ti, "SCHED_PDL", "end")
+    src = ti.sched_kernel(64, True, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert src.count("cudaTriggerProgrammaticLaunchCompletion()") == 1
+    scores = src.split("warpgroup_reg_alloc<192>")[1].split("warpgroup_reg_dealloc<160>")[0]
+    trigger = scores.index("cudaTriggerProgrammaticLaunchCompletion()")
+    assert scores.rindex("tl::wait_wgmma<0>()", 0, trigger) and "split_row[" in scores[trigger:]
+    comb = ti.sched_combine_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert comb.count("cudaGridDependencySynchronize()") == 1
+    head = comb.split("cudaGridDependencySynchronize()")[0]
+    assert "num_split[0]" in head and "L_part[" not in head and "O_part[" not in head
+    monkeypatch.setattr(ti, "SCHED_PDL", "")
+    monkeypatch.setattr(ti, "SCHED_LOAD_HINT", True)
+    hinted = ti.sched_kernel(64, True, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert hinted.count("musa_attn_ld16_hint(") == 2  # the main and the extra cache's unrolled loads
+    assert "(uint)idx" in hinted and "TriggerProgrammatic" not in hinted
+    spills, regs = _ptxas_spills(hinted, tmp_path, headers=(LOAD_HINT_HEADER,))
+    base_spills, _ = _ptxas_spills(base, tmp_path)
+    assert regs == 168 and spills <= base_spills, (spills, base_spills)
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("H", [128, 96])
 def test_clustered_scheduled_program_builds_for_sm90a(use_settings, monkeypatch, tmp_path, H):
