@@ -39,7 +39,7 @@ case "${1:-}" in
   variants)
     # issue 37: the scheduled program's variants (PDL trigger place, hinted loads) beside FlashMLA, the GPU tests of
     # hint+end, ncu of both kernels at 64 tokens (Flash and Pro)
-    timeout 400 python3 scripts/sched_variants.py --out "$out" --variants base,end,hint,hint+end \
+    timeout 400 python3 scripts/sched_variants.py --out "$out" --variants base,end,hint,hint+end,slack,hint+end+slack \
       --tests hint+end > "$out/variants.txt" 2>&1
     stamp "variants rc=$?"
     PROFILE_PROGRAMS=scheduled timeout 150 ncu --clock-control none --profile-from-start off --section SpeedOfLight \

@@ -1,7 +1,8 @@
 """The scheduled V4 program's build variants timed against each other and FlashMLA, on one GPU, same run: where the
 combine's programmatic dependent launch is triggered (``tilelang_impl.SCHED_PDL``: none, each block's start, or
 after its last tile as FlashMLA's SM90 decode does) and the producer's cache-hinted loads
-(``SCHED_LOAD_HINT``). Each variant's outputs are compared with the default build's (the same arithmetic: they
+(``SCHED_LOAD_HINT``), and the plan's slack (``schedule.PLAN_SLACK``: each part's span longer by a piece's overhead,
+as FlashMLA's planner cuts). Each variant's outputs are compared with the default build's (the same arithmetic: they
 must be equal bit for bit) on the benchmark's inputs and on ragged ones (per-token lengths, invalid entries).
 
     python3 scripts/sched_variants.py [--out DIR] [--variants base,end,hint,hint+end] [--tests VARIANT]
@@ -9,7 +10,8 @@ must be equal bit for bit) on the benchmark's inputs and on ragged ones (per-tok
 
 ``--tests VARIANT`` first runs the scheduled program's GPU tests with that variant built
 (``tests/dsv4/test_gpu_dsv4.py -k "scheduled or plan or inf"``, through ``scripts/pytest_sched_variant.py``).
-A variant is ``base`` or ``+``-joined parts: ``start`` / ``end`` (the trigger), ``hint`` (the loads).
+A variant is ``base`` or ``+``-joined parts: ``start`` / ``end`` (the trigger), ``hint`` (the loads), ``slack``
+(the plan).
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ CASES = {"flash": (1, 32, 64, 128), "pro": (1, 32, 64)}
 
 def use(variant: str) -> None:
     """Build and launch the scheduled program as ``variant`` from now on."""
+    from musa_attn_backend.kernels.dsv4.sparse import schedule
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     parts = set(variant.split("+")) - {"base"}
-    unknown = parts - {"start", "end", "hint"}
+    unknown = parts - {"start", "end", "hint", "slack"}
     if unknown:
         raise SystemExit(f"unknown variant part(s) {sorted(unknown)} in {variant!r}")
     ti.SCHED_PDL = "end" if "end" in parts else "start" if "start" in parts else ""
     ti.SCHED_LOAD_HINT = "hint" in parts
+    schedule.PLAN_SLACK = schedule.OVERHEAD_TILES if "slack" in parts else 0
 
 
 def _compile(job):
@@ -54,7 +58,8 @@ def precompile(variants) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(v, H, cl) for v in variants for H, cl in ((64, False), (128, False), (128, True))]
+    builds = {v.replace("+slack", "").replace("slack", "base") or "base" for v in variants}  # the plan: no build
+    jobs = [(v, H, cl) for v in sorted(builds) for H, cl in ((64, False), (128, False), (128, True))]
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=min(12, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, fut in [(j, pool.submit(_compile, j)) for j in jobs]:
@@ -103,12 +108,12 @@ def main(argv=None) -> int:
             j1, j2 = i1.clone(), i2.clone()
             j1[:, ::7] = -1
             j2[:, ::5] = 1 << 30
-            plan = ti.sparse_mqa_plan(q, i1, None, i2, None)
-            rplan = ti.sparse_mqa_plan(q, j1, l1, j2, l2)
             row = {"op": "decode", "shape": {"config": cfg, "tokens": T, "s_q": 1, "heads": H, "topk": K + 128}}
             outs = {}
             for v in variants:
                 use(v)
+                plan = ti.sparse_mqa_plan(q, i1, None, i2, None)
+                rplan = ti.sparse_mqa_plan(q, j1, l1, j2, l2)
                 out, rout = torch.empty_like(q), torch.empty_like(q)
 
                 def fn():
@@ -128,6 +133,8 @@ def main(argv=None) -> int:
                     b = outs["base"]
                     row[f"{v}_equal"] = bool(torch.equal(o, b[0]) and torch.equal(ro, b[1])
                                              and torch.equal(rl.nan_to_num(), b[2].nan_to_num()))
+                    row[f"{v}_max_diff"] = max((o.float() - b[0].float()).abs().max().item(),
+                                               (ro.float() - b[1].float()).abs().max().item())
             if fm is not None:
                 out4 = torch.empty(T, 1, H, 512, device="cuda", dtype=torch.bfloat16)
                 row["flashmla_ms"] = bench_ms(flashmla_decode(fm, q.view(T, 1, H, 512), swa, i1.view(T, 1, 128), c4,

@@ -28,6 +28,9 @@ from ..._common import check
 
 BLOCK_N = 64  # index entries a key tile
 OVERHEAD_TILES = 5  # a piece's fixed cost in key tiles (FlashMLA's planner uses the same value)
+# places added to each part's span beyond an even cut (FlashMLA's planner gives each part ceil(total / parts) +
+# its overhead, so a batch uses fewer parts, each longer, and splits fewer tokens); 0: the even cut. To be measured
+PLAN_SLACK = 0
 META_FIELDS = 4  # part_meta columns: first token, its first tile, last token, the tile after its last
 
 
@@ -120,7 +123,7 @@ def plan_sparse_mqa(tokens: int, topk: int, lengths: Optional[torch.Tensor] = No
     n = n.clamp_min(1)
     end = torch.cumsum(n + overhead, 0)  # each token's last place + 1 (strictly increasing)
     start = end - n  # its first tile's place
-    per = (end[-1:] + parts - 1) // parts  # P, on the device: [1]
+    per = (end[-1:] + parts - 1) // parts + PLAN_SLACK  # P, on the device: [1]
     lo = torch.arange(parts, device=device, dtype=torch.int64) * per
     hi = lo + per
     t0 = torch.searchsorted(end, lo, right=True)  # the first token with a tile at or past lo

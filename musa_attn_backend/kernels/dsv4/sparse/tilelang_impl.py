@@ -260,13 +260,14 @@ def sparse_mqa_plan(q: torch.Tensor, indices: torch.Tensor, lengths=None, extra_
     """The scheduled program's plan (:mod:`.schedule`) of a :func:`sparse_mqa` call's shapes and lengths, over one
     wave of this GPU's SMs. Without lengths the plan depends on the shapes alone: it is made once per shape and
     kept (vLLM's layer passes its index lists without lengths, -1 marking the entries that do not count)."""
+    from . import schedule
     from .schedule import default_parts, plan_sparse_mqa
 
     T, H = q.shape[0], q.shape[1]
     K2 = 0 if extra_indices is None else extra_indices.shape[1]
     parts = default_parts(H, get_platform().sm_count or 132)
     if lengths is None and (extra_lengths is None or not K2):
-        key = (T, indices.shape[1], K2, parts, q.device)
+        key = (T, indices.shape[1], K2, parts, schedule.PLAN_SLACK, q.device)
         plan = _CAPTURED_PLANS.get(key)
         if plan is not None:
             return plan
