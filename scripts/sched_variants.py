@@ -1,7 +1,7 @@
 """The scheduled V4 program's build variants timed against each other and FlashMLA, on one GPU, same run: where the
 combine's programmatic dependent launch is triggered (``tilelang_impl.SCHED_PDL``: none, each block's start, or
 after its last tile as FlashMLA's SM90 decode does) and the producer's cache-hinted loads
-(``SCHED_LOAD_HINT``), and the plan's slack (``schedule.PLAN_SLACK``: each part's span longer by a piece's overhead,
+(``SCHED_LOAD_HINT``), the producer's L2 prefetch of the next tile's rows (``SCHED_PREFETCH``), and the plan's slack (``schedule.PLAN_SLACK``: each part's span longer by a piece's overhead,
 as FlashMLA's planner cuts). Each variant's outputs are compared with the default build's (the same arithmetic: they
 must be equal bit for bit) on the benchmark's inputs and on ragged ones (per-token lengths, invalid entries).
 
@@ -10,8 +10,8 @@ must be equal bit for bit) on the benchmark's inputs and on ragged ones (per-tok
 
 ``--tests VARIANT`` first runs the scheduled program's GPU tests with that variant built
 (``tests/dsv4/test_gpu_dsv4.py -k "scheduled or plan or inf"``, through ``scripts/pytest_sched_variant.py``).
-A variant is ``base`` or ``+``-joined parts: ``start`` / ``end`` (the trigger), ``hint`` (the loads), ``slack``
-(the plan).
+A variant is ``base`` or ``+``-joined parts: ``start`` / ``end`` (the trigger), ``hint`` (the loads), ``prefetch``,
+``slack`` (the plan).
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ def use(variant: str) -> None:
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     parts = set(variant.split("+")) - {"base"}
-    unknown = parts - {"start", "end", "hint", "slack"}
+    unknown = parts - {"start", "end", "hint", "slack", "prefetch"}
     if unknown:
         raise SystemExit(f"unknown variant part(s) {sorted(unknown)} in {variant!r}")
     ti.SCHED_PDL = "end" if "end" in parts else "start" if "start" in parts else ""
     ti.SCHED_LOAD_HINT = "hint" in parts
+    ti.SCHED_PREFETCH = "prefetch" in parts
     schedule.PLAN_SLACK = schedule.OVERHEAD_TILES if "slack" in parts else 0
 
 

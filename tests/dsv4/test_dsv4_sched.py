@@ -220,9 +220,10 @@ def test_scheduled_program_variants_build_for_sm90a(use_settings, monkeypatch, t
     """SCHED_PDL='end': one thread of the scores group triggers the combine's launch once its part's last token's
     tiles are done (before that token's epilogue), none at the start; the combine, launched as the dependent,
     reads the plan's count of split tokens before its grid-dependency wait and waits only where it has a token to
-    merge. SCHED_LOAD_HINT: every cache-row load through the hinted device function (LDG with an L1 evict-last
-    and a 256-byte L2 prefetch in the SASS), the slot split by an unsigned division, no more spill than the
-    default build. Off, the program is the default's: no trigger, plain loads."""
+    merge. SCHED_LOAD_HINT: every cache-row load through the hinted device function (an L1 evict-last and a
+    256-byte L2 prefetch), the slot split by an unsigned division, no more spill than the default build.
+    SCHED_PREFETCH (with the hints): the next tile's rows asked of L2 once their indices are read. Off, the program
+    is the default's: no trigger, plain loads."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from test_dsv4_build import _ptxas_spills
 
@@ -249,6 +250,13 @@ def test_scheduled_program_variants_build_for_sm90a(use_settings, monkeypatch, t
     spills, regs = _ptxas_spills(hinted, tmp_path, headers=(LOAD_HINT_HEADER,))
     base_spills, _ = _ptxas_spills(base, tmp_path)
     assert regs == 168 and spills <= base_spills, (spills, base_spills)
+    monkeypatch.setattr(ti, "SCHED_PREFETCH", True)
+    fetching = ti.sched_kernel(64, True, True, "bfloat16", target=HOPPER).get_kernel_source()
+    # each of the next tile's rows (the same token's next tile, or the next piece's first; main or extra cache):
+    # its data row and its scale line
+    assert fetching.count("musa_attn_prefetch_l2(") == 8 and fetching.count(", 576);") == 4
+    spills, regs = _ptxas_spills(fetching, tmp_path, headers=(LOAD_HINT_HEADER,))
+    assert regs == 168 and spills <= base_spills + 8, (spills, base_spills)
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
 @pytest.mark.parametrize("H", [128, 96])
 def test_clustered_scheduled_program_builds_for_sm90a(use_settings, monkeypatch, tmp_path, H):

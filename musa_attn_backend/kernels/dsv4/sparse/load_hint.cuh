@@ -11,3 +11,10 @@ __device__ __forceinline__ void musa_attn_ld16_hint(int* dst, const void* src) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(src));
   *reinterpret_cast<int4*>(dst) = r;
 }
+
+// `bytes` (a multiple of 16) from the 16-byte-aligned global address `src` into L2, asynchronously (PTX
+// cp.async.bulk.prefetch.L2; CUDA sm_90+): the producer's request for a later tile's cache row, which holds no
+// register and completes on its own.
+__device__ __forceinline__ void musa_attn_prefetch_l2(const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
+}

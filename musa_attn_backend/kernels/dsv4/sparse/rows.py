@@ -57,12 +57,19 @@ class RowMacros(NamedTuple):
     store_half: object
     load_one: object
     store_row_sent: object
+    prefetch_row: object
 
 
 # the device functions of the clustered programs' stores into the peer CTA (force-included where they are built)
 CLUSTER_STORE_HEADER = Path(__file__).with_name("cluster_store.cuh")
 # the hinted cache load of a producer built with ``load_hint`` (force-included where it is built)
 LOAD_HINT_HEADER = Path(__file__).with_name("load_hint.cuh")
+
+
+def prefetch_l2(src, nbytes):
+    """``nbytes`` (a multiple of 16) at the global element ``src`` (its address taken) into L2, asynchronously
+    (:data:`LOAD_HINT_HEADER`; CUDA sm_90)."""
+    return T.call_extern("handle", "musa_attn_prefetch_l2", T.address_of(src), nbytes)
 
 
 def load16_hinted(dst, src):
@@ -164,6 +171,26 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
                 sw[r, v] = 0
 
     @T.macro
+    def prefetch_from(idx, q, CW, CS, rows, stride16, slots):
+        """Slot ``idx``'s data row into L2 by lane 0 of its four (one bulk prefetch of its 576 bytes) and the line
+        of its scale bytes by lane 1; nothing for an invalid slot."""
+        if T.And(idx >= 0, idx < slots):
+            page = row_page(idx, rows)
+            if q == 0:
+                T.evaluate(prefetch_l2(CW[page * stride16 + row_offset(idx, rows, UNITS), 0], L.DATA_BYTES))
+            if q == 1:
+                T.evaluate(prefetch_l2(CS[page * stride16 * 2 + row_offset(idx, rows, 1, rows * (L.DATA_BYTES // 8))
+                                          - row_offset(idx, rows, 1) % 2, 0], 16))
+
+    @T.macro
+    def prefetch_row(idx, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
+        """:func:`prefetch_from` of slot ``idx`` in the main cache where ``main``, else in the extra one."""
+        if main:
+            prefetch_from(idx, q, CW, CS, rows1, stride1, slots1)
+        else:
+            prefetch_from(idx, q, XW, XS, rows2, stride2, slots2)
+
+    @T.macro
     def load_one(raw, sw, b, r, idx, ok, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):
         """Row ``r`` of this lane's ``ROWS`` (slot ``idx[r]``) into buffer row ``b``: from the main cache where
         ``main``, else from the extra one; ``ok[r]``: whether its slot is valid (read) or not (zeros)."""
@@ -256,4 +283,4 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
                 for v in T.vectorized(8):
                     K_s[st, row, L.D_NOPE - HD + s * 32 + q * 8 + v] = rope[r, (NOPE_STEPS + s) * 8 + v]
 
-    return RowMacros(load_q, entry, load_rows, store_row, store_half, load_one, store_row_sent)
+    return RowMacros(load_q, entry, load_rows, store_row, store_half, load_one, store_row_sent, prefetch_row)

@@ -61,7 +61,8 @@ P_READY, P_FREE, EPILOGUE = 4, 5, 6
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
-                           num_stages: int = 2, pdl: str = "", cluster: bool = False, load_hint: bool = False):
+                           num_stages: int = 2, pdl: str = "", cluster: bool = False, load_hint: bool = False,
+                           prefetch: bool = False):
     """The scheduled sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A
     token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
     ``pdl``: where each block triggers the programmatic dependent launch of the combine (which waits for this
@@ -69,7 +70,10 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     group has issued the last tile's GEMMs of its last token, before that token's epilogue (FlashMLA's SM90
     decode triggers there), so the combine's launch overlaps the grid's tail; ``""``, none. ``load_hint``: the
     producer's cache loads carry an L1 evict-last and a 256-byte L2 prefetch hint (:func:`.rows.fp8_row_macros`;
-    CUDA only). ``cluster`` (65-128 heads, CUDA sm_90): the two head blocks of a part run as a cluster sharing
+    CUDA only). ``prefetch``: once the producer has the next tile's indices (read while this tile's rows arrive), it
+    asks L2 for that tile's rows (a bulk prefetch a row; CUDA sm_90), so that their loads after this tile's
+    stores find them there: the rows' memory latency overlaps a tile's dequantisation, which the registers (one
+    tile's bytes) do not allow otherwise. ``cluster`` (65-128 heads, CUDA sm_90): the two head blocks of a part run as a cluster sharing
     the dequantisation (see :data:`PEER_BYTES`)."""
     assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
     assert not cluster or BH < H <= 2 * BH, "a cluster is the two head blocks of 65-128 heads"
@@ -84,8 +88,8 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
 
     NR = 1 if cluster else ROWS  # rows a producer thread makes per tile
     assert pdl in ("", "start", "end"), pdl
-    load_q, entry, load_rows, store_row, _, load_one, store_row_sent = fp8_row_macros(H, has_extra, q_dtype, K1, K2,
-                                                                                     NR, load_hint=load_hint)
+    load_q, entry, load_rows, store_row, _, load_one, store_row_sent, prefetch_row = fp8_row_macros(
+        H, has_extra, q_dtype, K1, K2, NR, load_hint=load_hint)
     softmax_step = attention_macros(BH, BN, HD, HD, 0, 0, False, q_dtype).softmax_step  # the dense programs' step
 
     def launch(blocks, parts):
@@ -294,10 +298,18 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                         if j + 1 < je:  # the next tile's indices, read while this one's rows arrive
                             for r in T.unroll(NR):
                                 entry(nidx, r, j + 1, n1, row_of(base_row, r, bh), t, I1, L1, I2, L2)
+                            if prefetch:
+                                for r in T.unroll(NR):
+                                    prefetch_row(nidx[r], q, j + 1 < n1, CW, CS, rows1, stride1, slots1, XW, XS,
+                                                 rows2, stride2, slots2)
                         elif t < t1:  # or the next piece's first
                             for r in T.unroll(NR):
                                 entry(nidx, r, 0, T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN),
                                       row_of(base_row, r, bh), t + 1, I1, L1, I2, L2)
+                            if prefetch:
+                                for r in T.unroll(NR):
+                                    prefetch_row(nidx[r], q, 0 < T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN), CW,
+                                                 CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
                         if j == jb:  # the query rows, once the scores group is done with the last ones; their
                             # copies' latency runs beside this tile's loads
                             if pc > 0:

@@ -148,12 +148,13 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
     pdl = _sched_pdl(target)
     cluster = _sched_cluster(H, target) if cluster is None else cluster
     hint = SCHED_LOAD_HINT and features_of(target)["load_hints"]
+    prefetch = SCHED_PREFETCH and features_of(target)["load_hints"] and features_of(target)["bulk_copy"]
     key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + ((("pdl",) if pdl == "start" else
                                                                          ("pdl", pdl)) if pdl else ()) + \
-        (("cluster",) if cluster else ()) + (("load_hint",) if hint else ())
-    headers = ((CLUSTER_STORE_HEADER,) if cluster else ()) + ((LOAD_HINT_HEADER,) if hint else ())
+        (("cluster",) if cluster else ()) + (("load_hint",) if hint else ()) + (("prefetch",) if prefetch else ())
+    headers = ((CLUSTER_STORE_HEADER,) if cluster else ()) + ((LOAD_HINT_HEADER,) if hint or prefetch else ())
     return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl,
-                                                              cluster=cluster, load_hint=hint),
+                                                              cluster=cluster, load_hint=hint, prefetch=prefetch),
                           target=target, pass_configs=_ws_pass_configs(), headers=headers)
 
 
@@ -185,6 +186,9 @@ SCHED_PDL = ""
 # the producer's cache loads with an L1 evict-last and a 256-byte L2 prefetch hint and unsigned slot arithmetic
 # (FlashMLA's producer loads so); CUDA only (a force-included device function), to be measured
 SCHED_LOAD_HINT = False
+# the producer asks L2 for the next tile's rows once it has their indices (a bulk prefetch a row; CUDA sm_90), so that
+# their memory latency overlaps this tile's dequantisation; to be measured
+SCHED_PREFETCH = False
 
 
 def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=None):
@@ -510,7 +514,7 @@ def _sched_kernels(H: int, has_extra: bool, has_sink: bool, tokens=None) -> tupl
     :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without TileLang's Python wrapper where the
     platform allows it: an eager decode step launches both on every layer)."""
     cluster = _sched_cluster(H, None, tokens)
-    key = (H, has_extra, has_sink, cluster, SCHED_PDL, SCHED_LOAD_HINT)
+    key = (H, has_extra, has_sink, cluster, SCHED_PDL, SCHED_LOAD_HINT, SCHED_PREFETCH)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
         hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16", cluster=cluster)),
