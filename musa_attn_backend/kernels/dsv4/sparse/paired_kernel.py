@@ -68,8 +68,9 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
     seq = rows_at_once == 1
-    load_q, entry, load_rows, _, store_half, load_one, _ = fp8_row_macros(H, has_extra, q_dtype, K1, K2,
-                                                                          1 if seq else ROWS)
+    macros = fp8_row_macros(H, has_extra, q_dtype, K1, K2, 1 if seq else ROWS)
+    load_q, entry, load_rows, store_half, load_one = (macros.load_q, macros.entry, macros.load_rows, macros.store_half,
+                                                      macros.load_one)
 
     def half(h, left, right):
         """The left (``h`` 0: columns 0-255) or right buffer of a pair; group ``w``'s output columns are half
