@@ -18,6 +18,21 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 case "${1:-}" in
+  next1b)  # next1 without the V4 tests (run by `variants` with its variant): issue 39's route tests, issue 41's bench
+    timeout 120 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py -k "route" \
+      > "$out/route_tests.txt" 2>&1
+    stamp "route tests: $(tail -1 "$out/route_tests.txt")"
+    trees=$(mktemp -d)
+    for t in before after; do mkdir -p "$trees/$t" && tar -xzf ".device/$t.tar.gz" -C "$trees/$t"; done
+    for tree in "$trees/before" "$trees/after"; do
+      export MUSA_ATTN_COMMIT=$([ "$(basename "$tree")" = before ] && echo 480b749^ || echo ef0e8a9)
+      (cd "$tree" && PYTHONPATH=$tree timeout 130 python3 benchmarks/bench_moe.py --models flash --tokens 64,4096 \
+        --ops gate_up,down --out "$out" > "$out/moe_$(basename "$tree").txt" 2>&1)
+      (cd "$tree" && PYTHONPATH=$tree timeout 110 python3 benchmarks/bench_dsv4_attention.py --quick \
+        --configs flash --ops decode --no-portable --out "$out" > "$out/dsv4_$(basename "$tree").txt" 2>&1)
+      stamp "bench from $tree"
+    done
+    grep -h -E "^(moe_|decode)" "$out"/moe_*.txt "$out"/dsv4_*.txt | cut -c1-140 ;;
   next1)
     timeout 150 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py -k "route" \
       > "$out/route_tests.txt" 2>&1
@@ -39,13 +54,13 @@ case "${1:-}" in
   variants)
     # issue 37: the scheduled program's variants (PDL trigger place, hinted loads) beside FlashMLA, the GPU tests of
     # hint+end+prefetch, ncu of both kernels at 64 tokens (Flash and Pro)
-    timeout 400 python3 scripts/sched_variants.py --out "$out" --variants base,end,hint,prefetch,hint+prefetch,hint+end+prefetch,slack \
+    timeout 330 python3 scripts/sched_variants.py --out "$out" --variants base,end,prefetch,hint+prefetch,hint+end+prefetch,slack \
       --tests hint+end+prefetch > "$out/variants.txt" 2>&1
     stamp "variants rc=$?"
-    PROFILE_PROGRAMS=scheduled timeout 150 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+    PROFILE_PROGRAMS=scheduled timeout 100 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
       --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
       --section MemoryWorkloadAnalysis --section InstructionStats --section ComputeWorkloadAnalysis \
-      python3 scripts/profile_dsv4_attention.py --ncu --cases flash:64:1,pro:64:1 > "$out/ncu.txt" 2>&1
+      python3 scripts/profile_dsv4_attention.py --ncu --cases flash:64:1 > "$out/ncu.txt" 2>&1
     stamp "ncu rc=$?"
     grep -E "^\{|rc |passed|failed" "$out/variants.txt" | cut -c1-600 | tail -20 ;;
   next2)
@@ -54,5 +69,5 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/bench_sglang_dsv4.py --quick --out "$out" > "$out/sglang_dsv4.txt" 2>&1
     stamp "SGLang backend bench rc=$?"
     tail -20 "$out/vllm_dsv4.txt" "$out/sglang_dsv4.txt" | cut -c1-200 ;;
-  *) echo "usage: scripts/device_next.sh variants|next1|next2"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh variants|next1b|next1|next2"; exit 2 ;;
 esac
