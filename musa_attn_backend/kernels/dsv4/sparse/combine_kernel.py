@@ -29,11 +29,10 @@ CHUNK = 4  # pieces whose partial rows are loaded together
 
 
 @functools.lru_cache(maxsize=None)
-def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16", pdl=False):
-    """The merge for ``H`` heads; ``pdl``: launched as a programmatic dependent of the scheduled program, it waits
-    for that grid's completion (and its writes) before reading the plan's partials: at its start (True), or
-    (``"early"``) after reading the plan's count of split tokens (written before the program ran), so that a block
-    with nothing to merge exits without waiting."""
+def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16", pdl: bool = False):
+    """The merge for ``H`` heads; ``pdl``: launched as a programmatic dependent of the scheduled program, every
+    block waits for that grid's completion (and its writes) at its start, so that the merge's completion (what the
+    stream's next kernel waits for) follows the program's, whose unsplit tokens' outputs it does not touch."""
     D = L.D
     NT = T.dynamic("num_tokens")
     PARTS = T.dynamic("num_parts")
@@ -55,11 +54,7 @@ def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16", pdl=
         LSE: T.Tensor((NT, H), "float32"),
     ):
         with T.Kernel(groups, head_blocks, threads=THREADS) as (g, hb):
-            if pdl == "early":  # the plan's tensors were written before the program's launch: read before the wait
-                listed0 = T.min(num_split[0], PARTS)
-                if listed0 > g:
-                    T.pdl_sync()
-            elif pdl:
+            if pdl:  # every block, even one with no token to merge: the grid then completes after the program's
                 T.pdl_sync()
             tx = T.get_thread_binding()
             h = hb * HEADS_PER_BLOCK + tx // 32

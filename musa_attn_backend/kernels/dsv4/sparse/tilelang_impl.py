@@ -180,8 +180,9 @@ def _sched_pdl(target) -> str:
 
 
 # "": off. "start" (every block triggers at its start) was measured slower at every decode size under CUDA graphs
-# (H100, 2026-12-06, pdl-check-20261206T185735Z); "end" (FlashMLA's place: after a block's last tile, the
-# combine's blocks with no split token exiting before the wait) is to be measured.
+# (H100, 2026-12-06, pdl-check-20261206T185735Z); "end" (FlashMLA's place: after a block's last tile) is to be
+# measured. Either way every block of the combine waits for the program's grid (FlashMLA's lets a block with
+# nothing to merge exit first; ours waits, so that the merge never completes before the program).
 SCHED_PDL = ""
 # the producer's cache loads with an L1 evict-last and a 256-byte L2 prefetch hint and unsigned slot arithmetic
 # (FlashMLA's producer loads so); CUDA only (a force-included device function), to be measured
@@ -211,8 +212,8 @@ def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     """The compiled merge of the scheduled program's split tokens (:mod:`.combine_kernel`)."""
     from .combine_kernel import build_sparse_combine
 
-    pdl = {"start": True, "end": "early"}.get(_sched_pdl(target), False)
-    key = ("dsv4_sparse_combine", H, has_sink, q_dtype) + ((("pdl",) if pdl is True else ("pdl", pdl)) if pdl else ())
+    pdl = bool(_sched_pdl(target))
+    key = ("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ())
     return compile_cached(key, lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl), target=target)
 
 
