@@ -54,10 +54,10 @@ case "${1:-}" in
   variants)
     # issue 37: the scheduled program's variants (PDL trigger place, hinted loads) beside FlashMLA, the GPU tests of
     # hint+end+prefetch, ncu of both kernels at 64 tokens (Flash and Pro)
-    timeout 330 python3 scripts/sched_variants.py --out "$out" --variants base,end,prefetch,hint+prefetch,hint+end+prefetch,slack \
+    timeout 300 python3 scripts/sched_variants.py --out "$out" --variants base,end,prefetch,hint+end+prefetch,slack \
       --tests hint+end+prefetch > "$out/variants.txt" 2>&1
     stamp "variants rc=$?"
-    PROFILE_PROGRAMS=scheduled timeout 100 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+    PROFILE_PROGRAMS=scheduled timeout 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
       --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
       --section MemoryWorkloadAnalysis --section InstructionStats --section ComputeWorkloadAnalysis \
       python3 scripts/profile_dsv4_attention.py --ncu --cases flash:64:1 > "$out/ncu.txt" 2>&1
