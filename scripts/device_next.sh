@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
 # The device calls, in order, on one machine kept warm between them (each call within 30 s of the last). Write
 # .commit first (`git rev-parse --short HEAD > .commit`): the device's git metadata is stale.
-# Next session (staged 2026-12-07 in the 32nd session, whose six calls are in git history at 1afdc21):
-#   next1  (cold; carry .device/env.sh .device/tl .device/peers .commit .device/before.tar.gz .device/after.tar.gz;
-#          about 9 minutes)
-#          the masked routing program's GPU tests (issue 39: ROUTE_KERNEL, measured faster than SGLang's Triton MoE
-#          at T 1-64 on the H100 but never checked there), the V4 sparse GPU tests with the compiled launch now
-#          the default, then issue 41's before/after bench: the MoE GEMMs and V4 decode from the tree before the
-#          refactor (480b749^) and right after it (ef0e8a9, before later tunings), in one run:
-#          `git archive 480b749^ musa_attn_backend benchmarks | gzip > .device/before.tar.gz`, the same of ef0e8a9
-#          into .device/after.tar.gz
+# Calls (33rd session, 2026-12-07: `variants` and `next1b` ran on an H100, docs/device-runs.md):
+#   variants (cold; carry .device/env.sh .device/tl .device/peers .commit; about 4 minutes) issue 37: the scheduled
+#          program's build variants beside FlashMLA (scripts/sched_variants.py), the GPU tests of one, ncu at Flash 64
+#   next1b (carry as variants plus .device/before.tar.gz .device/after.tar.gz) issue 39's routing-program GPU tests
+#          (SKIP_ROUTE=1 skips them), issue 41's before/after bench of the trees at 480b749^ and ef0e8a9
+#          (`git archive 480b749^ musa_attn_backend benchmarks | gzip > .device/before.tar.gz`, the same of ef0e8a9)
 #   next2  (carry .device/env.sh .device/fw) the vLLM layer's and SGLang backend's V4 benches (issue 38: the
-#          layer's host time per call with the compiled launch on)
+#          layer's host time per call with the compiled launch on); not yet run
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -29,24 +26,6 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout 130 python3 benchmarks/bench_moe.py --models flash --tokens 64,4096 \
         --ops gate_up,down --out "$out" > "$out/moe_$(basename "$tree").txt" 2>&1)
       (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout 110 python3 benchmarks/bench_dsv4_attention.py --quick \
-        --configs flash --ops decode --no-portable --out "$out" > "$out/dsv4_$(basename "$tree").txt" 2>&1)
-      stamp "bench from $tree"
-    done
-    grep -h -E "^(moe_|decode)" "$out"/moe_*.txt "$out"/dsv4_*.txt | cut -c1-140 ;;
-  next1)
-    timeout 150 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/moe/test_gpu_moe.py -k "route" \
-      > "$out/route_tests.txt" 2>&1
-    stamp "route tests: $(tail -1 "$out/route_tests.txt")"
-    timeout 240 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
-      -k "scheduled or entry or recorded" > "$out/dsv4_tests.txt" 2>&1
-    stamp "V4 sparse tests (compiled launch by default): $(tail -1 "$out/dsv4_tests.txt")"
-    trees=$(mktemp -d)
-    for t in before after; do mkdir -p "$trees/$t" && tar -xzf ".device/$t.tar.gz" -C "$trees/$t"; done
-    for tree in "$trees/before" "$trees/after"; do
-      export MUSA_ATTN_COMMIT=$([ "$(basename "$tree")" = before ] && echo 480b749^ || echo ef0e8a9)
-      (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout 150 python3 benchmarks/bench_moe.py --models flash --tokens 64,4096 \
-        --ops gate_up,down --out "$out" > "$out/moe_$(basename "$tree").txt" 2>&1)
-      (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout 120 python3 benchmarks/bench_dsv4_attention.py --quick \
         --configs flash --ops decode --no-portable --out "$out" > "$out/dsv4_$(basename "$tree").txt" 2>&1)
       stamp "bench from $tree"
     done
@@ -69,5 +48,5 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/bench_sglang_dsv4.py --quick --out "$out" > "$out/sglang_dsv4.txt" 2>&1
     stamp "SGLang backend bench rc=$?"
     tail -20 "$out/vllm_dsv4.txt" "$out/sglang_dsv4.txt" | cut -c1-200 ;;
-  *) echo "usage: scripts/device_next.sh variants|next1b|next1|next2"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh variants|next1b|next2"; exit 2 ;;
 esac

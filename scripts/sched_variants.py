@@ -71,12 +71,17 @@ def precompile(variants) -> None:
     print(f"precompiled {len(jobs)} kernel pairs in {time.time() - t0:.0f} s", flush=True)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="/tmp/out")
-    ap.add_argument("--variants", default="base,start,end,hint,hint+end")
-    ap.add_argument("--tests", default="", help="run the scheduled program's GPU tests with this variant first")
-    args = ap.parse_args(argv)
+    for flag, default, what in (("--out", "/tmp/out", "where the JSON goes"),
+                                ("--variants", "base,end,hint", "comma-separated variants to time"),
+                                ("--tests", "", "run the scheduled program's GPU tests with this variant first")):
+        ap.add_argument(flag, default=default, help=what)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     precompile(variants + ([args.tests] if args.tests and args.tests not in variants else []))
     rc = 0
