@@ -32,9 +32,9 @@ case "${1:-}" in
     grep -h -E "^(moe_|decode)" "$out"/moe_*.txt "$out"/dsv4_*.txt | cut -c1-140 ;;
   variants)
     # issue 37: the scheduled program's variants (PDL trigger place, hinted loads) beside FlashMLA, the GPU tests of
-    # hint+end+prefetch, ncu of both kernels at 64 tokens (Flash and Pro)
-    timeout 300 python3 scripts/sched_variants.py --out "$out" --variants base,end,prefetch,hint+end+prefetch,slack \
-      --tests hint+end+prefetch > "$out/variants.txt" 2>&1
+    # hint+end (the combine's grid needs no build), ncu of both kernels at Flash 64 tokens
+    timeout 300 python3 scripts/sched_variants.py --out "$out" --variants base,groups,hint,hint+groups,end+groups \
+      --tests hint+end+groups > "$out/variants.txt" 2>&1
     stamp "variants rc=$?"
     PROFILE_PROGRAMS=scheduled timeout 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
       --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \

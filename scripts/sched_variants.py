@@ -11,7 +11,7 @@ must be equal bit for bit) on the benchmark's inputs and on ragged ones (per-tok
 ``--tests VARIANT`` first runs the scheduled program's GPU tests with that variant built
 (``tests/dsv4/test_gpu_dsv4.py -k "scheduled or plan or inf"``, through ``scripts/pytest_sched_variant.py``).
 A variant is ``base`` or ``+``-joined parts: ``start`` / ``end`` (the trigger), ``hint`` (the loads), ``prefetch``,
-``slack`` (the plan).
+``slack`` (the plan), ``groups`` (the combine: a block a split token, ``tilelang_impl.SCHED_COMBINE_GROUPS``).
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ def use(variant: str) -> None:
     """Build and launch the scheduled program as ``variant`` from now on."""
     from musa_attn_backend.kernels.dsv4.sparse import schedule
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+    from musa_attn_backend.kernels.dsv4.sparse.combine_kernel import MAX_GROUPS
 
     parts = set(variant.split("+")) - {"base"}
-    unknown = parts - {"start", "end", "hint", "slack", "prefetch"}
+    unknown = parts - {"start", "end", "hint", "slack", "prefetch", "groups"}
     if unknown:
         raise SystemExit(f"unknown variant part(s) {sorted(unknown)} in {variant!r}")
     ti.SCHED_PDL = "end" if "end" in parts else "start" if "start" in parts else ""
     ti.SCHED_LOAD_HINT = "hint" in parts
     ti.SCHED_PREFETCH = "prefetch" in parts
     schedule.PLAN_SLACK = schedule.OVERHEAD_TILES if "slack" in parts else 0
+    ti.SCHED_COMBINE_GROUPS = 1 << 20 if "groups" in parts else MAX_GROUPS  # a block a split token
 
 
 def _compile(job):
@@ -59,7 +61,8 @@ def precompile(variants) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    builds = {v.replace("+slack", "").replace("slack", "base") or "base" for v in variants}  # the plan: no build
+    # the plan and the combine's grid need no build of their own
+    builds = {"+".join(p for p in v.split("+") if p not in ("slack", "groups")) or "base" for v in variants}
     jobs = [(v, H, cl) for v in sorted(builds) for H, cl in ((64, False), (128, False), (128, True))]
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=min(12, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -207,6 +207,13 @@ def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=
 
 from .combine_kernel import MAX_GROUPS  # noqa: E402
 
+# the combine's blocks along the list of split tokens (a launch argument: no other build): each walks every
+# SCHED_COMBINE_GROUPS-th split token. At Flash 64 tokens (64 split tokens) 32 blocks walk two each, and the merge
+# took 15.7 us against FlashMLA's 11.3 (one block a request; ncu, H100, 2026-12-07); a block a split token (a
+# larger value: the grid is capped by parts - 1 and the tokens) is to be measured (scripts/sched_variants.py
+# "groups")
+SCHED_COMBINE_GROUPS = MAX_GROUPS
+
 
 def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     """The compiled merge of the scheduled program's split tokens (:mod:`.combine_kernel`)."""
@@ -442,7 +449,7 @@ def _sched_args(q, cache, i1, l1, extra_cache, i2, l2, has_extra, sinks, sm_scal
     else:
         extra_views, extra_geo = main_views, (1, 1, 0)
     empty = float("inf") if empty_lse_inf else float("-inf")
-    groups = max(1, min(MAX_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
+    groups = max(1, min(SCHED_COMBINE_GROUPS, plan.parts - 1, T))  # split tokens: at most parts - 1, at most T
     return ((q, *main_views, i1, l1, *extra_views, i2, l2, sinks, plan.part_meta, plan.tiles, plan.first_part,
              plan.split_row, float(sm_scale), empty, *main_geo, *extra_geo, out, lse, o_part, l_part),
             (plan.combine, plan.num_split, plan.split_row, o_part, l_part, sinks, empty, groups, out, lse))
