@@ -23,7 +23,7 @@ case "${1:-}" in
     for t in before after; do mkdir -p "$trees/$t" && tar -xzf ".device/$t.tar.gz" -C "$trees/$t"; done
     for tree in "$trees/before" "$trees/after"; do
       export MUSA_ATTN_COMMIT=$([ "$(basename "$tree")" = before ] && echo 480b749^ || echo ef0e8a9)
-      (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout 130 python3 benchmarks/bench_moe.py --models flash --tokens 64,4096 \
+      (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout 240 python3 benchmarks/bench_moe.py --models flash --tokens 64,4096 \
         --ops gate_up,down --out "$out" > "$out/moe_$(basename "$tree").txt" 2>&1)
       (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout 110 python3 benchmarks/bench_dsv4_attention.py --quick \
         --configs flash --ops decode --no-portable --out "$out" > "$out/dsv4_$(basename "$tree").txt" 2>&1)
