@@ -41,9 +41,8 @@ SWIGLU_PATHS = ("torch", "pass", "fused")
 # combine_kernel.py: each chosen row read once as bf16, no [T, k, H] float32 intermediate), the faster measured
 GLUE_KERNELS = True
 # the masked layout's routing (local ids, repeats merged, slots, counts): False, the torch ops of
-# route_masked_reference (about twenty small launches at decode); True, one launch of route_masked_kernel.py: the
-# layer at T 1 / 8 / 64 0.106 / 0.416 / 1.648 ms against SGLang's Triton MoE's 0.116 at T 1 (H100, 2026-12-07,
-# docs/moe.md); its GPU tests passed on an H100 on 2026-12-07 (33rd session)
+# route_masked_reference (about twenty small launches at decode); True, one launch of route_masked_kernel.py, the
+# faster measured at decode (docs/moe.md) and checked on a GPU against the reference
 ROUTE_KERNEL = True
 
 

@@ -147,13 +147,21 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
             return T.Cast("int64", add + idx % rows)
         return T.Cast("int64", idx % rows * scale)
 
+    def data_unit(page, idx, rows, stride16):
+        """The first 16-byte unit of slot ``idx``'s data row (in page ``page``)."""
+        return page * stride16 + row_offset(idx, rows, UNITS)
+
+    def scale_unit(page, idx, rows, stride16):
+        """The 8-byte unit of slot ``idx``'s scale bytes (after its page's data rows)."""
+        return page * stride16 * 2 + row_offset(idx, rows, 1, rows * (L.DATA_BYTES // 8))
+
     @T.macro
     def load_row(raw, sw, r, idx, q, CW, CS, rows, stride16, slots):
         """Row ``r``'s loads for lane ``q`` of its four: the nope and RoPE units into ``raw[r]`` (zeros for an
         invalid index, not read) and the row's eight scale bytes into ``sw[r]``."""
         page = row_page(idx, rows)
-        base = page * stride16 + row_offset(idx, rows, UNITS)
-        sbase = page * stride16 * 2 + row_offset(idx, rows, 1, rows * (L.DATA_BYTES // 8))
+        base = data_unit(page, idx, rows, stride16)
+        sbase = scale_unit(page, idx, rows, stride16)
         if T.And(idx >= 0, idx < slots):
             for s in T.unroll(LOADS):
                 if load_hint:
@@ -177,10 +185,10 @@ def fp8_row_macros(H: int, has_extra: bool, q_dtype: str, K1, K2, buf_rows: int 
         if T.And(idx >= 0, idx < slots):
             page = row_page(idx, rows)
             if q == 0:
-                T.evaluate(prefetch_l2(CW[page * stride16 + row_offset(idx, rows, UNITS), 0], L.DATA_BYTES))
-            if q == 1:
-                T.evaluate(prefetch_l2(CS[page * stride16 * 2 + row_offset(idx, rows, 1, rows * (L.DATA_BYTES // 8))
-                                          - row_offset(idx, rows, 1) % 2, 0], 16))
+                T.evaluate(prefetch_l2(CW[data_unit(page, idx, rows, stride16), 0], L.DATA_BYTES))
+            if q == 1:  # the bulk prefetch takes 16-byte-aligned addresses: the pair of scale units holding it
+                sunit = scale_unit(page, idx, rows, stride16)
+                T.evaluate(prefetch_l2(CS[sunit - sunit % 2, 0], 16))
 
     @T.macro
     def prefetch_row(idx, q, main, CW, CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2):

@@ -73,8 +73,8 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
     CUDA only). ``prefetch``: once the producer has the next tile's indices (read while this tile's rows arrive), it
     asks L2 for that tile's rows (a bulk prefetch a row; CUDA sm_90), so that their loads after this tile's
     stores find them there: the rows' memory latency overlaps a tile's dequantisation, which the registers (one
-    tile's bytes) do not allow otherwise. ``cluster`` (65-128 heads, CUDA sm_90): the two head blocks of a part run as a cluster sharing
-    the dequantisation (see :data:`PEER_BYTES`)."""
+    tile's bytes) do not allow otherwise. ``cluster`` (65-128 heads, CUDA sm_90): the two head blocks of a part run
+    as a cluster sharing the dequantisation (see :data:`PEER_BYTES`)."""
     assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
     assert not cluster or BH < H <= 2 * BH, "a cluster is the two head blocks of 65-128 heads"
     D, NS = L.D, num_stages
@@ -102,6 +102,10 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
         """The tile row of a producer thread's buffer row ``r``: rows ``base_row`` and ``base_row + 32``, or in a
         cluster its block's half, ``base_row + 32 * rank``."""
         return base_row + (rank if cluster else r) * 32
+
+    def main_tiles(L1, t):
+        """The key tiles of token ``t``'s main set (its length clipped to ``[0, K1]``); the extra set's follow."""
+        return T.ceildiv(T.max(T.min(L1[t], K1), 0), BN)
 
     def token_tiles(t, t0, t1, j0, j1, tiles):
         """``(pc, jb, je)`` of token ``t`` in a part that spans tiles ``j0 ..`` of token ``t0`` to tiles ``.. j1`` of
@@ -280,11 +284,10 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                 kp = 0
                 if t0 <= t1:  # the first tile's indices (later pieces': read during the piece before)
                     for r in T.unroll(NR):
-                        entry(nidx, r, j0, T.ceildiv(T.max(T.min(L1[t0], K1), 0), BN), row_of(base_row, r, bh), t0,
-                              I1, L1, I2, L2)
+                        entry(nidx, r, j0, main_tiles(L1, t0), row_of(base_row, r, bh), t0, I1, L1, I2, L2)
                 for t in T.serial(t0, t1 + 1):
                     pc, jb, je = token_tiles(t, t0, t1, j0, j1, tiles)
-                    n1 = T.ceildiv(T.max(T.min(L1[t], K1), 0), BN)
+                    n1 = main_tiles(L1, t)
                     for j in T.serial(jb, je):
                         st = kp % NS
                         for r in T.unroll(NR):
@@ -304,12 +307,12 @@ def build_sparse_mqa_sched(H: int, has_extra: bool, has_sink: bool, q_dtype: str
                                                  rows2, stride2, slots2)
                         elif t < t1:  # or the next piece's first
                             for r in T.unroll(NR):
-                                entry(nidx, r, 0, T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN),
-                                      row_of(base_row, r, bh), t + 1, I1, L1, I2, L2)
+                                entry(nidx, r, 0, main_tiles(L1, t + 1), row_of(base_row, r, bh), t + 1, I1, L1, I2,
+                                      L2)
                             if prefetch:
                                 for r in T.unroll(NR):
-                                    prefetch_row(nidx[r], q, 0 < T.ceildiv(T.max(T.min(L1[t + 1], K1), 0), BN), CW,
-                                                 CS, rows1, stride1, slots1, XW, XS, rows2, stride2, slots2)
+                                    prefetch_row(nidx[r], q, 0 < main_tiles(L1, t + 1), CW, CS, rows1, stride1, slots1,
+                                                 XW, XS, rows2, stride2, slots2)
                         if j == jb:  # the query rows, once the scores group is done with the last ones; their
                             # copies' latency runs beside this tile's loads
                             if pc > 0:

@@ -29,7 +29,8 @@ from ..._common import check
 BLOCK_N = 64  # index entries a key tile
 OVERHEAD_TILES = 5  # a piece's fixed cost in key tiles (FlashMLA's planner uses the same value)
 # places added to each part's span beyond an even cut (FlashMLA's planner gives each part ceil(total / parts) +
-# its overhead, so a batch uses fewer parts, each longer, and splits fewer tokens); 0: the even cut. To be measured
+# its overhead, so a batch uses fewer parts, each longer, and splits fewer tokens); 0: the even cut, the faster
+# measured at every decode size (docs/dsv4.md, "three variants")
 PLAN_SLACK = 0
 META_FIELDS = 4  # part_meta columns: first token, its first tile, last token, the tile after its last
 

@@ -149,8 +149,7 @@ def sched_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=N
     cluster = _sched_cluster(H, target) if cluster is None else cluster
     hint = SCHED_LOAD_HINT and features_of(target)["load_hints"]
     prefetch = SCHED_PREFETCH and features_of(target)["load_hints"] and features_of(target)["bulk_copy"]
-    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + ((("pdl",) if pdl == "start" else
-                                                                         ("pdl", pdl)) if pdl else ()) + \
+    key = ("dsv4_sparse_mqa_sched", H, has_extra, has_sink, q_dtype) + (("pdl", pdl) if pdl else ()) + \
         (("cluster",) if cluster else ()) + (("load_hint",) if hint else ()) + (("prefetch",) if prefetch else ())
     headers = ((CLUSTER_STORE_HEADER,) if cluster else ()) + ((LOAD_HINT_HEADER,) if hint or prefetch else ())
     return compile_cached(key, lambda: build_sparse_mqa_sched(H, has_extra, has_sink, q_dtype, pdl=pdl,
@@ -179,16 +178,16 @@ def _sched_pdl(target) -> str:
     return SCHED_PDL if SCHED_PDL and settings().pdl and features_of(target)["dependent_launch"] else ""
 
 
-# "": off. "start" (every block triggers at its start) was measured slower at every decode size under CUDA graphs
-# (H100, 2026-12-06, pdl-check-20261206T185735Z); "end" (FlashMLA's place: after a block's last tile) is to be
-# measured. Either way every block of the combine waits for the program's grid (FlashMLA's lets a block with
-# nothing to merge exit first; ours waits, so that the merge never completes before the program).
+# The three switches below are off: measured no faster than without them (docs/dsv4.md, "three variants").
+# SCHED_PDL, where each block triggers the combine's dependent launch: "" none, "start" at its start, "end" after
+# its last tile (FlashMLA's place). Either way every block of the combine waits for the program's grid (FlashMLA's
+# lets a block with nothing to merge exit first; ours waits, so that the merge never completes before the program).
 SCHED_PDL = ""
 # the producer's cache loads with an L1 evict-last and a 256-byte L2 prefetch hint and unsigned slot arithmetic
-# (FlashMLA's producer loads so); CUDA only (a force-included device function), to be measured
+# (FlashMLA's producer loads so); CUDA only (a force-included device function); not yet timed alone
 SCHED_LOAD_HINT = False
 # the producer asks L2 for the next tile's rows once it has their indices (a bulk prefetch a row; CUDA sm_90), so that
-# their memory latency overlaps this tile's dequantisation; to be measured
+# their memory latency overlaps this tile's dequantisation
 SCHED_PREFETCH = False
 
 
@@ -208,10 +207,9 @@ def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=
 from .combine_kernel import MAX_GROUPS  # noqa: E402
 
 # the combine's blocks along the list of split tokens (a launch argument: no other build): each walks every
-# SCHED_COMBINE_GROUPS-th split token. At Flash 64 tokens (64 split tokens) 32 blocks walk two each, and the merge
-# took 15.7 us against FlashMLA's 11.3 (one block a request; ncu, H100, 2026-12-07); a block a split token (a
-# larger value: the grid is capped by parts - 1 and the tokens) is to be measured (scripts/sched_variants.py
-# "groups")
+# SCHED_COMBINE_GROUPS-th split token, so at 64 split tokens 32 blocks walk two each where FlashMLA's merge gives a
+# request a block (its merge the faster, docs/dsv4.md); a block a split token (a larger value: the grid is capped
+# by parts - 1 and the tokens) is to be measured (scripts/sched_variants.py "groups")
 SCHED_COMBINE_GROUPS = MAX_GROUPS
 
 
