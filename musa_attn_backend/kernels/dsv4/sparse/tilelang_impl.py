@@ -211,6 +211,9 @@ from .combine_kernel import MAX_GROUPS  # noqa: E402
 # request a block (its merge the faster, docs/dsv4.md); a block a split token (a larger value: the grid is capped
 # by parts - 1 and the tokens) is to be measured (scripts/sched_variants.py "groups")
 SCHED_COMBINE_GROUPS = MAX_GROUPS
+# the combine's chunks of pieces loaded together with the maximum carried across them (combine_kernel.py); False
+# builds the one before (the maximum from one LSE load at a time), kept to be measured against
+SCHED_COMBINE_ONLINE = True
 
 
 def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
@@ -218,8 +221,10 @@ def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     from .combine_kernel import build_sparse_combine
 
     pdl = bool(_sched_pdl(target))
-    key = ("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ())
-    return compile_cached(key, lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl), target=target)
+    online = SCHED_COMBINE_ONLINE
+    key = ("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ()) + (() if online else ("serial",))
+    return compile_cached(key, lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl, online=online),
+                          target=target)
 
 
 def combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
@@ -520,7 +525,7 @@ def _sched_kernels(H: int, has_extra: bool, has_sink: bool, tokens=None) -> tupl
     :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without TileLang's Python wrapper where the
     platform allows it: an eager decode step launches both on every layer)."""
     cluster = _sched_cluster(H, None, tokens)
-    key = (H, has_extra, has_sink, cluster, SCHED_PDL, SCHED_LOAD_HINT, SCHED_PREFETCH)
+    key = (H, has_extra, has_sink, cluster, SCHED_PDL, SCHED_LOAD_HINT, SCHED_PREFETCH, SCHED_COMBINE_ONLINE)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
         hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16", cluster=cluster)),
