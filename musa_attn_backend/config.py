@@ -94,7 +94,9 @@ class Settings:
         meaning="the DeepSeek-V4 sparse attention program: auto (scheduled where the target has warp specialisation, "
                 "register GEMM operands and FP8, else portable), scheduled (FlashMLA's division of the work on a "
                 "per-batch plan), paired (one block a token, its two math warp groups taking the key tiles in pairs: "
-                "FlashMLA's prefill division; correct, 1.15-1.19x the scheduled program's prefill time on the H100) or "
+                "FlashMLA's prefill division; correct, 1.15-1.19x the scheduled program's prefill time on the H100), "
+                "paired_ws (the paired division over a bf16 workspace of the call's selected rows, built with a host "
+                "synchronisation: not under CUDA graph capture; not yet run on a GPU) or "
                 "portable; a program the target cannot run is refused, never replaced")
     target: Optional[str] = _switch(
         "MUSA_ATTN_TARGET", default=None, kernels=True,
@@ -141,7 +143,7 @@ SWITCHES: tuple[Switch, ...] = tuple(
 BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
 CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"), "model_kernels": ("auto", "on", "off"),
                                        "compiled_launch": ("auto", "on", "off"),
-                                       "dsv4_program": ("auto", "scheduled", "paired", "portable")}  # text switches with a fixed set of values
+                                       "dsv4_program": ("auto", "scheduled", "paired", "paired_ws", "portable")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

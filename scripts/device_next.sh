@@ -7,8 +7,9 @@
 #   next1b (carry as variants plus .device/before.tar.gz .device/after.tar.gz) issue 39's routing-program GPU tests
 #          (SKIP_ROUTE=1 skips them), issue 41's before/after bench of the trees at 480b749^ and ef0e8a9
 #          (`git archive 480b749^ musa_attn_backend benchmarks | gzip > .device/before.tar.gz`, the same of ef0e8a9)
-#   next2  (carry .device/env.sh .device/fw) the vLLM layer's and SGLang backend's V4 benches (issue 38: the
-#          layer's host time per call with the compiled launch on); not yet run
+#   next2, next3 (carry .device/env.sh .device/fw; each about 4-7 minutes, the kernels compiled cold) the vLLM
+#          layer's and the SGLang backend's V4 benches (34th session: next2's vLLM bench ran on an H100; the SGLang
+#          bench found no backend: the entry points' dist-info was not written, now it is)
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -42,11 +43,11 @@ case "${1:-}" in
       python3 scripts/profile_dsv4_attention.py --ncu --cases flash:64:1 > "$out/ncu.txt" 2>&1
     stamp "ncu rc=$?"
     grep -E "^\{|rc |passed|failed" "$out/variants.txt" | cut -c1-600 | tail -20 ;;
-  next2)
-    timeout 200 python3 benchmarks/bench_vllm_dsv4.py --quick --out "$out" > "$out/vllm_dsv4.txt" 2>&1
-    stamp "vLLM layer bench rc=$?"
-    timeout 200 python3 benchmarks/bench_sglang_dsv4.py --quick --out "$out" > "$out/sglang_dsv4.txt" 2>&1
-    stamp "SGLang backend bench rc=$?"
-    tail -20 "$out/vllm_dsv4.txt" "$out/sglang_dsv4.txt" | cut -c1-200 ;;
-  *) echo "usage: scripts/device_next.sh variants|next1b|next2"; exit 2 ;;
+  next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
+    source scripts/device_entry_points.sh
+    engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
+    timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
+    stamp "$engine V4 bench rc=$?"
+    grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
+  *) echo "usage: scripts/device_next.sh variants|next1b|next2|next3"; exit 2 ;;
 esac

@@ -59,14 +59,14 @@ CASES = [
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "portable", "portable:musa")
+PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)
 def program(request, monkeypatch, use_settings):
     """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), the scheduled
-    one's clustered form (its 65-128-head cases), both producers of the paired one, and the portable one in MUSA's
-    form."""
+    one's clustered form (its 65-128-head cases), both producers of the paired one, the paired division over a bf16
+    workspace, and the portable one in MUSA's form."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")

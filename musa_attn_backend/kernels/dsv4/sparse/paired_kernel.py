@@ -53,29 +53,17 @@ LEFT_ARRIVALS = (128, 256)  # stage 0 left: group 0 alone; stage 1 left: both gr
 RIGHT_ARRIVALS = (256, 128)  # stage 0 right: both; stage 1 right: group 1 alone
 
 
-@functools.lru_cache(maxsize=None)
-def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
-                            rows_at_once: int = 2):
-    """The paired sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A token
-    with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
-    ``rows_at_once``: the rows of FP8 bytes the producer holds (:data:`PRODUCER_ROWS_AT_ONCE`)."""
-    assert rows_at_once in (1, 2), rows_at_once
-    assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
-    D = L.D
-    sizes = sparse_sizes()
-    NT, K1, K2 = sizes.NT, sizes.K1, sizes.K2
-    main, extra = word_sets(sizes)
-    NEG_INF = -T.infinity(ACC)
-    head_blocks = (H + BH - 1) // BH
-    seq = rows_at_once == 1
-    macros = fp8_row_macros(H, has_extra, q_dtype, K1, K2, 1 if seq else ROWS)
-    load_q, entry, load_rows, store_half, load_one = (macros.load_q, macros.entry, macros.load_rows, macros.store_half,
-                                                      macros.load_one)
+def half(h, left, right):
+    """The left (``h`` 0: columns 0-255) or right buffer of a pair; group ``w``'s output columns are half
+    ``w``."""
+    return left if h == 0 else right
 
-    def half(h, left, right):
-        """The left (``h`` 0: columns 0-255) or right buffer of a pair; group ``w``'s output columns are half
-        ``w``."""
-        return left if h == 0 else right
+
+def consumer_macro(H: int, has_sink: bool, q_dtype: str):
+    """The math groups' macro (``consumer(w, ...)``, ``w`` a Python int): a group's loop over the token's pairs and its
+    half of the epilogue, for ``H`` query heads; shared by the programs over FP8 rows (here) and over a bf16
+    workspace (:mod:`.paired_ws_kernel`), whose producers fill the same stage halves under the same barriers."""
+    NEG_INF = -T.infinity(ACC)
 
     @T.macro
     def consumer(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l, empty_r,
@@ -158,6 +146,29 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
                 if h0 + r < H:
                     LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
                                                     (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
+
+    return consumer
+
+
+@functools.lru_cache(maxsize=None)
+def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: str = "bfloat16",
+                            rows_at_once: int = 2):
+    """The paired sparse MQA program for ``H`` query heads (blocks of 64, rows past ``H`` padded inside). A token
+    with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or FlashMLA's ``+inf``).
+    ``rows_at_once``: the rows of FP8 bytes the producer holds (:data:`PRODUCER_ROWS_AT_ONCE`)."""
+    assert rows_at_once in (1, 2), rows_at_once
+    assert q_dtype == "bfloat16", "the FP8 bytes become bf16 by bit moves"
+    D = L.D
+    sizes = sparse_sizes()
+    NT, K1, K2 = sizes.NT, sizes.K1, sizes.K2
+    main, extra = word_sets(sizes)
+    head_blocks = (H + BH - 1) // BH
+    seq = rows_at_once == 1
+    macros = fp8_row_macros(H, has_extra, q_dtype, K1, K2, 1 if seq else ROWS)
+    load_q, entry, load_rows, store_half, load_one = (macros.load_q, macros.entry, macros.load_rows, macros.store_half,
+                                                      macros.load_one)
+
+    consumer = consumer_macro(H, has_sink, q_dtype)
 
     @T.macro
     def store_stage(st, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac, main, CW, CS, rows1,

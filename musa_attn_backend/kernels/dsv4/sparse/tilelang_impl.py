@@ -61,9 +61,9 @@ def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
     return made
 
 
-PROGRAMS = ("scheduled", "paired", "portable")
+PROGRAMS = ("scheduled", "paired", "paired_ws", "portable")
 # the programs that need warp specialisation, GEMMs reading A from registers and an FP8 conversion
-HOPPER_PROGRAMS = ("scheduled", "paired")
+HOPPER_PROGRAMS = ("scheduled", "paired", "paired_ws")
 
 
 def _hopper_capable(target=None) -> bool:
@@ -75,7 +75,8 @@ def sparse_mqa_program(target=None) -> str:
     """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
     ``auto`` is ``scheduled`` (:mod:`.sched_kernel`: a per-batch plan, FlashMLA's division of the work)
     where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
-    ``portable`` (:mod:`.mqa_kernel`); ``paired`` stays selectable (how they compare: docs/dsv4.md). A named
+    ``portable`` (:mod:`.mqa_kernel`); ``paired`` and ``paired_ws`` (the paired division over a bf16 workspace of
+    the selected rows, :mod:`.paired_ws_kernel`) are selectable (how they compare: docs/dsv4.md). A named
     program the target cannot run is refused when it is built."""
     chosen = settings().dsv4_program
     if chosen != "auto":
@@ -108,6 +109,8 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
         return sched_kernel(H, has_extra, has_sink, q_dtype, target=target)
     if program == "paired":
         return paired_kernel(H, has_extra, has_sink, q_dtype, target=target)
+    if program == "paired_ws":  # one program with or without an extra set: the workspace holds both
+        return paired_ws_kernel(H, has_sink, q_dtype, target=target)
     # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
     fp8_convert = _glue._fp8_convert(target)
@@ -202,6 +205,17 @@ def paired_kernel(H: int, has_extra: bool, has_sink: bool, q_dtype: str, target=
     key = ("dsv4_sparse_mqa_paired", H, has_extra, has_sink, q_dtype) + (("rows1",) if rows == 1 else ())
     return compile_cached(key, lambda: pk.build_sparse_mqa_paired(H, has_extra, has_sink, q_dtype, rows),
                           target=target, pass_configs=_ws_pass_configs())
+
+
+def paired_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
+    """The compiled paired sparse MQA program over a bf16 workspace (:mod:`.paired_ws_kernel`)."""
+    from . import paired_ws_kernel as pw
+
+    _check_program("paired_ws", target)
+    check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the paired_ws program takes bfloat16 q, got {q_dtype}")
+    return compile_cached(("dsv4_sparse_mqa_paired_ws", H, has_sink, q_dtype),
+                          lambda: pw.build_sparse_mqa_paired_ws(H, has_sink, q_dtype), target=target,
+                          pass_configs=_ws_pass_configs())
 
 
 from .combine_kernel import MAX_GROUPS  # noqa: E402
@@ -512,6 +526,32 @@ def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, e
     return (out, lse) if return_lse else out
 
 
+def _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale,
+                          out, return_lse, empty_lse_inf, op):
+    """Build the call's bf16 workspace (:mod:`.workspace`: one host synchronisation) and launch the paired program
+    over it (:mod:`.paired_ws_kernel`)."""
+    from .workspace import build_workspace
+
+    T, H, _ = q.shape
+    dev = q.device
+    check(not stream_capturing(dev),
+          lambda: f"{op}: the paired_ws program builds its workspace with a host synchronisation, which a CUDA graph "
+                  f"capture cannot hold; capture with MUSA_ATTN_DSV4_PROGRAM=auto or scheduled")
+    out = _alloc(q.shape, q.dtype, dev) if out is None else out
+    lse = _alloc((T, H), torch.float32, dev)
+    if T:
+        has_extra = extra_cache is not None and extra_indices.shape[1] > 0
+        ws = build_workspace(cache, indices, lengths, extra_cache=extra_cache if has_extra else None,
+                             extra_indices=extra_indices if has_extra else None,
+                             extra_lengths=extra_lengths if has_extra else None, op=op)
+        sinks = sink.contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
+        empty = float("inf") if empty_lse_inf else float("-inf")
+        rows = ws.rows if ws.rows.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)  # none valid
+        paired_ws_kernel(H, sink is not None, "bfloat16")(q, rows, ws.indices, ws.lengths, sinks, float(sm_scale),
+                                                          empty, out, lse)
+    return (out, lse) if return_lse else out
+
+
 _SCHED_KERNELS: dict = {}
 on_change(_SCHED_KERNELS.clear)
 # bumped when a setting changes: launches recorded before (prepare_scheduled) are not replayed after
@@ -559,6 +599,9 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
         out, lse = scheduled_launch(q, cache, i1, lengths, extra_cache, i2, extra_lengths if has_extra else None,
                                     has_extra, sinks, has_sink, sm_scale, out, plan, empty_lse_inf, op)
         return (out, lse) if return_lse else out
+    if program == "paired_ws":
+        return _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
+                                     sm_scale, out, return_lse, empty_lse_inf, op)
     if program == "paired":
         return _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
                                   sm_scale, out, return_lse, empty_lse_inf, op)

@@ -1,0 +1,88 @@
+"""A first GPU look at the paired_ws program (one short device call): Flash / Pro prefill of ``--tokens`` query
+tokens on the bench's caches (``benchmarks/bench_dsv4_attention.py``), its output against the scheduled
+program's, and the times of the scheduled program, the paired_ws call, its workspace build and its kernel alone.
+
+    python3 scripts/ws_smoke.py [--configs flash] [--tokens 4096] [--out DIR]   (on the GPU, after env.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent)]
+
+
+def _compile(job):
+    """One kernel, in a worker process (it lands in the kernel cache on disk)."""
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+
+    kind, H = job
+    if kind == "ws":
+        ti.paired_ws_kernel(H, True, "bfloat16")
+    elif kind == "sched":
+        ti.sparse_mqa_kernel(H, True, True, False, "bfloat16", program="scheduled")
+    else:
+        ti.sched_combine_kernel(H, True, "bfloat16")
+    return job
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="flash")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--out", default="/tmp/out")
+    args = ap.parse_args(argv)
+    import torch
+
+    from bench_attention import bench_ms, git_commit
+    from bench_dsv4_attention import CONFIGS, caches, inputs, paired_ws_times
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    heads = [CONFIGS[c][0] for c in args.configs.split(",")]
+    with ProcessPoolExecutor(max_workers=6, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_compile, (k, H)) for H in heads for k in ("ws", "sched", "combine")]:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - the timing reports what cannot launch
+                print(f"precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    swa, c4 = caches(65536)
+    rows = []
+    for cfg in args.configs.split(","):
+        H, K = CONFIGS[cfg]
+        q, i1, i2, sink = inputs(args.tokens, H, K, swa, c4, g)
+        ref = torch.empty_like(q)
+        plan = ti.sparse_mqa_plan(q, i1, None, i2, None)
+        sched = lambda: ti.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink,  # noqa
+                                               out=ref, program="scheduled", plan=plan)
+        row = {"op": "prefill", "shape": {"config": cfg, "tokens": args.tokens, "heads": H, "topk": K + 128},
+               "scheduled_ms": bench_ms(sched)}
+        sched()
+        out = torch.full_like(q, float("nan"))
+        try:
+            row.update(paired_ws_times(q, swa, i1, c4, i2, sink, out))
+            torch.cuda.synchronize()
+            row["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+            row["finite"] = bool(torch.isfinite(out).all())
+        except Exception as e:  # noqa: BLE001 - recorded
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"ws-smoke-{stamp}.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

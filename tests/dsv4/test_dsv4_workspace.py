@@ -1,0 +1,167 @@
+"""The bf16 workspace of the paired_ws program (:mod:`musa_attn_backend.kernels.dsv4.sparse.workspace`) on the CPU:
+its rows and rebased lists select exactly what the caches' lists select, and attention over it is the reference's;
+the program's launch against its signature; its sm_90a build (the producer's copies and barriers, registers)."""
+
+import random
+
+import pytest
+import torch
+
+from musa_attn_backend import _tilelang
+from musa_attn_backend.kernels import dsv4
+from musa_attn_backend.kernels.dsv4 import layout as L
+from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+from musa_attn_backend.kernels.dsv4.sparse.reference import valid_entries
+from musa_attn_backend.kernels.dsv4.sparse.workspace import build_workspace
+from musa_attn_backend.testing.toolchain import HOPPER, in_ci, nvcc_path
+
+from test_dsv4_build import SignatureCheck, _batch, _ptxas_spills
+from test_dsv4_reference import nan_cache, random_rows
+
+
+def filled(pages, rows, stride, seed):
+    """A NaN-filled cache with random rows written at half its slots (the others must never be read)."""
+    cache = nan_cache(pages, rows, stride)
+    n = pages * rows
+    slots = torch.tensor(random.Random(seed).sample(range(n), max(n // 2, 1)))
+    dsv4.write_kv_v4(random_rows(len(slots), seed), cache, slots)
+    return cache, slots
+
+
+def lists(slots, T, K, num_slots, seed):
+    """Index lists drawn from the written slots (repeats across tokens), 20% invalid, some at or past the end."""
+    g = torch.Generator().manual_seed(seed)
+    idx = slots[torch.randint(0, len(slots), (T, K), generator=g)].to(torch.int32)
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    idx[0, 0] = num_slots
+    idx[-1, -1] = num_slots + 77
+    return idx
+
+
+def attention(q, rows, idx, n, sink, scale=512 ** -0.5):
+    """Sparse MQA over workspace rows in float64 (the program's contract): entry ``j`` of token ``t`` counts if
+    ``j < n[t]`` and ``idx >= 0``."""
+    ok = (idx >= 0) & (torch.arange(idx.shape[1])[None, :] < n[:, None])
+    kv = rows.double()[idx.clamp(min=0).long()]  # [T, K, 512]
+    s = torch.einsum("thd,tkd->thk", q.double(), kv) * scale
+    s = s.masked_fill(~ok[:, None, :], float("-inf"))
+    m = torch.maximum(s.amax(-1), sink.double()[None, :])
+    p = torch.exp(s - m[..., None])
+    den = p.sum(-1) + torch.exp(sink.double()[None, :] - m)
+    return torch.einsum("thk,tkd->thd", p, kv) / den[..., None]
+
+
+@pytest.mark.parametrize("main,extra", [((5, 64, 93888), (7, 2, 0)), ((3, 256, 0), None), ((9, 2, 0), (6, 64, 0)),
+                                        ((4, 2, 93888), (0, 64, 0))])
+def test_workspace_selects_what_the_lists_select(main, extra):
+    """Every valid entry's workspace row is its cache row (bit for bit), every invalid one is -1 (negative, past
+    the slots, past its length), each selected row is there once (no NaN row of the unwritten slots), the extra
+    set's after the main set's, the lengths by the module's rule; attention over the workspace is the reference's."""
+    T, K1, K2 = 7, 70, 9
+    cache, slots = filled(*main, seed=1)
+    idx = lists(slots, T, K1, main[0] * main[1], seed=2)
+    lens = torch.tensor([70, 3, 0, 64, 65, 17, 1], dtype=torch.int32)
+    kw, xlens, parts = {}, None, [(cache, idx, lens, main[0] * main[1])]
+    if extra is not None:
+        xcache = nan_cache(*extra)
+        xslots = torch.arange(0)
+        if extra[0]:
+            xcache, xslots = filled(*extra, seed=3)
+        xidx = (lists(xslots, T, K2, extra[0] * extra[1], seed=4) if len(xslots)
+                else torch.randint(-3, 3, (T, K2), dtype=torch.int32))  # a cache of no pages: nothing selects
+        xlens = torch.tensor([9, 0, 0, 4, 1, 2, 9], dtype=torch.int32)
+        kw = dict(extra_cache=xcache, extra_indices=xidx, extra_lengths=xlens)
+        parts.append((xcache, xidx, xlens, extra[0] * extra[1]))
+    ws = build_workspace(cache, idx, lens, **kw)
+    assert ws.rows.dtype == torch.bfloat16 and not ws.rows.isnan().any()
+    assert ws.indices.shape == (T, K1 + (K2 if extra else 0)) and ws.indices.dtype == torch.int32
+    col, base = 0, 0
+    for c, i, n, num_slots in parts:
+        ok = valid_entries(i, n, num_slots)
+        got = ws.indices[:, col:col + i.shape[1]]
+        assert torch.equal(got >= 0, ok)
+        distinct = torch.unique(i[ok]).numel()
+        assert torch.equal(torch.unique(got[ok]), torch.arange(base, base + distinct))  # each row once, in order
+        if ok.any():
+            assert torch.equal(ws.rows[got[ok].long()].view(torch.int16),
+                               dsv4.read_kv_v4(c, i[ok]).view(torch.int16))
+        col, base = col + i.shape[1], base + distinct
+    assert ws.rows.shape[0] == base
+    if extra is not None:
+        assert torch.equal(ws.lengths, torch.where(xlens > 0, K1 + xlens, lens))
+    else:
+        assert torch.equal(ws.lengths, lens)
+    k = torch.arange(ws.indices.shape[1])[None, :]
+    assert (ws.indices[k >= ws.lengths[:, None]] == -1).all()  # nothing valid past a token's length
+
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(T, 8, 512, generator=g) * 3).to(torch.bfloat16)
+    sink = torch.randn(8, generator=g)
+    ref = dsv4.sparse_mqa(q, cache, idx, lens, sink=sink, impl="reference", **kw)
+    got = attention(q, ws.rows, ws.indices, ws.lengths, sink)
+    torch.testing.assert_close(got, ref.double(), atol=2e-2, rtol=2e-2)  # bf16 reference output
+
+
+def test_workspace_without_lengths_counts_every_entry():
+    cache, slots = filled(6, 64, 0, seed=9)
+    idx = lists(slots, 4, 128, 384, seed=10)
+    ws = build_workspace(cache, idx)
+    assert torch.equal(ws.lengths, torch.full((4,), 128, dtype=torch.int32))
+    assert torch.equal(ws.indices >= 0, valid_entries(idx, None, 384))
+
+
+@pytest.mark.parametrize("extra", [True, False])
+def test_paired_ws_glue_matches_its_signature(use_settings, extra):
+    """The paired_ws program's launch: the workspace built, one kernel, every argument where its parameter is."""
+    use_settings(target="sm_90a", dsv4_program="paired_ws")
+    kernels = {}
+
+    def capture(key, build, target, pass_configs):
+        return kernels.setdefault(key[0], SignatureCheck(build()))
+
+    q, cache, idx, xcache, xidx = _batch(5)
+    kw = dict(extra_cache=xcache, extra_indices=xidx) if extra else {}
+    with _tilelang.intercepting(capture):
+        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, sink=torch.zeros(64), return_lse=True,
+                                          empty_lse_inf=True, **kw)
+    assert out.shape == q.shape and lse.shape == (5, 64)
+    assert set(kernels) == {"dsv4_sparse_mqa_paired_ws"} and len(kernels["dsv4_sparse_mqa_paired_ws"].calls) == 1
+    args = kernels["dsv4_sparse_mqa_paired_ws"].calls[0]
+    scalars = [a for a in args if not isinstance(a, torch.Tensor)]
+    assert args[2].shape == (5, 128 + (512 if extra else 0)) and float("inf") in scalars
+    assert ti.sparse_mqa_block_n(program="paired_ws") == 64
+
+
+def test_paired_ws_is_refused_where_the_target_cannot_run_it(use_settings):
+    use_settings(target="mp_31", dsv4_program="paired_ws")
+    q, cache, idx, _, _ = _batch(2)
+    with pytest.raises(ValueError, match="paired_ws"):
+        ti.sparse_mqa_tilelang(q, cache, idx)
+
+
+NVCC = nvcc_path()
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_paired_ws_program_builds_for_sm90a(tmp_path):
+    """The producer copies each half's rows by predicated 16-byte cp.async (32 a tile, both stages: 64 in the
+    code) and completes each half's barrier by a cp.async arrive (noinc) plus an ordinary arrive after the row
+    flags, without waiting for its copies in the key loop; the math groups at 208 registers, the producer at 88,
+    no spill."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+
+    src = _tilelang.compile_cached(("test_paired_ws", 64, True), lambda: pw.build_sparse_mqa_paired_ws(64, True),
+                                   target=HOPPER, pass_configs=ti._ws_pass_configs()).get_kernel_source()
+    assert "warpgroup_reg_alloc<208>" in src and "warpgroup_reg_dealloc<88>" in src
+    producer = src.split("warpgroup_reg_dealloc<88>")[1]
+    loop = producer.split("for (int j = 0;")[1]
+    assert loop.count("cp_async_gs_conditional<16>") == 4 and loop.count("mbarrier_cp_async_arrive_noinc(") == 4
+    assert "cp_async_wait" not in loop  # the copies land on the barriers, the producer never waits for them
+    for bar in ("full_l[0]", "full_l[1]", "full_r[0]", "full_r[1]"):
+        assert f"{bar}.init(256);" in src and loop.count(f"{bar}.arrive();") == 1
+    # the flags before the first half's ordinary arrive, in both stages
+    assert loop.index("ok_s[") < loop.index("full_l[0].arrive()") and loop.rindex("ok_s[") < loop.index(
+        "full_r[1].arrive()")
+    spills, regs = _ptxas_spills(src, tmp_path)
+    assert spills == 0 and regs == 168
