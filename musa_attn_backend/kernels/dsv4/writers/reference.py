@@ -14,10 +14,6 @@ import torch
 
 from .. import layout as L
 
-_NOPE_COLS = torch.arange(L.D_NOPE)
-_DATA_COLS = torch.arange(L.DATA_BYTES)
-_SCALE_COLS = torch.arange(L.SCALE_BYTES)
-
 
 def fp8_scale(amax: torch.Tensor, rule: str = "exact") -> torch.Tensor:
     """``amax / 448`` in float32, rounded once (IEEE division, as the engines' CUDA writers and ours compute it),
@@ -82,11 +78,18 @@ def read_kv_v4_reference(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tens
     return _gather_rows(L.kv_pages(cache, op="read_kv_v4"), slots.long()).to(torch.bfloat16)
 
 
+def _rows_view(pages: L.Pages, row_bytes: int, base: int) -> torch.Tensor:
+    """``[pages, rows, row_bytes]``: every page's rows of ``row_bytes`` bytes from byte ``base`` (a view)."""
+    return pages.pages[:, base:base + pages.rows * row_bytes].unflatten(1, (pages.rows, row_bytes))
+
+
 def _gather_rows(pages: L.Pages, s: torch.Tensor) -> torch.Tensor:
-    p, c = _byte_index(pages, s, _DATA_COLS, L.DATA_BYTES, 0)
-    data = pages.pages[p, c]
-    p, c = _byte_index(pages, s, _SCALE_COLS, L.SCALE_BYTES, pages.rows * L.DATA_BYTES)
-    return dequantize_kv_v4(data, pages.pages[p, c])
+    """The float32 rows at slots ``s``: each row's data and scale bytes gathered whole (one index a row, not a
+    byte: a prefill's workspace reads tens of thousands of rows)."""
+    page, row = s // pages.rows, s % pages.rows
+    data = _rows_view(pages, L.DATA_BYTES, 0)[page, row]
+    scales = _rows_view(pages, L.SCALE_BYTES, pages.rows * L.DATA_BYTES)[page, row]
+    return dequantize_kv_v4(data, scales)
 
 
 def quantize_index_k(k: torch.Tensor, scale_rule: str = "pow2") -> tuple[torch.Tensor, torch.Tensor]:
