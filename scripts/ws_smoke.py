@@ -1,6 +1,7 @@
 """A first GPU look at the paired_ws program (one short device call): Flash / Pro prefill of ``--tokens`` query
 tokens on the bench's caches (``benchmarks/bench_dsv4_attention.py``), its output against the scheduled
-program's, and the times of the scheduled program, the paired_ws call, its workspace build and its kernel alone.
+program's, and the times of the scheduled program, the paired_ws call, its workspace build and its kernel alone,
+with its math groups in either order (``pipelined_*``: ``paired_ws_kernel.PIPELINED``).
 
     python3 scripts/ws_smoke.py [--configs flash] [--tokens 4096] [--out DIR]   (on the GPU, after env.sh)
 """
@@ -21,8 +22,11 @@ def _compile(job):
     """One kernel, in a worker process (it lands in the kernel cache on disk)."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+
     kind, H = job
-    if kind == "ws":
+    if kind in ("ws", "ws_pipelined"):
+        pw.PIPELINED = kind == "ws_pipelined"
         ti.paired_ws_kernel(H, True, "bfloat16")
     elif kind == "sched":
         ti.sparse_mqa_kernel(H, True, True, False, "bfloat16", program="scheduled")
@@ -41,6 +45,7 @@ def main(argv=None) -> int:
 
     from bench_attention import bench_ms, git_commit
     from bench_dsv4_attention import CONFIGS, caches, inputs, paired_ws_times
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     import multiprocessing
@@ -48,7 +53,7 @@ def main(argv=None) -> int:
 
     heads = [CONFIGS[c][0] for c in args.configs.split(",")]
     with ProcessPoolExecutor(max_workers=6, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for f in [pool.submit(_compile, (k, H)) for H in heads for k in ("ws", "sched", "combine")]:
+        for f in [pool.submit(_compile, (k, H)) for H in heads for k in ("ws", "ws_pipelined", "sched", "combine")]:
             try:
                 f.result()
             except Exception as e:  # noqa: BLE001 - the timing reports what cannot launch
@@ -66,14 +71,18 @@ def main(argv=None) -> int:
         row = {"op": "prefill", "shape": {"config": cfg, "tokens": args.tokens, "heads": H, "topk": K + 128},
                "scheduled_ms": bench_ms(sched)}
         sched()
-        out = torch.full_like(q, float("nan"))
-        try:
-            row.update(paired_ws_times(q, swa, i1, c4, i2, sink, out))
-            torch.cuda.synchronize()
-            row["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
-            row["finite"] = bool(torch.isfinite(out).all())
-        except Exception as e:  # noqa: BLE001 - recorded
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        for pipelined in (False, True):  # the math groups' two orders (paired_ws_kernel.PIPELINED)
+            pw.PIPELINED = pipelined
+            tag = "pipelined_" if pipelined else ""
+            out = torch.full_like(q, float("nan"))
+            try:
+                row.update({tag + k: v for k, v in paired_ws_times(q, swa, i1, c4, i2, sink, out).items()})
+                torch.cuda.synchronize()
+                row[tag + "max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+                row[tag + "finite"] = bool(torch.isfinite(out).all())
+            except Exception as e:  # noqa: BLE001 - recorded
+                row[tag + "error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        pw.PIPELINED = False
         print(json.dumps(row), flush=True)
         rows.append(row)
     doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),

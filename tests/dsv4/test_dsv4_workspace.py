@@ -165,3 +165,26 @@ def test_paired_ws_program_builds_for_sm90a(tmp_path):
         "full_r[1].arrive()")
     spills, regs = _ptxas_spills(src, tmp_path)
     assert spills == 0 and regs == 168
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_paired_ws_pipelined_groups_build_for_sm90a(tmp_path):
+    """The pipelined math groups (FlashMLA's prefill order): group 0 issues the next pair's Q K^T while the other
+    tile's P V runs (a wait for all but one WGMMA group, then the stage 1 left half released), the four named
+    barriers of the maximum and P exchanges, the producer unchanged. ptxas: 168 registers; 540 bytes of spill
+    stores at 208 / 88 registers (docs/dsv4.md), bounded here so that a growth shows."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+
+    src = _tilelang.compile_cached(("test_paired_ws_pipelined", 64, True),
+                                   lambda: pw.build_sparse_mqa_paired_ws(64, True, "bfloat16", True),
+                                   target=HOPPER, pass_configs=ti._ws_pass_configs()).get_kernel_source()
+    group0 = src.split("warpgroup_reg_alloc<208>")[1]  # up to group 1's code
+    after_remote_pv = group0.split(f"__sync_thread_partial({pw.S1_READY}, 256)")[1]
+    assert after_remote_pv.index("full_l[0].wait(") < after_remote_pv.index("tl::wait_wgmma<1>();") < \
+        after_remote_pv.index("empty_l[1].arrive();")
+    for bar in (pw.BUNCH0, pw.BUNCH1, pw.S0_READY, pw.S1_READY):
+        assert f"({bar}, 256)" in src
+    assert src.split("warpgroup_reg_dealloc<88>")[1].count("mbarrier_cp_async_arrive_noinc(") == 4
+    spills, regs = _ptxas_spills(src, tmp_path)
+    assert regs == 168 and spills <= 640, spills

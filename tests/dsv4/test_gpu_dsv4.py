@@ -59,14 +59,15 @@ CASES = [
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "portable", "portable:musa")
+PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "paired_ws:pipelined",
+            "portable", "portable:musa")
 
 
 @pytest.fixture(params=PROGRAMS)
 def program(request, monkeypatch, use_settings):
     """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), the scheduled
     one's clustered form (its 65-128-head cases), both producers of the paired one, the paired division over a bf16
-    workspace, and the portable one in MUSA's form."""
+    workspace (both orders of its math groups), and the portable one in MUSA's form."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
@@ -83,6 +84,11 @@ def program(request, monkeypatch, use_settings):
         from musa_attn_backend.kernels.dsv4.sparse import paired_kernel
 
         monkeypatch.setattr(paired_kernel, "PRODUCER_ROWS_AT_ONCE", 1)
+        producer = ""
+    if producer == "pipelined":  # the paired_ws program's math groups in FlashMLA's prefill order
+        from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel
+
+        monkeypatch.setattr(paired_ws_kernel, "PIPELINED", True)
         producer = ""
     monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: name)
     return request.param

@@ -21,7 +21,15 @@ they are, as FlashMLA's SM90 sparse prefill does over the bf16 rows an engine bu
   the next half's are issued at once) and every thread has arrived after its flag stores (the flags are ordinary
   stores: the arrive releases them). No proxy fence between the copies and the consumers' WGMMAs, as in FlashMLA's
   SM90 sparse prefill, whose producer completes its barriers the same way.
-- Warp groups 0 and 1: :func:`.paired_kernel.consumer_macro`, unchanged.
+- Warp groups 0 and 1: :func:`.paired_kernel.consumer_macro`, unchanged; or (``pipelined``, :data:`PIPELINED`)
+  FlashMLA's SM90 sparse prefill schedule, which the producer above makes possible (it holds no rows, so it can
+  refill each group's own halves before the shared ones without waiting on a consumer): group 0 runs its tile's
+  softmax on its own maximum, tells group 1 (``BUNCH0``), starts its own ``P V``; group 1 takes the maximum of
+  both, tells group 0 (``BUNCH1``), runs its softmax and its own ``P V`` and writes its P; group 0 rescales its P
+  and output by ``2^(m_own - m)``, writes its P (``S0_READY``), waits for group 1's (``S1_READY``), issues the
+  other tile's ``P V`` and, while that runs, the next pair's ``Q K^T``. No barrier guards a P against its next
+  write: each group writes its next P only after a barrier the other reaches after its read of the last one
+  (``tests/dsv4/test_dsv4_paired_ws_protocol.py`` models the order).
 
 The output (``O``, the sink in the denominator) and the LSE (natural log; ``empty_lse`` where no entry is valid)
 are written by the block; nothing is split, so there is no combine.
@@ -30,23 +38,170 @@ are written by the block; nothing is split, so there is no combine.
 import functools
 
 from ...._tilelang import tl_lang as T
-from ...attention.tl_common import ACC, LOG2E
+from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state
 from .. import layout as L
 from .paired_kernel import CONSUMER_THREADS, LEFT_ARRIVALS, RIGHT_ARRIVALS, consumer_macro
 from .rows import BH, BN, HD, PRODUCER, fp8_row_macros
 
 # ptxas serialises the WGMMAs below 208 registers a math thread (docs/dsv4.md); a producer of copies needs few
 MATH_REGS, PRODUCER_REGS = 208, 88
+# the consumers: False, the paired program's (one maximum exchange a pair, each group's GEMMs waited for in turn);
+# True, FlashMLA's prefill schedule (module docstring); not yet run on a GPU
+PIPELINED = False
+# named barriers of the pipelined consumers (0 is __syncthreads; EPILOGUE as the paired program's)
+EPILOGUE, BUNCH0, BUNCH1, S0_READY, S1_READY = 5, 6, 7, 8, 9
 WARPS = PRODUCER // 32
 ROWS_A_WARP = BN // WARPS  # rows of a tile a producer warp copies (16)
 UNITS_A_HALF = HD // 8  # 16-byte units of a row's half (32: one a lane)
 
 
+def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
+    """``(group0, group1, epilogue)``: the pipelined consumers' macros (module docstring) for ``H`` query heads."""
+    NEG_INF = -T.infinity(ACC)
+
+    @T.macro
+    def scores(w, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, par):
+        """``S = Q K^T`` of group ``w``'s tile (stage ``w``), the half filled first first; issued, not waited for."""
+        if w == 0:
+            T.mbarrier_wait_parity(full_l[0], par)
+            T.wgmma_gemm(Ql_s, Kl_s[0, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                         clear_accum=True)
+            T.mbarrier_wait_parity(full_r[0], par)
+            T.wgmma_gemm(Qr_s, Kr_s[0, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        else:
+            T.mbarrier_wait_parity(full_r[1], par)
+            T.wgmma_gemm(Qr_s, Kr_s[1, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                         clear_accum=True)
+            T.mbarrier_wait_parity(full_l[1], par)
+            T.wgmma_gemm(Ql_s, Kl_s[1, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def softmax(w, state, ok_s, scale_log2):
+        """Mask group ``w``'s scores, exponentiate them against ``m_i`` (already the new maximum), add their row
+        sums to ``l_i`` after rescaling it and the output by ``alpha`` (``2^(m_prev - m_i)``), and P in bf16."""
+        acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state
+        for r in T.Parallel(BH):
+            alpha[r] = T.if_then_else(m_i[r] == NEG_INF, 1.0, T.exp2((m_prev[r] - m_i[r]) * scale_log2))
+        for r, jj in T.Parallel(BH, BN):
+            acc_s[r, jj] = T.if_then_else(T.Or(ok_s[w, jj] == 0, m_i[r] == NEG_INF), 0.0,
+                                          T.exp2(acc_s[r, jj] * scale_log2 - m_i[r] * scale_log2))
+        T.reduce_sum(acc_s, row_sum, dim=1)
+        for r in T.Parallel(BH):
+            l_i[r] = l_i[r] * alpha[r] + row_sum[r]
+        for r, d in T.Parallel(BH, HD):
+            acc_o[r, d] *= alpha[r]
+        T.copy(acc_s, acc_p)
+
+    @T.macro
+    def own_max(w, state, ok_s):
+        """``m_prev`` <- ``m_i``; ``m_i`` <- the running maximum with group ``w``'s masked scores."""
+        acc_s, _, _, m_i, m_prev, _, _, _ = state
+        for r, jj in T.Parallel(BH, BN):
+            acc_s[r, jj] = T.if_then_else(ok_s[w, jj] != 0, acc_s[r, jj], NEG_INF)
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+
+    @T.macro
+    def group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
+               scale_log2, state):
+        acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state
+        T.mbarrier_wait_parity(q_full, 0)
+        scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, 0)
+        T.wait_wgmma(0)
+        T.mbarrier_arrive(empty_r[0])  # group 1's P V still reads stage 0's right half
+        for i in T.serial(pairs):
+            par = i & 1
+            own_max(0, state, ok_s)
+            for r in T.Parallel(BH):
+                m_s[0, r] = m_i[r]
+            T.named_barrier_arrive(BUNCH0, CONSUMER_THREADS)
+            softmax(0, state, ok_s, scale_log2)
+            T.wgmma_gemm(acc_p, Kl_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # own P V, columns 0-255
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty_l[0])
+            T.sync_threads(BUNCH1, CONSUMER_THREADS)  # the maximum of both tiles
+            for r in T.Parallel(BH):
+                alpha[r] = T.if_then_else(m_s[1, r] == NEG_INF, 1.0, T.exp2((m_i[r] - m_s[1, r]) * scale_log2))
+                m_i[r] = m_s[1, r]
+                l_i[r] = l_i[r] * alpha[r]
+            for r, jj in T.Parallel(BH, BN):
+                P_s[0, r, jj] = T.Cast(q_dtype, acc_s[r, jj] * alpha[r])
+            T.fence_proxy_async()  # P_s is read by group 1's WGMMA (async proxy)
+            T.named_barrier_arrive(S0_READY, CONSUMER_THREADS)
+            for r, d in T.Parallel(BH, HD):
+                acc_o[r, d] *= alpha[r]
+            T.sync_threads(S1_READY, CONSUMER_THREADS)
+            T.wgmma_gemm(P_s[1, :, :], Kl_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # group 1's tile
+            if i + 1 < pairs:  # the next pair's scores run beside that P V
+                scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, par ^ 1)
+                T.wait_wgmma(1)
+                T.mbarrier_arrive(empty_l[1])
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(empty_r[0])
+            else:
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(empty_l[1])
+
+    @T.macro
+    def group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
+               scale_log2, state):
+        acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state
+        T.mbarrier_wait_parity(q_full, 0)
+        for i in T.serial(pairs):
+            par = i & 1
+            scores(1, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, par)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty_l[1])  # group 0's P V still reads stage 1's left half
+            own_max(1, state, ok_s)
+            T.sync_threads(BUNCH0, CONSUMER_THREADS)  # group 0's maximum of this pair
+            for r in T.Parallel(BH):
+                m_i[r] = T.max(m_i[r], m_s[0, r])
+                m_s[1, r] = m_i[r]
+            T.named_barrier_arrive(BUNCH1, CONSUMER_THREADS)
+            softmax(1, state, ok_s, scale_log2)
+            T.wgmma_gemm(acc_p, Kr_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # own P V, columns 256-511
+            T.copy(acc_p, P_s[1, :, :])
+            T.sync_threads(S0_READY, CONSUMER_THREADS)
+            T.wgmma_gemm(P_s[0, :, :], Kr_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # group 0's tile
+            T.fence_proxy_async()  # P_s[1] is read by group 0's WGMMA (async proxy)
+            T.named_barrier_arrive(S1_READY, CONSUMER_THREADS)
+            T.wait_wgmma(1)
+            T.mbarrier_arrive(empty_r[1])
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(empty_r[0])
+
+    @T.macro
+    def epilogue(w, state, l_s, sinks, O, LSE, t, h0, scale_log2, empty_lse):
+        """Both groups' row sums (the same maximum), the sink, this group's columns; the LSE from group 0."""
+        _, _, acc_o, m_i, _, alpha, row_sum, l_i = state
+        for r in T.Parallel(BH):
+            l_s[w, r] = l_i[r]
+        T.sync_threads(EPILOGUE, CONSUMER_THREADS)
+        for r in T.Parallel(BH):
+            l_i[r] = l_i[r] + l_s[1 - w, r]
+            if has_sink:
+                row_sum[r] = T.if_then_else(m_i[r] == NEG_INF, 0.0,
+                                            T.exp2(sinks[T.min(h0 + r, H - 1)] * LOG2E - m_i[r] * scale_log2))
+            else:
+                row_sum[r] = 0.0
+            alpha[r] = T.if_then_else(l_i[r] == 0.0, 0.0, 1.0 / (l_i[r] + row_sum[r]))
+        for r, d in T.Parallel(BH, HD):
+            if h0 + r < H:
+                O[t, h0 + r, w * HD + d] = T.Cast(q_dtype, acc_o[r, d] * alpha[r])
+        if w == 0:
+            for r in T.Parallel(BH):
+                if h0 + r < H:
+                    LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
+                                                    (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
+
+    return group0, group1, epilogue
+
+
 @functools.lru_cache(maxsize=None)
-def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"):
+def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", pipelined: bool = False):
     """The paired sparse MQA program over a bf16 workspace for ``H`` query heads (blocks of 64, rows past ``H``
     padded inside). A token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or
-    FlashMLA's ``+inf``)."""
+    FlashMLA's ``+inf``). ``pipelined``: FlashMLA's prefill schedule for the math groups (:data:`PIPELINED`)."""
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -55,6 +210,8 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     head_blocks = (H + BH - 1) // BH
     load_q = fp8_row_macros(H, False, q_dtype, K, 0).load_q
     consumer = consumer_macro(H, has_sink, q_dtype)
+    group0, group1, epilogue = pipelined_macros(H, has_sink, q_dtype)
+    NEG_INF = -T.infinity(ACC)
 
     @T.macro
     def copy_half(K_s, st, col0, W, idx, ok, lane, warp):
@@ -95,6 +252,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
             P_s = T.alloc_shared([2, BH, BN], q_dtype)
             ok_s = T.alloc_shared([2, BN], "int32", scope="shared")
             m_s = T.alloc_shared([2, 2, BH], ACC, scope="shared")
+            m_s1 = T.alloc_shared([2, BH], ACC, scope="shared")  # the pipelined groups' maxima: group 0's, both's
             l_s = T.alloc_shared([2, BH], ACC, scope="shared")
             # each producer thread arrives twice on a half's barrier: once its copies land, once after its flags
             full_l = T.alloc_barrier([2 * PRODUCER, 2 * PRODUCER])
@@ -108,15 +266,38 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
             length = T.max(T.min(Ln[t], K), 0)
             pairs = T.max(T.ceildiv(T.ceildiv(length, BN), 2), 1)
 
-            with T.ws(0):
-                T.set_max_nreg(MATH_REGS, 1)
-                consumer(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
+            if pipelined:
+                with T.ws(0):
+                    T.set_max_nreg(MATH_REGS, 1)
+                    state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False).registers()
+                    acc_o, m_i, l_i = state[2], state[3], state[7]
+                    T.fill(acc_o, 0)
+                    T.fill(l_i, 0)
+                    T.fill(m_i, NEG_INF)
+                    group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full,
+                           pairs, scale_log2, state)
+                    epilogue(0, state, l_s, sinks, O, LSE, t, h0, scale_log2, empty_lse)
 
-            with T.ws(1):
-                T.set_max_nreg(MATH_REGS, 1)
-                consumer(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
+                with T.ws(1):
+                    T.set_max_nreg(MATH_REGS, 1)
+                    state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False).registers()
+                    acc_o, m_i, l_i = state[2], state[3], state[7]
+                    T.fill(acc_o, 0)
+                    T.fill(l_i, 0)
+                    T.fill(m_i, NEG_INF)
+                    group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full,
+                           pairs, scale_log2, state)
+                    epilogue(1, state, l_s, sinks, O, LSE, t, h0, scale_log2, empty_lse)
+            else:
+                with T.ws(0):
+                    T.set_max_nreg(MATH_REGS, 1)
+                    consumer(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
+                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
+
+                with T.ws(1):
+                    T.set_max_nreg(MATH_REGS, 1)
+                    consumer(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
+                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
 
             # ---- warp group 2: the producer ----
             with T.ws(2):

@@ -213,8 +213,9 @@ def paired_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
 
     _check_program("paired_ws", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the paired_ws program takes bfloat16 q, got {q_dtype}")
-    return compile_cached(("dsv4_sparse_mqa_paired_ws", H, has_sink, q_dtype),
-                          lambda: pw.build_sparse_mqa_paired_ws(H, has_sink, q_dtype), target=target,
+    pipelined = pw.PIPELINED
+    return compile_cached(("dsv4_sparse_mqa_paired_ws", H, has_sink, q_dtype) + (("pipelined",) if pipelined else ()),
+                          lambda: pw.build_sparse_mqa_paired_ws(H, has_sink, q_dtype, pipelined), target=target,
                           pass_configs=_ws_pass_configs())
 
 
