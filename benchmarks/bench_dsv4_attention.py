@@ -166,7 +166,8 @@ def paired_ws_times(q, swa, i1, c4, i2, sink, out) -> dict:
     def call():
         ti.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out, program="paired_ws")
 
-    build = lambda: build_workspace(swa, i1, extra_cache=c4, extra_indices=i2)  # noqa: E731
+    build = lambda: build_workspace(swa, i1, extra_cache=c4, extra_indices=i2,  # noqa: E731
+                                    read_rows=ti._read_rows("bench"))
     ws = build()
     kernel = ti.paired_ws_kernel(q.shape[1], True, "bfloat16")
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

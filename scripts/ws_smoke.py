@@ -28,6 +28,7 @@ def _compile(job):
     if kind in ("ws", "ws_pipelined"):
         pw.PIPELINED = kind == "ws_pipelined"
         ti.paired_ws_kernel(H, True, "bfloat16")
+        ti.workspace_rows_kernel()
     elif kind == "sched":
         ti.sparse_mqa_kernel(H, True, True, False, "bfloat16", program="scheduled")
     else:

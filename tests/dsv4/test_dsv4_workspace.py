@@ -125,7 +125,9 @@ def test_paired_ws_glue_matches_its_signature(use_settings, extra):
         out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, sink=torch.zeros(64), return_lse=True,
                                           empty_lse_inf=True, **kw)
     assert out.shape == q.shape and lse.shape == (5, 64)
-    assert set(kernels) == {"dsv4_sparse_mqa_paired_ws"} and len(kernels["dsv4_sparse_mqa_paired_ws"].calls) == 1
+    assert set(kernels) == {"dsv4_workspace_rows", "dsv4_sparse_mqa_paired_ws"}
+    assert len(kernels["dsv4_workspace_rows"].calls) == (2 if extra else 1)  # a gather a cache
+    assert len(kernels["dsv4_sparse_mqa_paired_ws"].calls) == 1
     args = kernels["dsv4_sparse_mqa_paired_ws"].calls[0]
     scalars = [a for a in args if not isinstance(a, torch.Tensor)]
     assert args[2].shape == (5, 128 + (512 if extra else 0)) and float("inf") in scalars
@@ -188,3 +190,18 @@ def test_paired_ws_pipelined_groups_build_for_sm90a(tmp_path):
     assert src.split("warpgroup_reg_dealloc<88>")[1].count("mbarrier_cp_async_arrive_noinc(") == 4
     spills, regs = _ptxas_spills(src, tmp_path)
     assert regs == 168 and spills <= 640, spills
+
+
+def test_workspace_rows_program_keeps_mp31s_rules_and_builds_for_sm90a(use_settings):
+    """The workspace's gather (a portable program: element loops, bounds-checked vector reads) breaks none of
+    MP31's lowering rules in either FP8 form, and compiles for sm_90a (exact dequantisation: the GPU test
+    compares it with the reference reader bit for bit)."""
+    from musa_attn_backend.kernels._tir import RULES, violations
+    from musa_attn_backend.kernels.dsv4.sparse.workspace_kernel import build_workspace_rows
+
+    musa = {flag: False for flag in RULES}  # a target lacking every capability the rules name
+    for fp8 in (True, False):
+        assert violations(build_workspace_rows.__wrapped__(fp8), musa) == []
+    if NVCC or in_ci():
+        src = ti.workspace_rows_kernel(target=HOPPER).get_kernel_source()
+        assert "workspace_rows_kernel" in src and "exp2" in src

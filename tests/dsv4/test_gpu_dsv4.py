@@ -123,6 +123,22 @@ def check_case(dev, heads, T, swa, K1, extra, K2, with_sink):
     torch.testing.assert_close(lse[fin], ref_lse[fin], atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pages,rows,stride", [(80, 256, 0), (60, 2, 93888), (40, 64, 93888)])
+def test_workspace_rows_kernel_is_the_reference_reader(gpu_device, pages, rows, stride):
+    """The paired_ws program's gather of cache rows (``workspace_kernel``) against the reference reader, bit for
+    bit, with repeated slots; invalid ones (negative, past the slots) read as zeros."""
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
+    from musa_attn_backend.kernels.dsv4.writers.reference import read_kv_v4_reference
+
+    cache, written = filled_cache(pages, rows, gpu_device, seed=pages, stride=stride)
+    n = pages * rows
+    slots = written[torch.randint(0, len(written), (3001,), generator=torch.Generator().manual_seed(1))].to(gpu_device)
+    got = tilelang_impl._read_rows("test")(cache, slots.int(), "cache")
+    assert torch.equal(got.view(torch.int16), read_kv_v4_reference(cache, slots.long()).view(torch.int16))
+    bad = torch.tensor([-1, n, n + 5, -(1 << 30)], dtype=torch.int32, device=gpu_device)
+    assert (tilelang_impl._read_rows("test")(cache, bad, "cache") == 0).all()
+
+
 def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device, program):
     """Tokens whose entries are all invalid (and a cache of no pages): zeros, LSE -inf, nothing read."""
     dev = gpu_device

@@ -527,6 +527,26 @@ def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, e
     return (out, lse) if return_lse else out
 
 
+def workspace_rows_kernel(target=None):
+    """The compiled gather of cache rows into the paired_ws program's workspace (:mod:`.workspace_kernel`)."""
+    from .workspace_kernel import build_workspace_rows
+
+    fp8 = _glue._fp8_convert(target)
+    return compile_cached(("dsv4_workspace_rows", fp8), lambda: build_workspace_rows(fp8), target=target)
+
+
+def _read_rows(op: str):
+    """The workspace's ``read_rows`` (:func:`.workspace.build_workspace`) through :func:`workspace_rows_kernel`."""
+    def read(cache, slots, name):
+        dev = slots.device
+        views, geo = _flat_views(L.kv_pages(cache, name, op=op), dev, op, name, units=True)
+        rows = _alloc((slots.shape[0], L.D), torch.bfloat16, dev)
+        if slots.shape[0]:
+            workspace_rows_kernel()(*views, slots.to(torch.int32), *geo, rows)
+        return rows
+    return read
+
+
 def _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale,
                           out, return_lse, empty_lse_inf, op):
     """Build the call's bf16 workspace (:mod:`.workspace`: one host synchronisation) and launch the paired program
@@ -535,6 +555,7 @@ def _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices
 
     T, H, _ = q.shape
     dev = q.device
+    _check_program("paired_ws")  # before the workspace's gathers launch
     check(not stream_capturing(dev),
           lambda: f"{op}: the paired_ws program builds its workspace with a host synchronisation, which a CUDA graph "
                   f"capture cannot hold; capture with MUSA_ATTN_DSV4_PROGRAM=auto or scheduled")
@@ -544,7 +565,7 @@ def _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices
         has_extra = extra_cache is not None and extra_indices.shape[1] > 0
         ws = build_workspace(cache, indices, lengths, extra_cache=extra_cache if has_extra else None,
                              extra_indices=extra_indices if has_extra else None,
-                             extra_lengths=extra_lengths if has_extra else None, op=op)
+                             extra_lengths=extra_lengths if has_extra else None, op=op, read_rows=_read_rows(op))
         sinks = sink.contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
         empty = float("inf") if empty_lse_inf else float("-inf")
         rows = ws.rows if ws.rows.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)  # none valid

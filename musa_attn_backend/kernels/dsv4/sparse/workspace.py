@@ -4,9 +4,10 @@ dequantised once, and the lists rebased into it.
 A prefill's tokens share most of their rows (each of 4,096 tokens reads its window's 128 rows and 512 of the
 compressed ones, some 2.6 million reads of 8-20 thousand rows), so dequantising each row once and copying bf16 rows
 in the attention program costs less than dequantising per read; FlashMLA's sparse prefill reads such a workspace,
-which the engines build for it. Here it is built from the caches by torch operations (any device; no copy of a
-cache): the selected slots are flagged in a per-cache vector, their running count gives each its workspace row,
-and the flagged rows are read by the reference reader (exact: the rows are bf16 values).
+which the engines build for it. Here it is built from the caches (no copy of a cache): the selected slots are
+flagged in a per-cache vector by torch operations, their running count gives each its workspace row, and the
+flagged rows are read by ``read_rows`` (the launcher passes :mod:`.workspace_kernel`'s gather; the reference
+reader by default; both exact: the rows are bf16 values).
 
 The rebased list of a token is its main list's ``K1`` entries then its extra list's ``K2`` (the extra rows after
 the main cache's in the workspace); an entry that selects nothing (negative, at or past its cache's slots, at or
@@ -17,7 +18,7 @@ moved). The row count is known only after the flags are counted: one host synchr
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -50,13 +51,17 @@ def _selected(cache: torch.Tensor, name: str, indices: torch.Tensor, lengths: Op
 
 def build_workspace(cache: torch.Tensor, indices: torch.Tensor, lengths: Optional[torch.Tensor] = None, *,
                     extra_cache: Optional[torch.Tensor] = None, extra_indices: Optional[torch.Tensor] = None,
-                    extra_lengths: Optional[torch.Tensor] = None, op: str = "build_workspace") -> Workspace:
+                    extra_lengths: Optional[torch.Tensor] = None, op: str = "build_workspace",
+                    read_rows: Optional[Callable] = None) -> Workspace:
     """The workspace of one call of :func:`musa_attn_backend.kernels.dsv4.sparse_mqa` (its arguments, checked
-    there): the selected rows of ``cache`` (and ``extra_cache``), the tokens' rebased lists and their lengths."""
+    there): the selected rows of ``cache`` (and ``extra_cache``), the tokens' rebased lists and their lengths.
+    ``read_rows(cache, slots, name)``: the bf16 rows ``[len(slots), 512]`` at ``slots`` (default: the reference
+    reader)."""
+    read_rows = read_rows or (lambda c, slots, name: read_kv_v4_reference(c, slots))
     T, K1 = indices.shape
     dev = indices.device
     slots1, rebased1, _ = _selected(cache, "cache", indices, lengths, op)
-    parts, lists = [read_kv_v4_reference(cache, slots1)], [rebased1]
+    parts, lists = [read_rows(cache, slots1, "cache")], [rebased1]
     if lengths is None:
         n = torch.full((T,), K1, dtype=torch.int32, device=dev)
     else:
@@ -64,7 +69,7 @@ def build_workspace(cache: torch.Tensor, indices: torch.Tensor, lengths: Optiona
     if extra_indices is not None and extra_indices.shape[1] > 0:
         K2 = extra_indices.shape[1]
         slots2, rebased2, _ = _selected(extra_cache, "extra_cache", extra_indices, extra_lengths, op)
-        parts.append(read_kv_v4_reference(extra_cache, slots2))
+        parts.append(read_rows(extra_cache, slots2, "extra_cache"))
         lists.append(torch.where(rebased2 >= 0, rebased2 + slots1.shape[0], -1))
         n2 = (torch.full((T,), K2, dtype=torch.int32, device=dev) if extra_lengths is None
               else extra_lengths.to(dev, torch.int32).clamp(0, K2))
