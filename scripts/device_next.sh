@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device calls, in order, on one machine kept warm between them (each call within 30 s of the last). Write
 # .commit first (`git rev-parse --short HEAD > .commit`): the device's git metadata is stale.
-# Calls (33rd session, 2026-12-07: `variants` and `next1b` ran on an H100, docs/device-runs.md):
+# Calls (33rd and 34th sessions, 2026-12-07: `variants`, `next1b` and `next2` ran on an H100, docs/device-runs.md):
 #   variants (cold; carry .device/env.sh .device/tl .device/peers .commit; about 4 minutes) issue 37: the scheduled
 #          program's build variants beside FlashMLA (scripts/sched_variants.py), the GPU tests of one, ncu at Flash 64
 #   next1b (carry as variants plus .device/before.tar.gz .device/after.tar.gz) issue 39's routing-program GPU tests
@@ -10,6 +10,9 @@
 #   next2, next3 (carry .device/env.sh .device/fw; each about 4-7 minutes, the kernels compiled cold) the vLLM
 #          layer's and the SGLang backend's V4 benches (34th session: next2's vLLM bench ran on an H100; the SGLang
 #          bench found no backend: the entry points' dist-info was not written, now it is)
+#   ws     (carry .device/env.sh .device/tl .device/peers .commit; cold, about 6 minutes) issue 37: the paired_ws
+#          program's GPU tests (both orders of its math groups, its gather) and scripts/ws_smoke.py (34th session:
+#          built after the device time was spent; its first form ran correct in a smoke run, docs/dsv4.md)
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -43,11 +46,19 @@ case "${1:-}" in
       python3 scripts/profile_dsv4_attention.py --ncu --cases flash:64:1 > "$out/ncu.txt" 2>&1
     stamp "ncu rc=$?"
     grep -E "^\{|rc |passed|failed" "$out/variants.txt" | cut -c1-600 | tail -20 ;;
+  ws)  # issue 37: the paired_ws program (a bf16 workspace, both orders of its math groups) and its gather on the
+    # GPU: their tests, then Flash and Pro prefill of 4096 tokens beside the scheduled program (scripts/ws_smoke.py)
+    timeout 300 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+      -k "paired_ws or workspace_rows" > "$out/ws_tests.txt" 2>&1
+    stamp "paired_ws tests: $(tail -1 "$out/ws_tests.txt")"
+    timeout 200 python3 scripts/ws_smoke.py --configs flash,pro --tokens 4096 --out "$out" > "$out/ws_smoke.txt" 2>&1
+    stamp "ws smoke rc=$?"
+    grep -E "^\{|passed|failed" "$out/ws_smoke.txt" "$out/ws_tests.txt" | cut -c1-700 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|variants|next1b|next2|next3"; exit 2 ;;
 esac
