@@ -134,6 +134,7 @@ BUILDERS = {
     "dsv4_combine": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "combine_kernel"),
     "dsv4_sched": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "sched_kernel"),
     "dsv4_sparse_combine": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "sched_combine_kernel"),
+    "dsv4_workspace_rows": ("musa_attn_backend.kernels.dsv4.sparse.tilelang_impl", "workspace_rows_kernel"),
     "dsv4_write_kv": ("musa_attn_backend.kernels.dsv4.writers.tilelang_impl", "write_kv_v4_kernel"),
     "dsv4_write_index_k": ("musa_attn_backend.kernels.dsv4.writers.tilelang_impl", "write_index_k_kernel"),
     "dsv4_attention_slots": ("musa_attn_backend.kernels.dsv4.model.tilelang_impl", "attention_slots_kernel"),

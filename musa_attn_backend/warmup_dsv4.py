@@ -143,7 +143,9 @@ def _attention(model: V4Model, engine: str) -> list[Job]:
             if _sched_cluster(H, None):  # the job above built the clustered form, for calls of many tokens;
                 # calls of fewer take the unclustered one (tilelang_impl.SCHED_CLUSTER_MIN_TOKENS)
                 jobs.append(Job("dsv4_sched", (H, extra, True, "bfloat16"), (("cluster", False),)))
-        elif program in ("paired", "paired_ws"):  # one program, never split
+        elif program == "paired_ws":  # one program, never split, and the gather of its workspace's rows
+            jobs.append(Job("dsv4_workspace_rows", ()))
+        elif program == "paired":  # one program, never split
             pass
         elif _index_tiles(model, ratio, sparse_mqa_block_n()) >= 4:  # num_splits_for splits from 4 tiles on
             jobs += [Job("dsv4_sparse_mqa", (H, extra, True, True, "bfloat16")),

@@ -64,7 +64,8 @@ PROGRAMS = {
     "moe_quantize_scatter_g3": lambda: moe.quantize_scatter_kernel(3 * 128, 8),
     "moe_combine": lambda: moe.combine_kernel(H, 6),
     "moe_combine_b128": lambda: moe.combine_kernel(3 * 128, 8),
-    # DeepSeek-V4's sparse attention: the portable, the scheduled and the paired programs
+    # DeepSeek-V4's sparse attention: the portable, the scheduled and the paired programs (over the FP8 rows and
+    # over a bf16 workspace, and its gather)
     "dsv4_portable_h64_extra_sink_split": lambda: sparse.sparse_mqa_kernel(64, True, True, True, BF16,
                                                                            program="portable"),
     "dsv4_portable_h128": lambda: sparse.sparse_mqa_kernel(128, False, False, False, BF16, program="portable"),
@@ -72,6 +73,8 @@ PROGRAMS = {
     "dsv4_sched_h128": lambda: sparse.sched_kernel(128, False, False, BF16),
     "dsv4_paired_h64_extra_sink": lambda: sparse.paired_kernel(64, True, True, BF16),
     "dsv4_paired_h128": lambda: sparse.paired_kernel(128, False, False, BF16),
+    "dsv4_paired_ws_h64_sink": lambda: sparse.paired_ws_kernel(64, True, BF16),
+    "dsv4_workspace_rows": lambda: sparse.workspace_rows_kernel(),
     # DeepSeek-V4's model-side kernels
     "dsv4_mhc_pre": lambda: model.mhc_pre_kernel(4, 4096, 20, False, False, BF16),
     "dsv4_mhc_pre_head_norm": lambda: model.mhc_pre_kernel(4, 4096, 20, True, True, BF16),

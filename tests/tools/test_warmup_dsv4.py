@@ -115,6 +115,20 @@ def test_scheduled_program_plans_its_kernels_and_the_keys_its_launch_asks_for(us
                          ("dsv4_sparse_combine", 8, True, "bfloat16")}
 
 
+def test_paired_ws_program_plans_its_program_and_its_gather(use_settings):
+    """MUSA_ATTN_DSV4_PROGRAM=paired_ws on CUDA: one program a head count (with or without an extra set: the
+    workspace holds both) and the gather of the workspace's rows, under the keys the launch asks for (the first
+    prefill would otherwise compile them)."""
+    use_settings(target="sm_90a", dsv4_program="paired_ws")
+    jobs = kinds(wd.plan(wd.from_hf_config(FLASH, tp=8), engine="vllm"))
+    assert "dsv4_sparse_combine" not in jobs and "dsv4_combine" not in jobs
+    keys = []
+    with _tilelang.intercepting(lambda k, b, t, p: keys.append(k)):
+        for job in jobs["dsv4_sparse_mqa"] + jobs["dsv4_workspace_rows"]:
+            warmup._build(job)
+    assert set(keys) == {("dsv4_sparse_mqa_paired_ws", 8, True, "bfloat16"), ("dsv4_workspace_rows", True)}
+
+
 def test_scheduled_program_plans_both_forms_for_128_heads(use_settings):
     """65-128 heads a rank on CUDA: the clustered form (calls of SCHED_CLUSTER_MIN_TOKENS tokens and more) and the
     unclustered one (fewer), each under the key its launch asks for."""
