@@ -17,9 +17,11 @@ FlashMLA, where ``flashmla_peer`` imports: decode (``flashmla_ms`` under a CUDA 
 eager, its scheduler metadata made once and reused, as the engines reuse it across layers; ours likewise with one
 plan, ``plan_ms`` its cost) on the same FP8 caches and indices, with ``flashmla_max_abs_diff`` between the two
 outputs; prefill through its bf16-workspace kernel (``flashmla_prefill_ms``: the kernel alone, on a workspace of
-every row of both caches; ``workspace_floor_ms``: the copy-rate time of the bf16 rows an engine must build before
-it, which ours does not need; ``flashmla_fp8_decode_ms``: the same tokens through its FP8 decode kernel, which
-reads the cache as ours does). ``--programs`` times each named sparse MQA program on every row (``<program>_ms``,
+every row of both caches; ``workspace_floor_ms``: the copy-rate time of one bf16 row an entry, an upper bound of
+what an engine builds before it (an engine's workspace holds each request's rows once);
+``flashmla_fp8_decode_ms``: the same tokens through its FP8 decode kernel, which reads the cache as ours does;
+with ``--programs paired_ws``, ``paired_ws_on_flashmla_inputs_ms``: our paired_ws program through
+``flash_mla_sparse_fwd`` on FlashMLA's own workspace and lists, the kernel against kernel comparison). ``--programs`` times each named sparse MQA program on every row (``<program>_ms``,
 ``<program>_eager_ms``); ``ours_ms`` is the first. ``entry_eager_ms``: our ``flash_mla_with_kvcache`` called
 eagerly as the engines call it (one metadata object across calls), beside ``flashmla_eager_ms``;
 ``entry_tilelang_eager_ms`` the same through TileLang's launches, ``entry_compiled_eager_ms`` through one call into
@@ -148,12 +150,12 @@ def flashmla_decode(ops, q4, swa, i14, c4, i24, sink, out4):
 
 def flashmla_prefill(ops, q, swa, i1, c4, i2, sink):
     """A callable running FlashMLA's sparse prefill over a bf16 workspace holding every row of both caches
-    (window rows first), with the index lists rebased into it; and the workspace's row count."""
+    (window rows first), with the index lists rebased into it; and that workspace and those lists."""
     rows = [dsv4.read_kv_v4(c, torch.arange(c.shape[0] * c.shape[1], device=c.device)) for c in (swa, c4)]
     kv = torch.cat(rows).unsqueeze(1).contiguous()
     idx = torch.cat([i1, i2 + rows[0].shape[0]], dim=1).unsqueeze(1).contiguous()
     out = torch.empty_like(q)
-    return (lambda: ops.sparse_prefill_fwd(q, kv, idx, 512 ** -0.5, 512, sink, None, out)), kv.shape[0]
+    return (lambda: ops.sparse_prefill_fwd(q, kv, idx, 512 ** -0.5, 512, sink, None, out)), kv, idx
 
 
 def paired_ws_times(q, swa, i1, c4, i2, sink, out) -> dict:
@@ -364,12 +366,19 @@ def main(argv=None):
                         extra["flashmla_max_abs_diff"] = (out4.view(T, H, 512).float()
                                                           - ours_out.float()).abs().max().item()
                     else:
-                        fn, ws_rows = flashmla_prefill(fm, q, swa, i1, c4, i2, sink)
+                        fn, kv, idx = flashmla_prefill(fm, q, swa, i1, c4, i2, sink)
                         extra["flashmla_prefill_ms"] = bench_ms(fn, graph=False, rep=10)
+                        if "paired_ws" in programs:  # our paired_ws program on FlashMLA's own inputs
+                            ours_fm = lambda: dsv4.flash_mla_sparse_fwd(q, kv, idx, 512 ** -0.5,  # noqa: E731
+                                                                        attn_sink=sink)
+                            extra["paired_ws_on_flashmla_inputs_ms"] = bench_ms(ours_fm, graph=False, rep=10)
+                            extra["paired_ws_on_flashmla_inputs_max_abs_diff"] = (
+                                ours_fm()[0].float() - fn()[0].float()).abs().max().item()
+                            del ours_fm
                         ws_bytes = T * (K + 128) * (L.ROW_BYTES + 512 * 2)  # read the FP8 rows, write bf16 rows
                         extra["workspace_floor_ms"] = ws_bytes / ceilings["copy_tbps"] / 1e9
                         extra["flashmla_max_abs_diff"] = (fn()[0].float() - ours_out.float()).abs().max().item()
-                        del fn
+                        del fn, kv, idx
                         # the same tokens through FlashMLA's FP8 decode kernel (each a one-query request): the
                         # kernel that reads the FP8 cache as ours does, where its prefill reads a bf16 workspace.
                         # Up to 4096 requests: its scheduling-metadata kernel fails to launch at 16384 (invalid

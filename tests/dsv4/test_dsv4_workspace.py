@@ -205,3 +205,33 @@ def test_workspace_rows_program_keeps_mp31s_rules_and_builds_for_sm90a(use_setti
     if NVCC or in_ci():
         src = ti.workspace_rows_kernel(target=HOPPER).get_kernel_source()
         assert "workspace_rows_kernel" in src and "exp2" in src
+
+
+def test_flash_mla_sparse_fwd_runs_the_paired_ws_program(use_settings):
+    """FlashMLA's sparse prefill entry's kernel path (``impl`` auto on a GPU): the paired_ws program over the
+    caller's bf16 rows, no workspace built (the rows are one), FlashMLA's empty LSE (+inf), the topk lengths
+    passed, the three outputs returned in FlashMLA's order; a target without the program refuses by name."""
+    use_settings(target="sm_90a")
+    kernels = {}
+
+    def capture(key, build, target, pass_configs):
+        return kernels.setdefault(key[0], SignatureCheck(build()))
+
+    S, H, S_kv, K = 6, 64, 300, 96
+    q = torch.randn(S, H, 512).to(torch.bfloat16)
+    kv = torch.randn(S_kv, 1, 512).to(torch.bfloat16)
+    idx = torch.randint(-1, S_kv, (S, 1, K), dtype=torch.int32)
+    lens = torch.tensor([96, 0, 5, 64, 65, 1], dtype=torch.int32)
+    with _tilelang.intercepting(capture):  # what flash_mla_sparse_fwd calls on a GPU (its tensors on the CPU here)
+        out, max_logits, lse = ti.sparse_prefill_bf16(q, kv.reshape(S_kv, 512), idx[:, 0], lens, torch.zeros(H),
+                                                      0.04)
+    assert set(kernels) == {"dsv4_sparse_mqa_paired_ws"}
+    (call,) = kernels["dsv4_sparse_mqa_paired_ws"].calls
+    assert call[1].shape == (S_kv, 512) and call[2].shape == (S, K) and torch.equal(call[3], lens)
+    assert float("inf") in [a for a in call if not isinstance(a, torch.Tensor)]
+    assert out is call[-3] and lse is call[-2] and max_logits is call[-1]
+    use_settings(target="mp_31")
+    with pytest.raises(ValueError, match="paired_ws"):
+        ti.sparse_prefill_bf16(q, kv.reshape(S_kv, 512), idx[:, 0], None, None, 0.04)
+    with pytest.raises(ValueError, match="impl='tilelang' needs the tensors on a CUDA or MUSA device"):
+        dsv4.flash_mla_sparse_fwd(q, kv, idx, 0.04, impl="tilelang")

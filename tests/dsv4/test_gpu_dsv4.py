@@ -139,6 +139,35 @@ def test_workspace_rows_kernel_is_the_reference_reader(gpu_device, pages, rows, 
     assert (tilelang_impl._read_rows("test")(cache, bad, "cache") == 0).all()
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["paired", "pipelined"])
+@pytest.mark.parametrize("H,S,S_kv,K", [(64, 300, 5000, 640), (128, 37, 700, 1152), (16, 9, 130, 70)])
+def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, pipelined, H, S, S_kv, K):
+    """FlashMLA's sparse prefill entry on the paired_ws program against its reference: ragged topk lengths (some
+    zero), invalid entries (negative, at or past s_kv), NaN rows nobody selects, sinks of +-inf in some heads."""
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel
+
+    monkeypatch.setattr(paired_ws_kernel, "PIPELINED", pipelined)
+    g = torch.Generator().manual_seed(H + S)
+    q = torch.randn(S, H, 512, generator=g).to(torch.bfloat16).to(gpu_device)
+    kv = torch.randn(S_kv + 50, 1, 512, generator=g).to(torch.bfloat16)
+    kv[S_kv:] = float("nan")  # past s_kv as the kernel sees it below: never read
+    kv = kv.to(gpu_device)
+    idx = torch.randint(-1, S_kv + 3, (S, 1, K), generator=g, dtype=torch.int32).to(gpu_device)
+    lens = torch.randint(0, K + 1, (S,), generator=g, dtype=torch.int32).to(gpu_device)
+    lens[0] = 0
+    sink = torch.randn(H, generator=g).to(gpu_device)
+    sink[::5] = float("inf")
+    sink[1::5] = float("-inf")
+    args = (q, kv[:S_kv], idx, 512 ** -0.5)
+    ref = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="reference")
+    got = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="tilelang")
+    torch.testing.assert_close(got[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+    for a, b in zip(got[1:], ref[1:]):  # max_logits, lse: +-inf where no entry is valid
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        fin = torch.isfinite(b)
+        torch.testing.assert_close(a[fin], b[fin], atol=2e-3, rtol=1e-4)
+
+
 def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device, program):
     """Tokens whose entries are all invalid (and a cache of no pages): zeros, LSE -inf, nothing read."""
     dev = gpu_device

@@ -318,7 +318,9 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     """FlashMLA's sparse prefill: ``q [S, H, 512]`` bf16 over the bf16 workspace ``kv [S_kv, 1, 512]`` at
     ``indices [S, 1, K]`` (rows of ``kv``; negative, past ``topk_length [S]`` or ``>= S_kv``: invalid). Returns
     ``(out [S, H, 512] bf16, max_logits [S, H], lse [S, H])``, float32, natural log, ``max_logits`` the largest
-    scaled score (``-inf`` and ``lse = +inf`` for a query with no valid entry)."""
+    scaled score (``-inf`` and ``lse = +inf`` for a query with no valid entry). ``impl``: ``auto`` (the paired_ws
+    program on a GPU, :func:`.tilelang_impl.sparse_prefill_bf16`, refused where the target cannot run it; the
+    reference on a CPU), ``tilelang`` or ``reference``."""
     from .reference import valid_entries
 
     op = "flash_mla_sparse_fwd"
@@ -335,8 +337,12 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
           lambda: f"{op}: attn_sink must be [{q.shape[1]}] float32")
     check(topk_length is None or (isinstance(topk_length, torch.Tensor) and topk_length.shape == (q.shape[0],)),
           lambda: f"{op}: topk_length must be [{q.shape[0]}] int32")
-    check(impl in ("auto", "reference"),
-          lambda: f"{op}: impl must be 'auto' or 'reference' (the bf16-workspace kernel is the reference for now)")
+    check(kv.device == q.device and indices.device == q.device,
+          lambda: f"{op}: q, kv and indices must be on one device, got {q.device}, {kv.device}, {indices.device}")
+    if resolve_impl(impl, q.device, op) == "tilelang":
+        from .tilelang_impl import sparse_prefill_bf16
+
+        return sparse_prefill_bf16(q, kv.reshape(kv.shape[0], L.D), indices[:, 0], topk_length, attn_sink, sm_scale)
     S, H, _ = q.shape
     out = torch.empty_like(q)
     max_logits = torch.empty(S, H, dtype=torch.float32, device=q.device)

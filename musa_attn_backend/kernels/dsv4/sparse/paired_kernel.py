@@ -59,15 +59,17 @@ def half(h, left, right):
     return left if h == 0 else right
 
 
-def consumer_macro(H: int, has_sink: bool, q_dtype: str):
+def consumer_macro(H: int, has_sink: bool, q_dtype: str, max_logits: bool = False):
     """The math groups' macro (``consumer(w, ...)``, ``w`` a Python int): a group's loop over the token's pairs and its
     half of the epilogue, for ``H`` query heads; shared by the programs over FP8 rows (here) and over a bf16
-    workspace (:mod:`.paired_ws_kernel`), whose producers fill the same stage halves under the same barriers."""
+    workspace (:mod:`.paired_ws_kernel`), whose producers fill the same stage halves under the same barriers.
+    ``max_logits``: group 0 also writes each row's largest scaled score into ``MaxL`` (``-inf`` where no entry is
+    valid; FlashMLA's prefill returns it); otherwise ``MaxL`` is not touched."""
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
     def consumer(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l, empty_r,
-                 q_full, t, h0, pairs, scale_log2, empty_lse):
+                 q_full, t, h0, pairs, scale_log2, empty_lse, MaxL):
         """Group ``w``'s loop over the token's pairs and its half of the epilogue (``w`` a Python int)."""
         other = 1 - w
         state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False)
@@ -146,6 +148,10 @@ def consumer_macro(H: int, has_sink: bool, q_dtype: str):
                 if h0 + r < H:
                     LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
                                                     (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
+            if max_logits:
+                for r in T.Parallel(BH):
+                    if h0 + r < H:
+                        MaxL[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, NEG_INF, m_i[r] * scale_log2 / LOG2E)
 
     return consumer
 
@@ -240,12 +246,12 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
             with T.ws(0):
                 T.set_max_nreg(MATH_REGS, 1)
                 consumer(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
+                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, LSE)
 
             with T.ws(1):
                 T.set_max_nreg(MATH_REGS, 1)
                 consumer(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
+                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, LSE)
 
             # ---- warp group 2: the producer ----
             with T.ws(2):

@@ -31,8 +31,9 @@ they are, as FlashMLA's SM90 sparse prefill does over the bf16 rows an engine bu
   write: each group writes its next P only after a barrier the other reaches after its read of the last one
   (``tests/dsv4/test_dsv4_paired_ws_protocol.py`` models the order).
 
-The output (``O``, the sink in the denominator) and the LSE (natural log; ``empty_lse`` where no entry is valid)
-are written by the block; nothing is split, so there is no combine.
+The output (``O``, the sink in the denominator), the LSE (natural log; ``empty_lse`` where no entry is valid) and
+each row's largest scaled score (``MaxL``, ``-inf`` where none is valid: FlashMLA's sparse prefill returns it) are
+written by the block; nothing is split, so there is no combine.
 """
 
 import functools
@@ -171,7 +172,7 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
             T.mbarrier_arrive(empty_r[0])
 
     @T.macro
-    def epilogue(w, state, l_s, sinks, O, LSE, t, h0, scale_log2, empty_lse):
+    def epilogue(w, state, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse):
         """Both groups' row sums (the same maximum), the sink, this group's columns; the LSE from group 0."""
         _, _, acc_o, m_i, _, alpha, row_sum, l_i = state
         for r in T.Parallel(BH):
@@ -193,6 +194,7 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
                 if h0 + r < H:
                     LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
                                                     (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
+                    MaxL[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, NEG_INF, m_i[r] * scale_log2 / LOG2E)
 
     return group0, group1, epilogue
 
@@ -209,7 +211,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     R = T.dynamic("ws_rows")
     head_blocks = (H + BH - 1) // BH
     load_q = fp8_row_macros(H, False, q_dtype, K, 0).load_q
-    consumer = consumer_macro(H, has_sink, q_dtype)
+    consumer = consumer_macro(H, has_sink, q_dtype, max_logits=True)
     group0, group1, epilogue = pipelined_macros(H, has_sink, q_dtype)
     NEG_INF = -T.infinity(ACC)
 
@@ -243,6 +245,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         sm_scale: T.float32, empty_lse: T.float32,
         O: T.Tensor((NT, H, D), q_dtype),
         LSE: T.Tensor((NT, H), "float32"),
+        MaxL: T.Tensor((NT, H), "float32"),
     ):
         with T.Kernel(NT, head_blocks, threads=CONSUMER_THREADS + PRODUCER) as (t, bh):
             Ql_s = T.alloc_shared([BH, HD], q_dtype)
@@ -276,7 +279,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                     T.fill(m_i, NEG_INF)
                     group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full,
                            pairs, scale_log2, state)
-                    epilogue(0, state, l_s, sinks, O, LSE, t, h0, scale_log2, empty_lse)
+                    epilogue(0, state, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
 
                 with T.ws(1):
                     T.set_max_nreg(MATH_REGS, 1)
@@ -287,17 +290,17 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                     T.fill(m_i, NEG_INF)
                     group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full,
                            pairs, scale_log2, state)
-                    epilogue(1, state, l_s, sinks, O, LSE, t, h0, scale_log2, empty_lse)
+                    epilogue(1, state, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
             else:
                 with T.ws(0):
                     T.set_max_nreg(MATH_REGS, 1)
                     consumer(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
+                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL)
 
                 with T.ws(1):
                     T.set_max_nreg(MATH_REGS, 1)
                     consumer(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
+                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL)
 
             # ---- warp group 2: the producer ----
             with T.ws(2):

@@ -570,8 +570,30 @@ def _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices
         empty = float("inf") if empty_lse_inf else float("-inf")
         rows = ws.rows if ws.rows.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)  # none valid
         paired_ws_kernel(H, sink is not None, "bfloat16")(q, rows, ws.indices, ws.lengths, sinks, float(sm_scale),
-                                                          empty, out, lse)
+                                                          empty, out, lse, _alloc((T, H), torch.float32, dev))
     return (out, lse) if return_lse else out
+
+
+def sparse_prefill_bf16(q, kv, indices, lengths, sink, sm_scale):
+    """FlashMLA's sparse prefill on the paired_ws program (:mod:`.paired_ws_kernel`) over the caller's bf16 rows
+    ``kv [S_kv, 512]`` (the workspace an engine builds for FlashMLA): ``(out, max_logits, lse)`` by FlashMLA's
+    conventions (``lse = +inf``, ``max_logits = -inf`` for a query with no valid entry). Arguments checked by
+    :func:`.flash_mla.flash_mla_sparse_fwd`; ``indices [S, K]`` int32, ``lengths [S]`` int32 or None."""
+    T, H, _ = q.shape
+    dev = q.device
+    _check_program("paired_ws")
+    out = _alloc(q.shape, q.dtype, dev)
+    lse = _alloc((T, H), torch.float32, dev)
+    max_logits = _alloc((T, H), torch.float32, dev)
+    if T:
+        K = indices.shape[1]
+        n = (torch.full((T,), K, dtype=torch.int32, device=dev) if lengths is None
+             else lengths.to(torch.int32).contiguous())
+        rows = kv if kv.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)
+        sinks = sink.float().contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
+        paired_ws_kernel(H, sink is not None, "bfloat16")(q.contiguous(), rows.contiguous(), indices.contiguous(), n,
+                                                          sinks, float(sm_scale), float("inf"), out, lse, max_logits)
+    return out, max_logits, lse
 
 
 _SCHED_KERNELS: dict = {}
