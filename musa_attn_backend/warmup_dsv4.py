@@ -143,7 +143,7 @@ def _attention(model: V4Model, engine: str) -> list[Job]:
             if _sched_cluster(H, None):  # the job above built the clustered form, for calls of many tokens;
                 # calls of fewer take the unclustered one (tilelang_impl.SCHED_CLUSTER_MIN_TOKENS)
                 jobs.append(Job("dsv4_sched", (H, extra, True, "bfloat16"), (("cluster", False),)))
-        elif program == "paired_ws":  # one program, never split, and the gather of its workspace's rows
+        elif program in ("paired_ws", "portable_ws"):  # one program, never split, and its workspace's gather
             jobs.append(Job("dsv4_workspace_rows", ()))
         elif program == "paired":  # one program, never split
             pass

@@ -49,7 +49,7 @@ case "${1:-}" in
   ws)  # issue 37: the paired_ws program (a bf16 workspace, both orders of its math groups) and its gather on the
     # GPU: their tests, then Flash and Pro prefill of 4096 tokens beside the scheduled program (scripts/ws_smoke.py)
     timeout 300 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
-      -k "paired_ws or workspace_rows or sparse_fwd_kernel" > "$out/ws_tests.txt" 2>&1
+      -k "paired_ws or portable_ws or workspace_rows or sparse_fwd_kernel" > "$out/ws_tests.txt" 2>&1
     stamp "paired_ws tests: $(tail -1 "$out/ws_tests.txt")"
     timeout 200 python3 scripts/ws_smoke.py --configs flash,pro --tokens 4096 --out "$out" > "$out/ws_smoke.txt" 2>&1
     stamp "ws smoke rc=$?"

@@ -3,6 +3,7 @@ its rows and rebased lists select exactly what the caches' lists select, and att
 the program's launch against its signature; its sm_90a build (the producer's copies and barriers, registers)."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -210,7 +211,7 @@ def test_workspace_rows_program_keeps_mp31s_rules_and_builds_for_sm90a(use_setti
 def test_flash_mla_sparse_fwd_runs_the_paired_ws_program(use_settings):
     """FlashMLA's sparse prefill entry's kernel path (``impl`` auto on a GPU): the paired_ws program over the
     caller's bf16 rows, no workspace built (the rows are one), FlashMLA's empty LSE (+inf), the topk lengths
-    passed, the three outputs returned in FlashMLA's order; a target without the program refuses by name."""
+    passed, the three outputs returned in FlashMLA's order; on MUSA the portable program over the same rows."""
     use_settings(target="sm_90a")
     kernels = {}
 
@@ -230,8 +231,42 @@ def test_flash_mla_sparse_fwd_runs_the_paired_ws_program(use_settings):
     assert call[1].shape == (S_kv, 512) and call[2].shape == (S, K) and torch.equal(call[3], lens)
     assert float("inf") in [a for a in call if not isinstance(a, torch.Tensor)]
     assert out is call[-3] and lse is call[-2] and max_logits is call[-1]
-    use_settings(target="mp_31")
-    with pytest.raises(ValueError, match="paired_ws"):
+    use_settings(target="mp_31")  # MUSA: the portable program over the same rows, in MUSA's form
+    kernels.clear()
+    with _tilelang.intercepting(capture):
         ti.sparse_prefill_bf16(q, kv.reshape(S_kv, 512), idx[:, 0], None, None, 0.04)
+    assert set(kernels) == {"dsv4_sparse_mqa_portable_ws"}
     with pytest.raises(ValueError, match="impl='tilelang' needs the tensors on a CUDA or MUSA device"):
         dsv4.flash_mla_sparse_fwd(q, kv, idx, 0.04, impl="tilelang")
+
+
+@pytest.mark.parametrize("target,musa", [("sm_90a", False), ("mp_31", True)])
+def test_portable_ws_glue_and_musa_rules(use_settings, target, musa):
+    """MUSA_ATTN_DSV4_PROGRAM=portable_ws: the workspace's gathers and one program launch, every argument where its
+    parameter is; MUSA's form (K and V tiles of their own, 32 rows) breaks none of MP31's lowering rules."""
+    from musa_attn_backend.kernels._tir import RULES, violations
+
+    use_settings(target=target, dsv4_program="portable_ws")
+    kernels, funcs = {}, []
+
+    def capture(key, build, target, pass_configs):
+        funcs.append(build())
+        return kernels.setdefault(key[0], SignatureCheck(funcs[-1]))
+
+    q, cache, idx, xcache, xidx = _batch(4)
+    with _tilelang.intercepting(capture):
+        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, extra_cache=xcache, extra_indices=xidx,
+                                          sink=torch.zeros(64), return_lse=True)
+    assert set(kernels) == {"dsv4_workspace_rows", "dsv4_sparse_mqa_portable_ws"}
+    assert len(kernels["dsv4_sparse_mqa_portable_ws"].calls) == 1
+    program = funcs[-1]
+    assert bool(re.search(r"(?<!K)V_s\b", str(program))) == musa  # a V tile of its own on MUSA only
+    flags = {flag: not musa for flag in RULES}
+    assert all(violations(f, flags) == [] for f in funcs)
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_portable_ws_program_builds_for_sm90a(use_settings):
+    use_settings(dsv4_program="portable_ws")
+    src = ti.portable_ws_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
+    assert "sparse_mqa_portable_ws_kernel" in src

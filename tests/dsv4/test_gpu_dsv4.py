@@ -60,7 +60,7 @@ CASES = [
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
 PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "paired_ws:pipelined",
-            "portable", "portable:musa")
+            "portable", "portable:musa", "portable_ws", "portable_ws:musa")
 
 
 @pytest.fixture(params=PROGRAMS)

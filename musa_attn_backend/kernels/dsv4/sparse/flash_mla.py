@@ -318,9 +318,9 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     """FlashMLA's sparse prefill: ``q [S, H, 512]`` bf16 over the bf16 workspace ``kv [S_kv, 1, 512]`` at
     ``indices [S, 1, K]`` (rows of ``kv``; negative, past ``topk_length [S]`` or ``>= S_kv``: invalid). Returns
     ``(out [S, H, 512] bf16, max_logits [S, H], lse [S, H])``, float32, natural log, ``max_logits`` the largest
-    scaled score (``-inf`` and ``lse = +inf`` for a query with no valid entry). ``impl``: ``auto`` (the paired_ws
-    program on a GPU, :func:`.tilelang_impl.sparse_prefill_bf16`, refused where the target cannot run it; the
-    reference on a CPU), ``tilelang`` or ``reference``."""
+    scaled score (``-inf`` and ``lse = +inf`` for a query with no valid entry). ``impl``: ``auto`` (on a GPU the
+    paired_ws program, or portable_ws where the target has no Hopper programs: :func:`.tilelang_impl.
+    sparse_prefill_bf16`; the reference on a CPU), ``tilelang`` or ``reference``."""
     from .reference import valid_entries
 
     op = "flash_mla_sparse_fwd"

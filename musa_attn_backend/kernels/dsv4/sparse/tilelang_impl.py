@@ -61,7 +61,9 @@ def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
     return made
 
 
-PROGRAMS = ("scheduled", "paired", "paired_ws", "portable")
+PROGRAMS = ("scheduled", "paired", "paired_ws", "portable", "portable_ws")
+# the programs over a bf16 workspace of the call's selected rows (:mod:`.workspace`)
+WORKSPACE_PROGRAMS = ("paired_ws", "portable_ws")
 # the programs that need warp specialisation, GEMMs reading A from registers and an FP8 conversion
 HOPPER_PROGRAMS = ("scheduled", "paired", "paired_ws")
 
@@ -75,8 +77,9 @@ def sparse_mqa_program(target=None) -> str:
     """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
     ``auto`` is ``scheduled`` (:mod:`.sched_kernel`: a per-batch plan, FlashMLA's division of the work)
     where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
-    ``portable`` (:mod:`.mqa_kernel`); ``paired`` and ``paired_ws`` (the paired division over a bf16 workspace of
-    the selected rows, :mod:`.paired_ws_kernel`) are selectable (how they compare: docs/dsv4.md). A named
+    ``portable`` (:mod:`.mqa_kernel`); ``paired``, ``paired_ws`` and ``portable_ws`` (the paired division and the
+    portable program over a bf16 workspace of the selected rows, :mod:`.paired_ws_kernel`,
+    :mod:`.portable_ws_kernel`) are selectable (how they compare: docs/dsv4.md). A named
     program the target cannot run is refused when it is built."""
     chosen = settings().dsv4_program
     if chosen != "auto":
@@ -111,6 +114,8 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
         return paired_kernel(H, has_extra, has_sink, q_dtype, target=target)
     if program == "paired_ws":  # one program with or without an extra set: the workspace holds both
         return paired_ws_kernel(H, has_sink, q_dtype, target=target)
+    if program == "portable_ws":
+        return portable_ws_kernel(H, has_sink, q_dtype, target=target)
     # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
     fp8_convert = _glue._fp8_convert(target)
@@ -527,6 +532,25 @@ def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, e
     return (out, lse) if return_lse else out
 
 
+def portable_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
+    """The compiled portable sparse MQA program over a bf16 workspace (:mod:`.portable_ws_kernel`), in the form
+    :func:`portable_form` gives the target."""
+    from .portable_ws_kernel import build_sparse_mqa_portable_ws
+
+    _check_program("portable_ws", target)
+    check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the portable_ws program takes bfloat16 q, got {q_dtype}")
+    form = portable_form(target)
+    key = ("dsv4_sparse_mqa_portable_ws", H, has_sink, q_dtype, form["block_N"]) + (
+        ("separate_v",) if form["separate_v"] else ())
+    return compile_cached(key, lambda: build_sparse_mqa_portable_ws(H, has_sink, q_dtype, BLOCK_H, form["block_N"],
+                                                                    256, form["separate_v"]), target=target)
+
+
+def _ws_kernel(program: str, H: int, has_sink: bool):
+    """The compiled program over a workspace: ``paired_ws`` or ``portable_ws``."""
+    return (paired_ws_kernel if program == "paired_ws" else portable_ws_kernel)(H, has_sink, "bfloat16")
+
+
 def workspace_rows_kernel(target=None):
     """The compiled gather of cache rows into the paired_ws program's workspace (:mod:`.workspace_kernel`)."""
     from .workspace_kernel import build_workspace_rows
@@ -547,18 +571,18 @@ def _read_rows(op: str):
     return read
 
 
-def _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale,
-                          out, return_lse, empty_lse_inf, op):
-    """Build the call's bf16 workspace (:mod:`.workspace`: one host synchronisation) and launch the paired program
-    over it (:mod:`.paired_ws_kernel`)."""
+def _sparse_mqa_ws(program, q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink, sm_scale,
+                   out, return_lse, empty_lse_inf, op):
+    """Build the call's bf16 workspace (:mod:`.workspace`: one host synchronisation) and launch ``program``
+    (``paired_ws`` or ``portable_ws``) over it."""
     from .workspace import build_workspace
 
     T, H, _ = q.shape
     dev = q.device
-    _check_program("paired_ws")  # before the workspace's gathers launch
+    _check_program(program)  # before the workspace's gathers launch
     check(not stream_capturing(dev),
-          lambda: f"{op}: the paired_ws program builds its workspace with a host synchronisation, which a CUDA graph "
-                  f"capture cannot hold; capture with MUSA_ATTN_DSV4_PROGRAM=auto or scheduled")
+          lambda: f"{op}: the {program} program builds its workspace with a host synchronisation, which a graph "
+                  f"capture cannot hold; capture with MUSA_ATTN_DSV4_PROGRAM=auto")
     out = _alloc(q.shape, q.dtype, dev) if out is None else out
     lse = _alloc((T, H), torch.float32, dev)
     if T:
@@ -569,19 +593,26 @@ def _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices
         sinks = sink.contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
         empty = float("inf") if empty_lse_inf else float("-inf")
         rows = ws.rows if ws.rows.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)  # none valid
-        paired_ws_kernel(H, sink is not None, "bfloat16")(q, rows, ws.indices, ws.lengths, sinks, float(sm_scale),
-                                                          empty, out, lse, _alloc((T, H), torch.float32, dev))
+        _ws_kernel(program, H, sink is not None)(q, rows, ws.indices, ws.lengths, sinks, float(sm_scale), empty,
+                                                 out, lse, _alloc((T, H), torch.float32, dev))
     return (out, lse) if return_lse else out
 
 
+def sparse_prefill_program(target=None) -> str:
+    """The program FlashMLA's sparse prefill entry runs over a caller's bf16 rows: ``paired_ws`` where the target
+    runs the Hopper programs, else ``portable_ws`` (MUSA)."""
+    return "paired_ws" if _hopper_capable(target) else "portable_ws"
+
+
 def sparse_prefill_bf16(q, kv, indices, lengths, sink, sm_scale):
-    """FlashMLA's sparse prefill on the paired_ws program (:mod:`.paired_ws_kernel`) over the caller's bf16 rows
-    ``kv [S_kv, 512]`` (the workspace an engine builds for FlashMLA): ``(out, max_logits, lse)`` by FlashMLA's
+    """FlashMLA's sparse prefill on :func:`sparse_prefill_program`'s program over the caller's bf16 rows ``kv
+    [S_kv, 512]`` (the workspace an engine builds for FlashMLA): ``(out, max_logits, lse)`` by FlashMLA's
     conventions (``lse = +inf``, ``max_logits = -inf`` for a query with no valid entry). Arguments checked by
     :func:`.flash_mla.flash_mla_sparse_fwd`; ``indices [S, K]`` int32, ``lengths [S]`` int32 or None."""
     T, H, _ = q.shape
     dev = q.device
-    _check_program("paired_ws")
+    program = sparse_prefill_program()
+    _check_program(program)
     out = _alloc(q.shape, q.dtype, dev)
     lse = _alloc((T, H), torch.float32, dev)
     max_logits = _alloc((T, H), torch.float32, dev)
@@ -591,8 +622,8 @@ def sparse_prefill_bf16(q, kv, indices, lengths, sink, sm_scale):
              else lengths.to(torch.int32).contiguous())
         rows = kv if kv.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)
         sinks = sink.float().contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
-        paired_ws_kernel(H, sink is not None, "bfloat16")(q.contiguous(), rows.contiguous(), indices.contiguous(), n,
-                                                          sinks, float(sm_scale), float("inf"), out, lse, max_logits)
+        _ws_kernel(program, H, sink is not None)(q.contiguous(), rows.contiguous(), indices.contiguous(), n, sinks,
+                                                 float(sm_scale), float("inf"), out, lse, max_logits)
     return out, max_logits, lse
 
 
@@ -643,9 +674,9 @@ def sparse_mqa_tilelang(q, cache, indices, lengths=None, *, extra_cache=None, ex
         out, lse = scheduled_launch(q, cache, i1, lengths, extra_cache, i2, extra_lengths if has_extra else None,
                                     has_extra, sinks, has_sink, sm_scale, out, plan, empty_lse_inf, op)
         return (out, lse) if return_lse else out
-    if program == "paired_ws":
-        return _sparse_mqa_paired_ws(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
-                                     sm_scale, out, return_lse, empty_lse_inf, op)
+    if program in WORKSPACE_PROGRAMS:
+        return _sparse_mqa_ws(program, q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
+                              sm_scale, out, return_lse, empty_lse_inf, op)
     if program == "paired":
         return _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, extra_lengths, sink,
                                   sm_scale, out, return_lse, empty_lse_inf, op)

@@ -1,0 +1,105 @@
+"""TileLang sparse MQA over a bf16 workspace of DeepSeek-V4 key rows (:mod:`.workspace`), in the portable form:
+:mod:`.mqa_kernel`'s program (what MUSA runs) with rows that need no dequantisation, for batches of many query
+tokens (prefill).
+
+Why: the portable program dequantises every row each time a token reads it, in shared memory (the FP8 bytes and
+the scale bytes staged, then converted element by element), and a prefill's tokens read each row many times; here
+each distinct row was dequantised once into ``W`` and a key tile is a plain gather of 1,024-byte rows. The staging
+tiles go with the conversion, so the block's shared memory is the query tile, the K/V tile(s) and P.
+
+One block per (block of 64 query heads, query token), no split (a prefill's tokens fill the GPU). Per key tile of
+``block_N`` entries of the token's rebased list: the rows' offsets, then the rows copied (an invalid entry, past
+the token's length or outside ``W``, zero-filled without a read and its score masked), ``S = Q K^T``, the online
+softmax, ``O += P V`` with P through shared memory, the tiles as :func:`.tilelang_impl.portable_form` gives them
+(MUSA: a K and a V tile of 32 rows of their own). The output (the sink in the denominator) and the natural-log
+LSE without the sink (``empty_lse`` where no entry is valid) are written by the block; ``MaxL``, each row's largest
+scaled score (``-inf`` where none is valid), as FlashMLA's sparse prefill returns it.
+"""
+
+import functools
+
+from ...._tilelang import tl_lang as T
+from ...attention.tl_common import ACC, LOG2E, Tiles, attention_macros
+from .. import layout as L
+
+
+@functools.lru_cache(maxsize=None)
+def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", block_H: int = 64,
+                                 block_N: int = 64, threads: int = 256, separate_v: bool = False):
+    """The portable program over a bf16 workspace for ``H`` query heads (blocks of ``block_H``, rows past ``H``
+    padded inside); ``separate_v``: K and V in tiles of their own (MUSA)."""
+    BH, BN, D = block_H, block_N, L.D
+    NT = T.dynamic("num_tokens")
+    K = T.dynamic("ws_topk")
+    R = T.dynamic("ws_rows")
+    NEG_INF = -T.infinity(ACC)
+    head_blocks = (H + BH - 1) // BH
+    alloc_state, _, _, softmax_step, pv_product, finish_rows = attention_macros(BH, BN, D, D, 0, 0, False, q_dtype)
+
+    @T.prim_func
+    def sparse_mqa_portable_ws(
+        Q: T.Tensor((NT, H, D), q_dtype),
+        W: T.Tensor((R, D), "bfloat16"),
+        I: T.Tensor((NT, K), "int32"),
+        Ln: T.Tensor((NT,), "int32"),
+        sinks: T.Tensor((H,), "float32"),
+        sm_scale: T.float32, empty_lse: T.float32,
+        O: T.Tensor((NT, H, D), q_dtype),
+        LSE: T.Tensor((NT, H), "float32"),
+        MaxL: T.Tensor((NT, H), "float32"),
+    ):
+        with T.Kernel(head_blocks, NT, threads=threads) as (bh, t):
+            Q_s = T.alloc_shared([BH, D], q_dtype)
+            KV_s = T.alloc_shared([BN, D], q_dtype)
+            V_s = T.alloc_shared([BN, D], q_dtype) if separate_v else None
+            P_s = T.alloc_shared([BH, BN], q_dtype)
+            row_s = T.alloc_shared([BN], "int32", scope="shared")
+            state = alloc_state()
+            tiles = Tiles(Q_s, KV_s, V_s if separate_v else KV_s, None, None, P_s)
+            h0 = bh * BH
+            scale_log2 = sm_scale * LOG2E
+            length = T.max(T.min(Ln[t], K), 0)
+
+            for h, d in T.Parallel(BH, D):
+                Q_s[h, d] = T.if_then_else(h0 + h < H, Q[t, T.min(h0 + h, H - 1), d], T.Cast(q_dtype, 0))
+            T.fill(state.acc_o, 0)
+            T.fill(state.l_i, 0)
+            T.fill(state.m_i, NEG_INF)
+
+            for it in T.serial(T.ceildiv(length, BN)):
+                for j in T.Parallel(BN):
+                    e = it * BN + j
+                    idx = T.if_then_else(e < length, I[t, T.min(e, K - 1)], -1)
+                    row_s[j] = T.if_then_else(T.And(idx >= 0, idx < R), idx, -1)
+                for j, d in T.Parallel(BN, D):
+                    KV_s[j, d] = T.if_then_else(row_s[j] >= 0, W[T.max(row_s[j], 0), d], T.Cast(q_dtype, 0))
+                if separate_v:
+                    for j, d in T.Parallel(BN, D):
+                        V_s[j, d] = T.if_then_else(row_s[j] >= 0, W[T.max(row_s[j], 0), d], T.Cast(q_dtype, 0))
+                acc_s = state.acc_s
+                T.clear(acc_s)
+                T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for h, j in T.Parallel(BH, BN):
+                    acc_s[h, j] = T.if_then_else(row_s[j] >= 0, acc_s[h, j], NEG_INF)
+                softmax_step(state, scale_log2, True, P_s)
+                pv_product(state, tiles, T.GemmWarpPolicy.FullRow)
+
+            m_i, l_i, den = state.m_i, state.l_i, state.row_sum
+            for h in T.Parallel(BH):
+                if h0 + h < H:
+                    MaxL[t, h0 + h] = T.if_then_else(l_i[h] == 0.0, NEG_INF, m_i[h] * scale_log2 / LOG2E)
+            finish_rows(state, scale_log2, sinks, lambda h: h, False)  # alpha <- log2 LSE without the sink
+            for h in T.Parallel(BH):
+                if has_sink:
+                    den[h] = l_i[h] + T.if_then_else(
+                        m_i[h] == NEG_INF, 0.0, T.exp2(sinks[T.min(h0 + h, H - 1)] * LOG2E - m_i[h] * scale_log2))
+                else:
+                    den[h] = l_i[h]
+            for h, d in T.Parallel(BH, D):
+                if h0 + h < H:
+                    O[t, h0 + h, d] = T.Cast(q_dtype, T.if_then_else(l_i[h] == 0.0, 0.0, state.acc_o[h, d] / den[h]))
+            for h in T.Parallel(BH):
+                if h0 + h < H:
+                    LSE[t, h0 + h] = T.if_then_else(l_i[h] == 0.0, empty_lse, state.alpha[h] / LOG2E)
+
+    return sparse_mqa_portable_ws
