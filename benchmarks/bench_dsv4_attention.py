@@ -158,25 +158,26 @@ def flashmla_prefill(ops, q, swa, i1, c4, i2, sink):
     return (lambda: ops.sparse_prefill_fwd(q, kv, idx, 512 ** -0.5, 512, sink, None, out)), kv, idx
 
 
-def paired_ws_times(q, swa, i1, c4, i2, sink, out) -> dict:
-    """The paired_ws program's times: ``paired_ws_eager_ms`` the whole call (its workspace built, then the kernel),
-    ``paired_ws_build_ms`` the workspace alone, ``paired_ws_ms`` the kernel alone on a workspace built once (from
-    a CUDA graph, as the other programs' ``*_ms``); ``out`` holds the call's output after."""
+def ws_times(q, swa, i1, c4, i2, sink, out, program="paired_ws") -> dict:
+    """A workspace program's times (``program``: ``paired_ws`` or ``portable_ws``), keyed by its name:
+    ``<program>_eager_ms`` the whole call (its workspace built, then the kernel), ``<program>_build_ms`` the
+    workspace alone, ``<program>_ms`` the kernel alone on a workspace built once (from a CUDA graph, as the other
+    programs' ``*_ms``); ``out`` holds the call's output after."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
     from musa_attn_backend.kernels.dsv4.sparse.workspace import build_workspace
 
     def call():
-        ti.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out, program="paired_ws")
+        ti.sparse_mqa_tilelang(q, swa, i1, extra_cache=c4, extra_indices=i2, sink=sink, out=out, program=program)
 
     build = lambda: build_workspace(swa, i1, extra_cache=c4, extra_indices=i2,  # noqa: E731
                                     read_rows=ti._read_rows("bench"))
     ws = build()
-    kernel = ti.paired_ws_kernel(q.shape[1], True, "bfloat16")
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    times = {"paired_ws_eager_ms": bench_ms(call, graph=False), "paired_ws_build_ms": bench_ms(build, graph=False),
-             "paired_ws_ms": bench_ms(lambda: kernel(q, ws.rows, ws.indices, ws.lengths, sink, 512 ** -0.5,
-                                                     float("-inf"), out, lse)),
-             "paired_ws_rows": ws.rows.shape[0]}
+    kernel = ti._ws_kernel(program, q.shape[1], True)
+    lse, maxl = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) for _ in range(2))
+    times = {f"{program}_eager_ms": bench_ms(call, graph=False), f"{program}_build_ms": bench_ms(build, graph=False),
+             f"{program}_ms": bench_ms(lambda: kernel(q, ws.rows, ws.indices, ws.lengths, sink, 512 ** -0.5,
+                                                      float("-inf"), out, lse, maxl)),
+             f"{program}_rows": ws.rows.shape[0]}
     call()
     return times
 
@@ -265,7 +266,8 @@ def main(argv=None):
     ap.add_argument("--programs", default="scheduled",
                     help="also time these sparse MQA programs (comma-separated: scheduled, cluster and plain (the "
                          "scheduled one's clustered and unclustered 65-128-head forms at every token count), paired, "
-                         "paired_ws (over a bf16 workspace: the call, its build and its kernel timed apart), "
+                         "paired_ws and portable_ws (over a bf16 workspace: the call, its build and its kernel "
+                         "timed apart), "
                          "portable); ours_ms is the default program's")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -321,10 +323,10 @@ def main(argv=None):
             extra = {"program": program}
             ours_out = out.clone()
             for prog in programs:
-                if prog == "paired_ws":  # its workspace is built with a host synchronisation: no graph
+                if prog in ("paired_ws", "portable_ws"):  # a workspace built with a host synchronisation: no graph
                     try:
-                        extra.update(paired_ws_times(q, swa, i1, c4, i2, sink, out))
-                        extra["paired_ws_max_abs_diff"] = (out.float() - ours_out.float()).abs().max().item()
+                        extra.update(ws_times(q, swa, i1, c4, i2, sink, out, prog))
+                        extra[f"{prog}_max_abs_diff"] = (out.float() - ours_out.float()).abs().max().item()
                     except Exception as e:  # noqa: BLE001 - a program that fails is recorded, the run goes on
                         errors.setdefault(prog, f"{type(e).__name__}: {str(e)[:300]}")
                 elif prog != program:

@@ -1,7 +1,8 @@
 """A first GPU look at the paired_ws program (one short device call): Flash / Pro prefill of ``--tokens`` query
 tokens on the bench's caches (``benchmarks/bench_dsv4_attention.py``), its output against the scheduled
 program's, and the times of the scheduled program, the paired_ws call, its workspace build and its kernel alone,
-with its math groups in either order (``pipelined_*``: ``paired_ws_kernel.PIPELINED``).
+with its math groups in either order (``pipelined_*``: ``paired_ws_kernel.PIPELINED``), and the portable program
+over the workspace in the CUDA and MUSA forms (``portable_ws_*``, ``musa_portable_ws_*``).
 
     python3 scripts/ws_smoke.py [--configs flash] [--tokens 4096] [--out DIR]   (on the GPU, after env.sh)
 """
@@ -24,11 +25,16 @@ def _compile(job):
 
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
 
+    from musa_attn_backend import config
+
     kind, H = job
     if kind in ("ws", "ws_pipelined"):
         pw.PIPELINED = kind == "ws_pipelined"
         ti.paired_ws_kernel(H, True, "bfloat16")
         ti.workspace_rows_kernel()
+    elif kind in ("portable_ws", "portable_ws_musa"):
+        with config.override(musa_forms=kind == "portable_ws_musa"):
+            ti.portable_ws_kernel(H, True, "bfloat16")
     elif kind == "sched":
         ti.sparse_mqa_kernel(H, True, True, False, "bfloat16", program="scheduled")
     else:
@@ -45,7 +51,8 @@ def main(argv=None) -> int:
     import torch
 
     from bench_attention import bench_ms, git_commit
-    from bench_dsv4_attention import CONFIGS, caches, inputs, paired_ws_times
+    from bench_dsv4_attention import CONFIGS, caches, inputs, ws_times
+    from musa_attn_backend import config
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
@@ -54,7 +61,8 @@ def main(argv=None) -> int:
 
     heads = [CONFIGS[c][0] for c in args.configs.split(",")]
     with ProcessPoolExecutor(max_workers=6, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for f in [pool.submit(_compile, (k, H)) for H in heads for k in ("ws", "ws_pipelined", "sched", "combine")]:
+        kinds = ("ws", "ws_pipelined", "portable_ws", "portable_ws_musa", "sched", "combine")
+        for f in [pool.submit(_compile, (k, H)) for H in heads for k in kinds]:
             try:
                 f.result()
             except Exception as e:  # noqa: BLE001 - the timing reports what cannot launch
@@ -72,17 +80,19 @@ def main(argv=None) -> int:
         row = {"op": "prefill", "shape": {"config": cfg, "tokens": args.tokens, "heads": H, "topk": K + 128},
                "scheduled_ms": bench_ms(sched)}
         sched()
-        for pipelined in (False, True):  # the math groups' two orders (paired_ws_kernel.PIPELINED)
+        # the paired program in both orders of its math groups, the portable one in the CUDA and MUSA forms
+        for tag, program, pipelined, musa in (("", "paired_ws", False, False), ("pipelined_", "paired_ws", True, False),
+                                              ("", "portable_ws", False, False), ("musa_", "portable_ws", False, True)):
             pw.PIPELINED = pipelined
-            tag = "pipelined_" if pipelined else ""
             out = torch.full_like(q, float("nan"))
             try:
-                row.update({tag + k: v for k, v in paired_ws_times(q, swa, i1, c4, i2, sink, out).items()})
+                with config.override(musa_forms=musa):
+                    row.update({tag + k: v for k, v in ws_times(q, swa, i1, c4, i2, sink, out, program).items()})
                 torch.cuda.synchronize()
-                row[tag + "max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
-                row[tag + "finite"] = bool(torch.isfinite(out).all())
+                row[f"{tag}{program}_max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+                row[f"{tag}{program}_finite"] = bool(torch.isfinite(out).all())
             except Exception as e:  # noqa: BLE001 - recorded
-                row[tag + "error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                row[f"{tag}{program}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
         pw.PIPELINED = False
         print(json.dumps(row), flush=True)
         rows.append(row)
