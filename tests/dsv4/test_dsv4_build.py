@@ -72,11 +72,13 @@ def test_launch_glue_matches_the_programs(use_settings, T, split):
     assert all(len(k.calls) == 1 for k in kernels.values())
 
 
+@pytest.mark.parametrize("program", ["paired", "paired_ws"])
 @pytest.mark.parametrize("extra", [True, False])
-def test_paired_program_glue_matches_its_signature(use_settings, extra):
-    """The paired program's launch: one kernel, every argument where its parameter is (with and without the extra
-    set, and with FlashMLA's LSE convention)."""
-    use_settings(target="sm_90a", dsv4_program="paired")
+def test_paired_program_glue_matches_its_signature(use_settings, extra, program):
+    """The paired programs' launch: one kernel (paired_ws: after a gather of the workspace's rows from each
+    cache), every argument where its parameter is (with and without the extra set, and with FlashMLA's LSE
+    convention)."""
+    use_settings(target="sm_90a", dsv4_program=program)
     kernels = {}
 
     def capture(key, build, target, pass_configs):
@@ -88,9 +90,14 @@ def test_paired_program_glue_matches_its_signature(use_settings, extra):
         out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, sink=torch.zeros(64), return_lse=True,
                                           empty_lse_inf=True, **kw)
     assert out.shape == q.shape and lse.shape == (5, 64)
-    assert set(kernels) == {"dsv4_sparse_mqa_paired"} and len(kernels["dsv4_sparse_mqa_paired"].calls) == 1
-    scalars = [a for a in kernels["dsv4_sparse_mqa_paired"].calls[0] if not isinstance(a, torch.Tensor)]
-    assert float("inf") in scalars  # the empty LSE the program writes
+    name = f"dsv4_sparse_mqa_{program}"
+    assert set(kernels) == {name} | ({"dsv4_workspace_rows"} if program == "paired_ws" else set())
+    assert len(kernels[name].calls) == 1
+    args = kernels[name].calls[0]
+    assert float("inf") in [a for a in args if not isinstance(a, torch.Tensor)]  # the empty LSE the program writes
+    if program == "paired_ws":
+        assert len(kernels["dsv4_workspace_rows"].calls) == (2 if extra else 1)  # a gather a cache
+        assert args[2].shape == (5, 128 + (512 if extra else 0))  # one rebased list a token
 
 
 def test_musa_dsv4_programs_read_p_from_shared_memory(use_settings):

@@ -111,27 +111,7 @@ def test_workspace_without_lengths_counts_every_entry():
     assert torch.equal(ws.indices >= 0, valid_entries(idx, None, 384))
 
 
-@pytest.mark.parametrize("extra", [True, False])
-def test_paired_ws_glue_matches_its_signature(use_settings, extra):
-    """The paired_ws program's launch: the workspace built, one kernel, every argument where its parameter is."""
-    use_settings(target="sm_90a", dsv4_program="paired_ws")
-    kernels = {}
-
-    def capture(key, build, target, pass_configs):
-        return kernels.setdefault(key[0], SignatureCheck(build()))
-
-    q, cache, idx, xcache, xidx = _batch(5)
-    kw = dict(extra_cache=xcache, extra_indices=xidx) if extra else {}
-    with _tilelang.intercepting(capture):
-        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, sink=torch.zeros(64), return_lse=True,
-                                          empty_lse_inf=True, **kw)
-    assert out.shape == q.shape and lse.shape == (5, 64)
-    assert set(kernels) == {"dsv4_workspace_rows", "dsv4_sparse_mqa_paired_ws"}
-    assert len(kernels["dsv4_workspace_rows"].calls) == (2 if extra else 1)  # a gather a cache
-    assert len(kernels["dsv4_sparse_mqa_paired_ws"].calls) == 1
-    args = kernels["dsv4_sparse_mqa_paired_ws"].calls[0]
-    scalars = [a for a in args if not isinstance(a, torch.Tensor)]
-    assert args[2].shape == (5, 128 + (512 if extra else 0)) and float("inf") in scalars
+def test_paired_ws_block_n_is_the_hopper_programs():  # its glue: test_dsv4_build.py's paired glue test
     assert ti.sparse_mqa_block_n(program="paired_ws") == 64
 
 

@@ -31,6 +31,18 @@ ROPE16 = L.D_NOPE // 16  # the RoPE values' first 16-byte unit within a data row
 INVALID16 = -(1 << 26)  # the offsets of an invalid entry: below the buffer
 
 
+def e4m3_to_float(b, fp8_convert: bool):
+    """The float32 value of an e4m3 element (``fp8_convert``: the target's FP8 conversion) or byte (otherwise:
+    ``(-1)^s 2^(e-7) (1 + m/8)``, subnormal ``(-1)^s 2^-6 m/8``; the writers never store NaN)."""
+    if fp8_convert:
+        return T.Cast(ACC, b)
+    bits = T.Cast("int32", b)
+    e = (bits // 8) % 16
+    m = T.Cast(ACC, bits % 8)
+    mag = T.if_then_else(e == 0, m * (2.0 ** -9), (m + 8.0) * T.exp2(T.Cast(ACC, e) - 10.0))
+    return T.if_then_else(bits >= 128, -mag, mag)
+
+
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dtype: str = "bfloat16",
                      block_H: int = 64, block_N: int = 64, threads: int = 256, shared_p: bool = True,
@@ -56,15 +68,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
     main, extra = unit_sets(sizes, nope_dtype)
 
     def e4m3_value(b):
-        """The float32 value of an e4m3 element (``fp8_convert``) or byte (otherwise: ``(-1)^s 2^(e-7)
-        (1 + m/8)``, subnormal ``(-1)^s 2^-6 m/8``; the writers never store NaN)."""
-        if fp8_convert:
-            return T.Cast(ACC, b)
-        bits = T.Cast("int32", b)
-        e = (bits // 8) % 16
-        m = T.Cast(ACC, bits % 8)
-        mag = T.if_then_else(e == 0, m * (2.0 ** -9), (m + 8.0) * T.exp2(T.Cast(ACC, e) - 10.0))
-        return T.if_then_else(bits >= 128, -mag, mag)
+        return e4m3_to_float(b, fp8_convert)
 
     @T.macro
     def resolve(base_s, scale_at_s, ok_s, I, Lens, t, e0, K, slots, rows, stride16):

@@ -64,8 +64,40 @@ def consumer_macro(H: int, has_sink: bool, q_dtype: str, max_logits: bool = Fals
     half of the epilogue, for ``H`` query heads; shared by the programs over FP8 rows (here) and over a bf16
     workspace (:mod:`.paired_ws_kernel`), whose producers fill the same stage halves under the same barriers.
     ``max_logits``: group 0 also writes each row's largest scaled score into ``MaxL`` (``-inf`` where no entry is
-    valid; FlashMLA's prefill returns it); otherwise ``MaxL`` is not touched."""
+    valid; FlashMLA's prefill returns it); otherwise ``MaxL`` is not touched. Returns ``(consumer, epilogue,
+    math_groups)``: the epilogue alone serves :mod:`.paired_ws_kernel`'s pipelined groups; ``math_groups`` is both
+    groups' code."""
     NEG_INF = -T.infinity(ACC)
+
+    @T.macro
+    def epilogue(w, regs, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse):
+        """Group ``w``'s end (both groups with one running maximum): the row sums of both groups, the sink, this
+        group's columns; the LSE (and ``MaxL`` with ``max_logits``) from group 0."""
+        acc_o, m_i, alpha, row_sum, l_i = regs
+        for r in T.Parallel(BH):
+            l_s[w, r] = l_i[r]
+        T.sync_threads(EPILOGUE, CONSUMER_THREADS)
+        for r in T.Parallel(BH):
+            l_i[r] = l_i[r] + l_s[1 - w, r]
+            if has_sink:
+                row_sum[r] = T.if_then_else(m_i[r] == NEG_INF, 0.0,
+                                            T.exp2(sinks[T.min(h0 + r, H - 1)] * LOG2E - m_i[r] * scale_log2))
+            else:
+                row_sum[r] = 0.0
+            alpha[r] = T.if_then_else(l_i[r] == 0.0, 0.0, 1.0 / (l_i[r] + row_sum[r]))
+        for r, d in T.Parallel(BH, HD):
+            if h0 + r < H:
+                O[t, h0 + r, w * HD + d] = T.Cast(q_dtype, acc_o[r, d] * alpha[r])
+        if w == 0:
+            for r in T.Parallel(BH):
+                if h0 + r < H:
+                    LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
+                                                    (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
+            if max_logits:
+                for r in T.Parallel(BH):
+                    if h0 + r < H:
+                        MaxL[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, NEG_INF, m_i[r] * scale_log2 / LOG2E)
+
 
     @T.macro
     def consumer(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l, empty_r,
@@ -128,32 +160,23 @@ def consumer_macro(H: int, has_sink: bool, q_dtype: str, max_logits: bool = Fals
             T.mbarrier_arrive(half(w, empty_l, empty_r)[other])
             T.named_barrier_arrive(P_FREE[other], CONSUMER_THREADS)
         T.sync_threads(P_FREE[w], CONSUMER_THREADS)  # pairs the other group's arrival after the last pair
-        # epilogue: the row sums of both groups, the sink, this group's columns; the LSE from group 0
-        for r in T.Parallel(BH):
-            l_s[w, r] = l_i[r]
-        T.sync_threads(EPILOGUE, CONSUMER_THREADS)
-        for r in T.Parallel(BH):
-            l_i[r] = l_i[r] + l_s[other, r]
-            if has_sink:
-                row_sum[r] = T.if_then_else(m_i[r] == NEG_INF, 0.0,
-                                            T.exp2(sinks[T.min(h0 + r, H - 1)] * LOG2E - m_i[r] * scale_log2))
-            else:
-                row_sum[r] = 0.0
-            alpha[r] = T.if_then_else(l_i[r] == 0.0, 0.0, 1.0 / (l_i[r] + row_sum[r]))
-        for r, d in T.Parallel(BH, HD):
-            if h0 + r < H:
-                O[t, h0 + r, w * HD + d] = T.Cast(q_dtype, acc_o[r, d] * alpha[r])
-        if w == 0:
-            for r in T.Parallel(BH):
-                if h0 + r < H:
-                    LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
-                                                    (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
-            if max_logits:
-                for r in T.Parallel(BH):
-                    if h0 + r < H:
-                        MaxL[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, NEG_INF, m_i[r] * scale_log2 / LOG2E)
+        epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
 
-    return consumer
+    @T.macro
+    def math_groups(regs, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
+                    empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL):
+        """Warp groups 0 and 1, each at ``regs`` registers a thread, running :func:`consumer`."""
+        with T.ws(0):
+            T.set_max_nreg(regs, 1)
+            consumer(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
+                     empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL)
+
+        with T.ws(1):
+            T.set_max_nreg(regs, 1)
+            consumer(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
+                     empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL)
+
+    return consumer, epilogue, math_groups
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,7 +197,7 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
     load_q, entry, load_rows, store_half, load_one = (macros.load_q, macros.entry, macros.load_rows, macros.store_half,
                                                       macros.load_one)
 
-    consumer = consumer_macro(H, has_sink, q_dtype)
+    _, _, math_groups = consumer_macro(H, has_sink, q_dtype)
 
     @T.macro
     def store_stage(st, par, Kl_s, Kr_s, ok_s, raw, sw, idx, ok, q, base_row, outw, fac, main, CW, CS, rows1,
@@ -243,15 +266,8 @@ def build_sparse_mqa_paired(H: int, has_extra: bool, has_sink: bool, q_dtype: st
             n2 = T.ceildiv(T.max(T.min(L2[t], K2), 0), BN) if has_extra else 0
             pairs = T.max(T.ceildiv(n1 + n2, 2), 1)
 
-            with T.ws(0):
-                T.set_max_nreg(MATH_REGS, 1)
-                consumer(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, LSE)
-
-            with T.ws(1):
-                T.set_max_nreg(MATH_REGS, 1)
-                consumer(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                         empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, LSE)
+            math_groups(MATH_REGS, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r,
+                        empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, LSE)
 
             # ---- warp group 2: the producer ----
             with T.ws(2):

@@ -41,7 +41,7 @@ import functools
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state
 from .. import layout as L
-from .paired_kernel import CONSUMER_THREADS, LEFT_ARRIVALS, RIGHT_ARRIVALS, consumer_macro
+from .paired_kernel import CONSUMER_THREADS, EPILOGUE, LEFT_ARRIVALS, RIGHT_ARRIVALS, consumer_macro  # noqa: F401
 from .rows import BH, BN, HD, PRODUCER, fp8_row_macros
 
 # ptxas serialises the WGMMAs below 208 registers a math thread (docs/dsv4.md); a producer of copies needs few
@@ -49,15 +49,16 @@ MATH_REGS, PRODUCER_REGS = 208, 88
 # the consumers: False, the paired program's (one maximum exchange a pair, each group's GEMMs waited for in turn);
 # True, FlashMLA's prefill schedule (module docstring); not yet run on a GPU
 PIPELINED = False
-# named barriers of the pipelined consumers (0 is __syncthreads; EPILOGUE as the paired program's)
-EPILOGUE, BUNCH0, BUNCH1, S0_READY, S1_READY = 5, 6, 7, 8, 9
+# named barriers of the pipelined consumers (0 is __syncthreads; the epilogue's is the paired program's)
+BUNCH0, BUNCH1, S0_READY, S1_READY = 6, 7, 8, 9
 WARPS = PRODUCER // 32
 ROWS_A_WARP = BN // WARPS  # rows of a tile a producer warp copies (16)
 UNITS_A_HALF = HD // 8  # 16-byte units of a row's half (32: one a lane)
 
 
 def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
-    """``(group0, group1, epilogue)``: the pipelined consumers' macros (module docstring) for ``H`` query heads."""
+    """``(group0, group1)``: the pipelined consumers' macros (module docstring) for ``H`` query heads (their end:
+    :func:`.paired_kernel.consumer_macro`'s epilogue)."""
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
@@ -171,32 +172,7 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
             T.wait_wgmma(0)
             T.mbarrier_arrive(empty_r[0])
 
-    @T.macro
-    def epilogue(w, state, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse):
-        """Both groups' row sums (the same maximum), the sink, this group's columns; the LSE from group 0."""
-        _, _, acc_o, m_i, _, alpha, row_sum, l_i = state
-        for r in T.Parallel(BH):
-            l_s[w, r] = l_i[r]
-        T.sync_threads(EPILOGUE, CONSUMER_THREADS)
-        for r in T.Parallel(BH):
-            l_i[r] = l_i[r] + l_s[1 - w, r]
-            if has_sink:
-                row_sum[r] = T.if_then_else(m_i[r] == NEG_INF, 0.0,
-                                            T.exp2(sinks[T.min(h0 + r, H - 1)] * LOG2E - m_i[r] * scale_log2))
-            else:
-                row_sum[r] = 0.0
-            alpha[r] = T.if_then_else(l_i[r] == 0.0, 0.0, 1.0 / (l_i[r] + row_sum[r]))
-        for r, d in T.Parallel(BH, HD):
-            if h0 + r < H:
-                O[t, h0 + r, w * HD + d] = T.Cast(q_dtype, acc_o[r, d] * alpha[r])
-        if w == 0:
-            for r in T.Parallel(BH):
-                if h0 + r < H:
-                    LSE[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, empty_lse,
-                                                    (T.log2(l_i[r]) + m_i[r] * scale_log2) / LOG2E)
-                    MaxL[t, h0 + r] = T.if_then_else(l_i[r] == 0.0, NEG_INF, m_i[r] * scale_log2 / LOG2E)
-
-    return group0, group1, epilogue
+    return group0, group1
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,9 +187,27 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     R = T.dynamic("ws_rows")
     head_blocks = (H + BH - 1) // BH
     load_q = fp8_row_macros(H, False, q_dtype, K, 0).load_q
-    consumer = consumer_macro(H, has_sink, q_dtype, max_logits=True)
-    group0, group1, epilogue = pipelined_macros(H, has_sink, q_dtype)
+    _, epilogue, math_groups = consumer_macro(H, has_sink, q_dtype, max_logits=True)
+    group0, group1 = pipelined_macros(H, has_sink, q_dtype)
     NEG_INF = -T.infinity(ACC)
+
+    @T.macro
+    def pipelined_group(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, l_s, sinks, O, LSE, MaxL, full_l, full_r,
+                        empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse):
+        """Math group ``w`` (a Python int) in the pipelined order, its registers and its end."""
+        T.set_max_nreg(MATH_REGS, 1)
+        state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False).registers()
+        acc_o, m_i, alpha, row_sum, l_i = state[2], state[3], state[5], state[6], state[7]
+        T.fill(acc_o, 0)
+        T.fill(l_i, 0)
+        T.fill(m_i, NEG_INF)
+        if w == 0:
+            group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full, pairs,
+                   scale_log2, state)
+        else:
+            group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full, pairs,
+                   scale_log2, state)
+        epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
 
     @T.macro
     def copy_half(K_s, st, col0, W, idx, ok, lane, warp):
@@ -271,36 +265,15 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
 
             if pipelined:
                 with T.ws(0):
-                    T.set_max_nreg(MATH_REGS, 1)
-                    state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False).registers()
-                    acc_o, m_i, l_i = state[2], state[3], state[7]
-                    T.fill(acc_o, 0)
-                    T.fill(l_i, 0)
-                    T.fill(m_i, NEG_INF)
-                    group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full,
-                           pairs, scale_log2, state)
-                    epilogue(0, state, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
+                    pipelined_group(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, l_s, sinks, O, LSE, MaxL, full_l,
+                                    full_r, empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
 
                 with T.ws(1):
-                    T.set_max_nreg(MATH_REGS, 1)
-                    state = alloc_softmax_state(BH, BN, HD, q_dtype, with_m_tile=False).registers()
-                    acc_o, m_i, l_i = state[2], state[3], state[7]
-                    T.fill(acc_o, 0)
-                    T.fill(l_i, 0)
-                    T.fill(m_i, NEG_INF)
-                    group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full,
-                           pairs, scale_log2, state)
-                    epilogue(1, state, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
+                    pipelined_group(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, l_s, sinks, O, LSE, MaxL, full_l,
+                                    full_r, empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
             else:
-                with T.ws(0):
-                    T.set_max_nreg(MATH_REGS, 1)
-                    consumer(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL)
-
-                with T.ws(1):
-                    T.set_max_nreg(MATH_REGS, 1)
-                    consumer(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,
-                             empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL)
+                math_groups(MATH_REGS, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r,
+                            empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse, MaxL)
 
             # ---- warp group 2: the producer ----
             with T.ws(2):

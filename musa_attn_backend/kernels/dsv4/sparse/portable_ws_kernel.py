@@ -21,6 +21,7 @@ import functools
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E, Tiles, attention_macros
 from .. import layout as L
+from .tl_macros import sparse_macros
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,6 +36,7 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
     alloc_state, _, _, softmax_step, pv_product, finish_rows = attention_macros(BH, BN, D, D, 0, 0, False, q_dtype)
+    _, store_output = sparse_macros(H, BH, BN, False, has_sink, False, q_dtype, K, 0)
 
     @T.prim_func
     def sparse_mqa_portable_ws(
@@ -84,20 +86,12 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
                 softmax_step(state, scale_log2, True, P_s)
                 pv_product(state, tiles, T.GemmWarpPolicy.FullRow)
 
-            m_i, l_i, den = state.m_i, state.l_i, state.row_sum
+            m_i, l_i = state.m_i, state.l_i
             for h in T.Parallel(BH):
                 if h0 + h < H:
                     MaxL[t, h0 + h] = T.if_then_else(l_i[h] == 0.0, NEG_INF, m_i[h] * scale_log2 / LOG2E)
             finish_rows(state, scale_log2, sinks, lambda h: h, False)  # alpha <- log2 LSE without the sink
-            for h in T.Parallel(BH):
-                if has_sink:
-                    den[h] = l_i[h] + T.if_then_else(
-                        m_i[h] == NEG_INF, 0.0, T.exp2(sinks[T.min(h0 + h, H - 1)] * LOG2E - m_i[h] * scale_log2))
-                else:
-                    den[h] = l_i[h]
-            for h, d in T.Parallel(BH, D):
-                if h0 + h < H:
-                    O[t, h0 + h, d] = T.Cast(q_dtype, T.if_then_else(l_i[h] == 0.0, 0.0, state.acc_o[h, d] / den[h]))
+            store_output(state, O, None, sinks, scale_log2, t, 0, h0, 0, D, False)  # the LSE below: empty_lse
             for h in T.Parallel(BH):
                 if h0 + h < H:
                     LSE[t, h0 + h] = T.if_then_else(l_i[h] == 0.0, empty_lse, state.alpha[h] / LOG2E)

@@ -14,7 +14,7 @@ import functools
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC
 from .. import layout as L
-from .mqa_kernel import INVALID16, ROPE16, ROW16
+from .mqa_kernel import INVALID16, ROPE16, ROW16, e4m3_to_float
 
 ROWS = 16  # rows a block
 THREADS = 256
@@ -28,15 +28,6 @@ def build_workspace_rows(fp8_convert: bool = True):
     NU = T.dynamic("cache_units16", "int64")
     NS = T.dynamic("cache_units8", "int64")
     nope_dtype = "float8_e4m3" if fp8_convert else "uint8"
-
-    def e4m3_value(b):
-        if fp8_convert:
-            return T.Cast(ACC, b)
-        bits = T.Cast("int32", b)
-        e = (bits // 8) % 16
-        m = T.Cast(ACC, bits % 8)
-        mag = T.if_then_else(e == 0, m * (2.0 ** -9), (m + 8.0) * T.exp2(T.Cast(ACC, e) - 10.0))
-        return T.if_then_else(bits >= 128, -mag, mag)
 
     @T.prim_func
     def workspace_rows(
@@ -62,7 +53,7 @@ def build_workspace_rows(fp8_convert: bool = True):
                 if b * ROWS + j < N:
                     W[b * ROWS + j, d] = T.if_then_else(
                         base_s[j] >= 0,
-                        T.Cast("bfloat16", e4m3_value(C8[T.max(base_s[j], 0) + d // 16, d % 16])
+                        T.Cast("bfloat16", e4m3_to_float(C8[T.max(base_s[j], 0) + d // 16, d % 16], fp8_convert)
                                * T.exp2(T.Cast(ACC, S8_s[j, d // L.TILE]) - 127.0)),
                         T.Cast("bfloat16", 0))
             for j, d in T.Parallel(ROWS, L.D_ROPE):
