@@ -10,9 +10,12 @@
 #   next2, next3 (carry .device/env.sh .device/fw; each about 4-7 minutes, the kernels compiled cold) the vLLM
 #          layer's and the SGLang backend's V4 benches (34th session: next2's vLLM bench ran on an H100; the SGLang
 #          bench found no backend: the entry points' dist-info was not written, now it is)
-#   ws     (carry .device/env.sh .device/tl .device/peers .commit; cold, about 6 minutes) issue 37: the paired_ws
-#          program's GPU tests (both orders of its math groups, its gather) and scripts/ws_smoke.py (34th session:
-#          built after the device time was spent; its first form ran correct in a smoke run, docs/dsv4.md)
+#   ws     (carry .device/env.sh .device/tl .device/peers .commit; cold, about 8 minutes) issue 37: the workspace
+#          programs' GPU tests (34th session: built after the device time was spent; paired_ws's first form ran
+#          correct in a smoke run, docs/dsv4.md); ws2 (carry .device/env.sh .commit, warm) scripts/ws_smoke.py
+#          timing paired_ws in both orders and portable_ws in both forms beside the scheduled program; then
+#          `scripts/device_v4_attention.sh suite prefill --sample 150` (carry .flashmla): FlashMLA's prefill tests
+#          now run our kernel
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -46,19 +49,23 @@ case "${1:-}" in
       python3 scripts/profile_dsv4_attention.py --ncu --cases flash:64:1 > "$out/ncu.txt" 2>&1
     stamp "ncu rc=$?"
     grep -E "^\{|rc |passed|failed" "$out/variants.txt" | cut -c1-600 | tail -20 ;;
-  ws)  # issue 37: the paired_ws program (a bf16 workspace, both orders of its math groups) and its gather on the
-    # GPU: their tests, then Flash and Pro prefill of 4096 tokens beside the scheduled program (scripts/ws_smoke.py)
-    timeout 300 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+  ws)  # issue 37: the workspace programs' GPU tests (paired_ws in both orders of its math groups, portable_ws in
+    # both forms, the rows' gather, FlashMLA's prefill entry), their kernels compiled in parallel first
+    timeout 200 python3 scripts/ws_smoke.py --precompile-tests > "$out/ws_precompile.txt" 2>&1
+    stamp "$(tail -1 "$out/ws_precompile.txt")"
+    timeout 330 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
       -k "paired_ws or portable_ws or workspace_rows or sparse_fwd_kernel" > "$out/ws_tests.txt" 2>&1
-    stamp "paired_ws tests: $(tail -1 "$out/ws_tests.txt")"
-    timeout 200 python3 scripts/ws_smoke.py --configs flash,pro --tokens 4096 --out "$out" > "$out/ws_smoke.txt" 2>&1
+    stamp "workspace program tests: $(tail -1 "$out/ws_tests.txt")"
+    grep -E "passed|failed|FAILED|Error" "$out/ws_tests.txt" | cut -c1-300 | tail -15 ;;
+  ws2)  # then Flash and Pro prefill of 4096 tokens: every workspace form beside the scheduled program
+    timeout 400 python3 scripts/ws_smoke.py --configs flash,pro --tokens 4096 --out "$out" > "$out/ws_smoke.txt" 2>&1
     stamp "ws smoke rc=$?"
-    grep -E "^\{|passed|failed" "$out/ws_smoke.txt" "$out/ws_tests.txt" | cut -c1-700 ;;
+    grep -E "^\{" "$out/ws_smoke.txt" | cut -c1-1500 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|variants|next1b|next2|next3"; exit 2 ;;
 esac

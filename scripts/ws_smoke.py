@@ -42,12 +42,57 @@ def _compile(job):
     return job
 
 
+# the (heads, sink) pairs of tests/dsv4/test_gpu_dsv4.py's cases and FlashMLA-entry cases
+TEST_HEADS = [(h, True) for h in (8, 16, 24, 32, 64, 96, 128)] + [(8, False)]
+
+
+def _compile_test(job):
+    from musa_attn_backend import config
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+
+    form, H, sink = job
+    if form == "rows":
+        ti.workspace_rows_kernel()
+    elif form.startswith("paired"):
+        pw.PIPELINED = form == "paired_pipelined"
+        ti.paired_ws_kernel(H, sink, "bfloat16")
+    else:
+        with config.override(musa_forms=form == "portable_musa"):
+            ti.portable_ws_kernel(H, sink, "bfloat16")
+    return job
+
+
+def precompile_tests() -> int:
+    """Every workspace program the GPU tests launch, into the kernel cache, 14 at a time."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_pipelined", "portable", "portable_musa")
+                                   for H, sink in TEST_HEADS]
+    t0, failed = time.time(), 0
+    with ProcessPoolExecutor(max_workers=14, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for job, f in [(j, pool.submit(_compile_test, j)) for j in jobs]:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - the tests report what cannot launch
+                failed += 1
+                print(f"precompile {job}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print(f"precompiled {len(jobs) - failed}/{len(jobs)} workspace programs in {time.time() - t0:.0f} s", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="flash")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--out", default="/tmp/out")
+    ap.add_argument("--precompile-tests", action="store_true",
+                    help="only compile, in parallel, every workspace program the GPU tests launch, then exit")
     args = ap.parse_args(argv)
+    if args.precompile_tests:
+        return precompile_tests()
     import torch
 
     from bench_attention import bench_ms, git_commit
