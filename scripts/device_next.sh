@@ -40,7 +40,7 @@ case "${1:-}" in
   variants)
     # issue 37: the scheduled program's variants (PDL trigger place, hinted loads) beside FlashMLA, the GPU tests of
     # hint+end (the combine's grid needs no build), ncu of both kernels at Flash 64 tokens
-    timeout 360 python3 scripts/sched_variants.py --out "$out" --variants base,serialmax,groups,hint,hint+groups,end+groups \
+    timeout 360 python3 scripts/sched_variants.py --out "$out" --variants base,groups,hint,hint+groups,end+groups \
       --tests hint+end+groups > "$out/variants.txt" 2>&1
     stamp "variants rc=$?"
     PROFILE_PROGRAMS=scheduled timeout 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight \

@@ -11,8 +11,7 @@ must be equal bit for bit) on the benchmark's inputs and on ragged ones (per-tok
 ``--tests VARIANT`` first runs the scheduled program's GPU tests with that variant built
 (``tests/dsv4/test_gpu_dsv4.py -k "scheduled or plan or inf"``, through ``scripts/pytest_sched_variant.py``).
 A variant is ``base`` or ``+``-joined parts: ``start`` / ``end`` (the trigger), ``hint`` (the loads), ``prefetch``,
-``slack`` (the plan), ``groups`` (the combine: a block a split token, ``tilelang_impl.SCHED_COMBINE_GROUPS``),
-``serialmax`` (the combine before its chunks were loaded together: ``tilelang_impl.SCHED_COMBINE_ONLINE`` off).
+``slack`` (the plan), ``groups`` (the combine: a block a split token, ``tilelang_impl.SCHED_COMBINE_GROUPS``).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ def use(variant: str) -> None:
     from musa_attn_backend.kernels.dsv4.sparse.combine_kernel import MAX_GROUPS
 
     parts = set(variant.split("+")) - {"base"}
-    unknown = parts - {"start", "end", "hint", "slack", "prefetch", "groups", "serialmax"}
+    unknown = parts - {"start", "end", "hint", "slack", "prefetch", "groups"}
     if unknown:
         raise SystemExit(f"unknown variant part(s) {sorted(unknown)} in {variant!r}")
     ti.SCHED_PDL = "end" if "end" in parts else "start" if "start" in parts else ""
@@ -45,7 +44,6 @@ def use(variant: str) -> None:
     ti.SCHED_PREFETCH = "prefetch" in parts
     schedule.PLAN_SLACK = schedule.OVERHEAD_TILES if "slack" in parts else 0
     ti.SCHED_COMBINE_GROUPS = 1 << 20 if "groups" in parts else MAX_GROUPS  # a block a split token
-    ti.SCHED_COMBINE_ONLINE = "serialmax" not in parts
 
 
 def _compile(job):
@@ -65,7 +63,6 @@ def precompile(variants) -> None:
 
     # the plan and the combine's grid need no build of their own
     builds = {"+".join(p for p in v.split("+") if p not in ("slack", "groups")) or "base" for v in variants}
-    # (serialmax: the program is the base build, its combine one of its own)
     jobs = [(v, H, cl) for v in sorted(builds) for H, cl in ((64, False), (128, False), (128, True))]
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=min(12, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -11,8 +11,8 @@ whose pieces saw no valid entry gets output 0 and the LSE ``empty_lse`` (an argu
 The pieces are taken ``CHUNK`` at a time, each chunk's LSEs and partial rows loaded together (independent loads,
 one memory round trip a chunk), the maximum carried across chunks as an online softmax carries it (the sums so far
 scaled by ``2^(m_old - m_new)``; with at most ``CHUNK`` pieces, the common decode case, that scale is never applied
-to anything but zeros). Before (``online=False``, kept to be measured against): one load of an LSE at a time for
-the maximum, then the chunks: a round trip a piece more.
+to anything but zeros). The form before (one load of an LSE at a time for the maximum, then the chunks; 4083e77)
+measured 0.6-1.4 µs slower (docs/dsv4.md).
 
 The grid is fixed by the launch's shapes (so it can be captured in a CUDA graph) and small: ``groups`` blocks
 along the plan's combine list, each walking every ``groups``-th of its ``num_split`` entries (a count on the device:
@@ -35,11 +35,10 @@ CHUNK = 4  # pieces whose partial rows are loaded together
 
 
 @functools.lru_cache(maxsize=None)
-def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16", pdl: bool = False, online: bool = True):
+def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16", pdl: bool = False):
     """The merge for ``H`` heads; ``pdl``: launched as a programmatic dependent of the scheduled program, every
     block waits for that grid's completion (and its writes) at its start, so that the merge's completion (what the
-    stream's next kernel waits for) follows the program's, whose unsplit tokens' outputs it does not touch.
-    ``online``: the chunks' loads together, the maximum carried (module docstring)."""
+    stream's next kernel waits for) follows the program's, whose unsplit tokens' outputs it does not touch."""
     D = L.D
     NT = T.dynamic("num_tokens")
     PARTS = T.dynamic("num_parts")
@@ -84,40 +83,27 @@ def build_sparse_combine(H: int, has_sink: bool, q_dtype: str = "bfloat16", pdl:
                     for v in T.vectorized(COLS):
                         acc[v] = 0.0
                     keys = 0.0
-                    if online:
-                        for c0 in T.serial(T.ceildiv(n, CHUNK)):
-                            # past the last piece: LSE -inf (weight 0) on a re-read of the last row
+                    for c0 in T.serial(T.ceildiv(n, CHUNK)):
+                        # past the last piece: LSE -inf (weight 0) on a re-read of the last row
+                        for i in T.unroll(CHUNK):
+                            lv[i] = T.if_then_else(c0 * CHUNK + i < n,
+                                                   L_part[r0 + T.min(c0 * CHUNK + i, n - 1), h], NEG_INF)
+                            for v in T.vectorized(COLS):
+                                ov[i, v] = O_part[r0 + T.min(c0 * CHUNK + i, n - 1), h, lane * COLS + v]
+                        mn = m
+                        for i in T.unroll(CHUNK):
+                            mn = T.max(mn, lv[i])
+                        if mn != NEG_INF:  # else every piece so far saw no valid entry: nothing to add
+                            w = T.exp2(m - mn)  # 0 at the first chunk with a valid piece (m = -inf)
+                            keys = keys * w
+                            for v in T.vectorized(COLS):
+                                acc[v] = acc[v] * w
                             for i in T.unroll(CHUNK):
-                                lv[i] = T.if_then_else(c0 * CHUNK + i < n,
-                                                       L_part[r0 + T.min(c0 * CHUNK + i, n - 1), h], NEG_INF)
+                                w = T.exp2(lv[i] - mn)
+                                keys = keys + w
                                 for v in T.vectorized(COLS):
-                                    ov[i, v] = O_part[r0 + T.min(c0 * CHUNK + i, n - 1), h, lane * COLS + v]
-                            mn = m
-                            for i in T.unroll(CHUNK):
-                                mn = T.max(mn, lv[i])
-                            if mn != NEG_INF:  # else every piece so far saw no valid entry: nothing to add
-                                w = T.exp2(m - mn)  # 0 at the first chunk with a valid piece (m = -inf)
-                                keys = keys * w
-                                for v in T.vectorized(COLS):
-                                    acc[v] = acc[v] * w
-                                for i in T.unroll(CHUNK):
-                                    w = T.exp2(lv[i] - mn)
-                                    keys = keys + w
-                                    for v in T.vectorized(COLS):
-                                        acc[v] += w * ov[i, v]
-                                m = mn
-                    else:
-                        for i in T.serial(n):
-                            m = T.max(m, L_part[r0 + i, h])
-                        if m != NEG_INF:
-                            for c0 in T.serial(T.ceildiv(n, CHUNK)):
-                                for i in T.unroll(CHUNK):
-                                    # past the last piece: weight 0 on a re-read of the last row
-                                    w = T.if_then_else(c0 * CHUNK + i < n,
-                                                       T.exp2(L_part[r0 + T.min(c0 * CHUNK + i, n - 1), h] - m), 0.0)
-                                    keys = keys + w
-                                    for v in T.vectorized(COLS):
-                                        acc[v] += w * O_part[r0 + T.min(c0 * CHUNK + i, n - 1), h, lane * COLS + v]
+                                    acc[v] += w * ov[i, v]
+                            m = mn
                     den = keys
                     if has_sink:
                         den = keys + T.if_then_else(m == NEG_INF, 0.0, T.exp2(sinks[h] * LOG2E - m))

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ....platform import stream_capturing
-from ..._common import check, resolve_impl
+from ..._common import check, check_same_device, resolve_impl
 from .. import layout as L
 from .schedule import SparseMQAPlan
 
@@ -337,8 +337,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
           lambda: f"{op}: attn_sink must be [{q.shape[1]}] float32")
     check(topk_length is None or (isinstance(topk_length, torch.Tensor) and topk_length.shape == (q.shape[0],)),
           lambda: f"{op}: topk_length must be [{q.shape[0]}] int32")
-    check(kv.device == q.device and indices.device == q.device,
-          lambda: f"{op}: q, kv and indices must be on one device, got {q.device}, {kv.device}, {indices.device}")
+    check_same_device(op, q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
     if resolve_impl(impl, q.device, op) == "tilelang":
         from .tilelang_impl import sparse_prefill_bf16
 

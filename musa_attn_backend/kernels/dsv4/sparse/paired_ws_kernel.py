@@ -192,7 +192,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
-    def pipelined_group(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, l_s, sinks, O, LSE, MaxL, full_l, full_r,
+    def pipelined_group(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, MaxL, full_l, full_r,
                         empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse):
         """Math group ``w`` (a Python int) in the pipelined order, its registers and its end."""
         T.set_max_nreg(MATH_REGS, 1)
@@ -202,10 +202,10 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         T.fill(l_i, 0)
         T.fill(m_i, NEG_INF)
         if w == 0:
-            group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full, pairs,
+            group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
                    scale_log2, state)
         else:
-            group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, full_l, full_r, empty_l, empty_r, q_full, pairs,
+            group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
                    scale_log2, state)
         epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
 
@@ -248,8 +248,8 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
             Kr_s = T.alloc_shared([2, BN, HD], q_dtype)
             P_s = T.alloc_shared([2, BH, BN], q_dtype)
             ok_s = T.alloc_shared([2, BN], "int32", scope="shared")
-            m_s = T.alloc_shared([2, 2, BH], ACC, scope="shared")
-            m_s1 = T.alloc_shared([2, BH], ACC, scope="shared")  # the pipelined groups' maxima: group 0's, both's
+            # the maxima: the paired groups' by pair parity and group; the pipelined groups' group 0's and both's
+            m_s = T.alloc_shared([2, BH] if pipelined else [2, 2, BH], ACC, scope="shared")
             l_s = T.alloc_shared([2, BH], ACC, scope="shared")
             # each producer thread arrives twice on a half's barrier: once its copies land, once after its flags
             full_l = T.alloc_barrier([2 * PRODUCER, 2 * PRODUCER])
@@ -265,11 +265,11 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
 
             if pipelined:
                 with T.ws(0):
-                    pipelined_group(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, l_s, sinks, O, LSE, MaxL, full_l,
+                    pipelined_group(0, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, MaxL, full_l,
                                     full_r, empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
 
                 with T.ws(1):
-                    pipelined_group(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s1, l_s, sinks, O, LSE, MaxL, full_l,
+                    pipelined_group(1, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, MaxL, full_l,
                                     full_r, empty_l, empty_r, q_full, t, h0, pairs, scale_log2, empty_lse)
             else:
                 math_groups(MATH_REGS, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r,

@@ -231,20 +231,14 @@ from .combine_kernel import MAX_GROUPS  # noqa: E402
 # request a block (its merge the faster, docs/dsv4.md); a block a split token (a larger value: the grid is capped
 # by parts - 1 and the tokens) is to be measured (scripts/sched_variants.py "groups")
 SCHED_COMBINE_GROUPS = MAX_GROUPS
-# the combine's chunks of pieces loaded together with the maximum carried across them (combine_kernel.py); False
-# builds the one before (the maximum from one LSE load at a time), kept to be measured against
-SCHED_COMBINE_ONLINE = True
-
 
 def sched_combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     """The compiled merge of the scheduled program's split tokens (:mod:`.combine_kernel`)."""
     from .combine_kernel import build_sparse_combine
 
     pdl = bool(_sched_pdl(target))
-    online = SCHED_COMBINE_ONLINE
-    key = ("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ()) + (() if online else ("serial",))
-    return compile_cached(key, lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl, online=online),
-                          target=target)
+    key = ("dsv4_sparse_combine", H, has_sink, q_dtype) + (("pdl",) if pdl else ())
+    return compile_cached(key, lambda: build_sparse_combine(H, has_sink, q_dtype, pdl=pdl), target=target)
 
 
 def combine_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
@@ -590,12 +584,20 @@ def _sparse_mqa_ws(program, q, cache, indices, lengths, extra_cache, extra_indic
         ws = build_workspace(cache, indices, lengths, extra_cache=extra_cache if has_extra else None,
                              extra_indices=extra_indices if has_extra else None,
                              extra_lengths=extra_lengths if has_extra else None, op=op, read_rows=_read_rows(op))
-        sinks = sink.contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
-        empty = float("inf") if empty_lse_inf else float("-inf")
-        rows = ws.rows if ws.rows.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)  # none valid
-        _ws_kernel(program, H, sink is not None)(q, rows, ws.indices, ws.lengths, sinks, float(sm_scale), empty,
-                                                 out, lse, _alloc((T, H), torch.float32, dev))
+        _launch_ws(program, q, ws.rows, ws.indices, ws.lengths, sink, sm_scale,
+                   float("inf") if empty_lse_inf else float("-inf"), out, lse, _alloc((T, H), torch.float32, dev))
     return (out, lse) if return_lse else out
+
+
+def _launch_ws(program, q, rows, indices, lengths, sink, sm_scale, empty_lse, out, lse, max_logits) -> None:
+    """Launch ``program`` (``paired_ws`` or ``portable_ws``) over the bf16 ``rows`` (a stand-in row where there
+    are none: every entry is then invalid) with the tokens' lists ``indices [T, K]`` and ``lengths [T]``."""
+    H, dev = q.shape[1], q.device
+    rows = rows if rows.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)
+    sinks = sink.float().contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
+    _ws_kernel(program, H, sink is not None)(q.contiguous(), rows.contiguous(), indices.contiguous(),
+                                             lengths.contiguous(), sinks, float(sm_scale), empty_lse, out, lse,
+                                             max_logits)
 
 
 def sparse_prefill_program(target=None) -> str:
@@ -617,13 +619,9 @@ def sparse_prefill_bf16(q, kv, indices, lengths, sink, sm_scale):
     lse = _alloc((T, H), torch.float32, dev)
     max_logits = _alloc((T, H), torch.float32, dev)
     if T:
-        K = indices.shape[1]
-        n = (torch.full((T,), K, dtype=torch.int32, device=dev) if lengths is None
-             else lengths.to(torch.int32).contiguous())
-        rows = kv if kv.shape[0] else torch.zeros(1, L.D, dtype=torch.bfloat16, device=dev)
-        sinks = sink.float().contiguous() if sink is not None else torch.zeros(H, dtype=torch.float32, device=dev)
-        _ws_kernel(program, H, sink is not None)(q.contiguous(), rows.contiguous(), indices.contiguous(), n, sinks,
-                                                 float(sm_scale), float("inf"), out, lse, max_logits)
+        n = (torch.full((T,), indices.shape[1], dtype=torch.int32, device=dev) if lengths is None
+             else lengths.to(torch.int32))
+        _launch_ws(program, q, kv, indices, n, sink, sm_scale, float("inf"), out, lse, max_logits)
     return out, max_logits, lse
 
 
@@ -640,7 +638,7 @@ def _sched_kernels(H: int, has_extra: bool, has_sink: bool, tokens=None) -> tupl
     :func:`~musa_attn_backend._tilelang.launcher` (the compiled entry without TileLang's Python wrapper where the
     platform allows it: an eager decode step launches both on every layer)."""
     cluster = _sched_cluster(H, None, tokens)
-    key = (H, has_extra, has_sink, cluster, SCHED_PDL, SCHED_LOAD_HINT, SCHED_PREFETCH, SCHED_COMBINE_ONLINE)
+    key = (H, has_extra, has_sink, cluster, SCHED_PDL, SCHED_LOAD_HINT, SCHED_PREFETCH)
     hit = _SCHED_KERNELS.get(key)
     if hit is None:
         hit = _SCHED_KERNELS[key] = (launcher(sched_kernel(H, has_extra, has_sink, "bfloat16", cluster=cluster)),
