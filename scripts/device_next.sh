@@ -16,6 +16,9 @@
 #          timing paired_ws in both orders and portable_ws in both forms beside the scheduled program; then
 #          `scripts/device_v4_attention.sh suite prefill --sample 150` (carry .flashmla): FlashMLA's prefill tests
 #          now run our kernel
+#   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
+#          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
+#          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
 source .device/env.sh
 export MUSA_ATTN_CACHE_DIR=${MUSA_ATTN_CACHE_DIR:-/tmp/musa_attn_cache} PYTHONPATH=$PWD:${PYTHONPATH:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -61,11 +64,24 @@ case "${1:-}" in
     timeout 400 python3 scripts/ws_smoke.py --configs flash,pro --tokens 4096 --out "$out" > "$out/ws_smoke.txt" 2>&1
     stamp "ws smoke rc=$?"
     grep -E "^\{" "$out/ws_smoke.txt" | cut -c1-1500 ;;
+  ws3)  # issue 37: paired_ws's build variants (scripts/ws_variants.py) beside FlashMLA's prefill on its own inputs,
+    # then ncu of FlashMLA's kernel and two variants at Flash 4096
+    timeout 300 python3 scripts/ws_variants.py --out "$out" ${WS_VARIANTS:+--variants $WS_VARIANTS} \
+      > "$out/ws_variants.txt" 2>&1
+    stamp "ws variants rc=$?"
+    timeout 150 ncu --clock-control none --profile-from-start off --kernel-name regex:"sparse_attn_fwd|paired_ws" \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section InstructionStats --section ComputeWorkloadAnalysis \
+      python3 scripts/ws_variants.py --ncu --configs flash --variants ${NCU_VARIANTS:-base,hint+smem_out} \
+      > "$out/ncu_ws.txt" 2>&1
+    stamp "ncu rc=$?"
+    grep -E "^\{|precompiled|rror" "$out/ws_variants.txt" | cut -c1-2500 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|ws2|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|variants|next1b|next2|next3"; exit 2 ;;
 esac

@@ -126,7 +126,11 @@ def run(kind: str, sample: int, seed: int, device: str, out: str, program: str |
     for c in cases:
         c.num_runs = 0
     check = module.test_flash_mla if kind == "decode" else module.run_test
+    stamp = ROOT / ".commit"  # the tree's commit as the caller wrote it (a lent machine's git metadata is stale)
     report = {"suite": kind, "flashmla_commit": (SUITE / "COMMIT").read_text().strip(), "device": device,
+              "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+              "commit": stamp.read_text().strip() if stamp.exists() else "unknown",
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "program": os.environ.get("MUSA_ATTN_DSV4_PROGRAM", "auto"), "model1_cases": total,
               "max_work": max_work or None, "seed": seed, "ran": len(cases),
               "passed": 0, "failed": [], "raised": []}

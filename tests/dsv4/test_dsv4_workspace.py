@@ -173,6 +173,36 @@ def test_paired_ws_pipelined_groups_build_for_sm90a(tmp_path):
     assert regs == 168 and spills <= 640, spills
 
 
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_paired_ws_copy_hints_and_staged_output_build_for_sm90a(tmp_path):
+    """``COPY_HINT``: the producer's 32 copies a tile go through the hinted cp.async (an evict-last policy made once,
+    before the key loop), still completing the halves' barriers by the cp.async arrive; ``SMEM_EPILOGUE``: each
+    group writes its output columns into its half of the query's shared memory, syncs its 128 threads on its own
+    named barrier and stores 16-byte pieces. ptxas: 168 registers, no spill."""
+    assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
+    from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+    from musa_attn_backend.kernels.dsv4.sparse.rows import LOAD_HINT_HEADER
+
+    src = _tilelang.compile_cached(("test_paired_ws_hint_smem_out", 64, True),
+                                   lambda: pw.build_sparse_mqa_paired_ws(64, True, "bfloat16", False, True, True),
+                                   target=HOPPER, pass_configs=ti._ws_pass_configs(),
+                                   headers=(LOAD_HINT_HEADER,)).get_kernel_source()
+    producer = src.split("warpgroup_reg_dealloc<88>")[1]
+    before, loop = producer.split("for (int j = 0;")
+    assert "musa_attn_evict_last_policy()" in before and "musa_attn_evict_last_policy" not in loop
+    assert loop.count("musa_attn_cp_async16_hint(") == 4 and "cp_async_gs_conditional" not in loop
+    assert loop.count("mbarrier_cp_async_arrive_noinc(") == 4
+    for w, q_s in enumerate(("Ql_s", "Qr_s")):
+        group = src.split("warpgroup_reg_alloc<208>")[1 + w]
+        staged = group.split(f"__sync_thread_partial({pk.OUT_READY[w]}, 128)")
+        assert len(staged) == 2 and f"((bfloat16_t*){q_s})" in staged[0].split(f"__sync_thread_partial("
+                                                                                f"{pk.EPILOGUE}, 256)")[1]
+        assert "*(uint4*)(O + " in staged[1]
+    spills, regs = _ptxas_spills(src, tmp_path, headers=(LOAD_HINT_HEADER,))
+    assert spills == 0 and regs == 168
+
+
 def test_workspace_rows_program_keeps_mp31s_rules_and_builds_for_sm90a(use_settings):
     """The workspace's gather (a portable program: element loops, bounds-checked vector reads) breaks none of
     MP31's lowering rules in either FP8 form, and compiles for sm_90a (exact dequantisation: the GPU test

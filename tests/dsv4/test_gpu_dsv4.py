@@ -139,14 +139,22 @@ def test_workspace_rows_kernel_is_the_reference_reader(gpu_device, pages, rows, 
     assert (tilelang_impl._read_rows("test")(cache, bad, "cache") == 0).all()
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["paired", "pipelined"])
-@pytest.mark.parametrize("H,S,S_kv,K", [(64, 300, 5000, 640), (128, 37, 700, 1152), (16, 9, 130, 70)])
-def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, pipelined, H, S, S_kv, K):
-    """FlashMLA's sparse prefill entry on the paired_ws program against its reference: ragged topk lengths (some
-    zero), invalid entries (negative, at or past s_kv), NaN rows nobody selects, sinks of +-inf in some heads."""
+# the paired_ws program's build switches a case sets (scripts/ws_variants.py names them the same way)
+WS_SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE"}
+
+
+def _ws_variant(monkeypatch, variant: str) -> None:
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel
 
-    monkeypatch.setattr(paired_ws_kernel, "PIPELINED", pipelined)
+    on = set() if variant == "paired" else set(variant.split("+"))
+    for name, attr in WS_SWITCHES.items():
+        monkeypatch.setattr(paired_ws_kernel, attr, name in on)
+
+
+def _flash_mla_prefill_case(gpu_device, H, S, S_kv, K):
+    """A FlashMLA sparse prefill call's arguments ``((q, kv, indices, scale), sink, topk_length)``: ragged topk
+    lengths (some zero), invalid entries (negative, at or past s_kv), NaN rows nobody selects, sinks of +-inf in
+    some heads."""
     g = torch.Generator().manual_seed(H + S)
     q = torch.randn(S, H, 512, generator=g).to(torch.bfloat16).to(gpu_device)
     kv = torch.randn(S_kv + 50, 1, 512, generator=g).to(torch.bfloat16)
@@ -158,7 +166,19 @@ def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, 
     sink = torch.randn(H, generator=g).to(gpu_device)
     sink[::5] = float("inf")
     sink[1::5] = float("-inf")
-    args = (q, kv[:S_kv], idx, 512 ** -0.5)
+    return (q, kv[:S_kv], idx, 512 ** -0.5), sink, lens
+
+
+PREFILL_CASES = [(64, 300, 5000, 640), (128, 37, 700, 1152), (16, 9, 130, 70)]
+
+
+@pytest.mark.parametrize("variant", ["paired", "pipelined", "hint+smem_out"])
+@pytest.mark.parametrize("H,S,S_kv,K", PREFILL_CASES)
+def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, variant, H, S, S_kv, K):
+    """FlashMLA's sparse prefill entry on the paired_ws program (each order of its math groups; the copies with
+    cache hints and the output through shared memory) against its reference (:func:`_flash_mla_prefill_case`)."""
+    _ws_variant(monkeypatch, variant)
+    args, sink, lens = _flash_mla_prefill_case(gpu_device, H, S, S_kv, K)
     ref = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="reference")
     got = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="tilelang")
     torch.testing.assert_close(got[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
@@ -166,6 +186,21 @@ def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, 
         assert torch.equal(torch.isinf(a), torch.isinf(b))
         fin = torch.isfinite(b)
         torch.testing.assert_close(a[fin], b[fin], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["hint", "smem_out", "hint+smem_out"])
+@pytest.mark.parametrize("H,S,S_kv,K", [PREFILL_CASES[0], PREFILL_CASES[2]])
+def test_paired_ws_switches_change_no_value(gpu_device, monkeypatch, variant, H, S, S_kv, K):
+    """The copies' cache hints and the output through shared memory move the same bytes: every output, LSE and
+    maximum equals the plain build's bit for bit (64 heads, and 16 padded into a block of 64)."""
+    args, sink, lens = _flash_mla_prefill_case(gpu_device, H, S, S_kv, K)
+    _ws_variant(monkeypatch, "paired")
+    plain = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="tilelang")
+    _ws_variant(monkeypatch, variant)
+    got = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="tilelang")
+    for a, b in zip(got, plain):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
 
 
 def test_sparse_mqa_no_valid_entry_and_empty_cache(gpu_device, program):

@@ -18,3 +18,22 @@ __device__ __forceinline__ void musa_attn_ld16_hint(int* dst, const void* src) {
 __device__ __forceinline__ void musa_attn_prefetch_l2(const void* src, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
 }
+
+// An L2 cache policy that keeps the lines it covers longer than the default (PTX createpolicy, fraction 1.0;
+// CUDA sm_80+): the paired_ws producer's key rows, which many tokens of a prefill read again, beside query and
+// output rows that stream through once.
+__device__ __forceinline__ unsigned long long musa_attn_evict_last_policy() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// 16 bytes from global `src` into shared `dst` by cp.async (L1 bypassed), under the L2 cache policy `policy`
+// and with a 256-byte L2 prefetch; where `pred` is 0 nothing is read and `dst` gets zeros (the copy's source
+// size 0). Completes like TileLang's own cp.async (an mbarrier's cp.async arrive, or cp.async.wait_group).
+__device__ __forceinline__ void musa_attn_cp_async16_hint(void* dst, const void* src, int pred,
+                                                          unsigned long long policy) {
+  unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;"
+               :: "r"(dst_addr), "l"(src), "r"(pred ? 16 : 0), "l"(policy) : "memory");
+}

@@ -49,6 +49,7 @@ PRODUCER_ROWS_AT_ONCE = 2
 MAX_READY, EPILOGUE = 4, 5
 P_READY = (6, 7)
 P_FREE = (8, 9)
+OUT_READY = (10, 11)  # group w's output columns staged in shared memory (consumer_macro's smem_out)
 LEFT_ARRIVALS = (128, 256)  # stage 0 left: group 0 alone; stage 1 left: both groups
 RIGHT_ARRIVALS = (256, 128)  # stage 0 right: both; stage 1 right: group 1 alone
 
@@ -59,18 +60,21 @@ def half(h, left, right):
     return left if h == 0 else right
 
 
-def consumer_macro(H: int, has_sink: bool, q_dtype: str, max_logits: bool = False):
+def consumer_macro(H: int, has_sink: bool, q_dtype: str, max_logits: bool = False, smem_out: bool = False):
     """The math groups' macro (``consumer(w, ...)``, ``w`` a Python int): a group's loop over the token's pairs and its
     half of the epilogue, for ``H`` query heads; shared by the programs over FP8 rows (here) and over a bf16
     workspace (:mod:`.paired_ws_kernel`), whose producers fill the same stage halves under the same barriers.
     ``max_logits``: group 0 also writes each row's largest scaled score into ``MaxL`` (``-inf`` where no entry is
-    valid; FlashMLA's prefill returns it); otherwise ``MaxL`` is not touched. Returns ``(consumer, epilogue,
+    valid; FlashMLA's prefill returns it); otherwise ``MaxL`` is not touched. ``smem_out``: each group stages its bf16
+    output columns in its half of the query's shared memory (free once both groups' GEMMs are done) and stores them
+    from there in 16-byte pieces (a fragment's own stores write 4 bytes a thread, half of each 32-byte sector).
+    Returns ``(consumer, epilogue,
     math_groups)``: the epilogue alone serves :mod:`.paired_ws_kernel`'s pipelined groups; ``math_groups`` is both
     groups' code."""
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
-    def epilogue(w, regs, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse):
+    def epilogue(w, regs, l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse, Ql_s, Qr_s):
         """Group ``w``'s end (both groups with one running maximum): the row sums of both groups, the sink, this
         group's columns; the LSE (and ``MaxL`` with ``max_logits``) from group 0."""
         acc_o, m_i, alpha, row_sum, l_i = regs
@@ -85,9 +89,17 @@ def consumer_macro(H: int, has_sink: bool, q_dtype: str, max_logits: bool = Fals
             else:
                 row_sum[r] = 0.0
             alpha[r] = T.if_then_else(l_i[r] == 0.0, 0.0, 1.0 / (l_i[r] + row_sum[r]))
-        for r, d in T.Parallel(BH, HD):
-            if h0 + r < H:
-                O[t, h0 + r, w * HD + d] = T.Cast(q_dtype, acc_o[r, d] * alpha[r])
+        if smem_out:
+            for r, d in T.Parallel(BH, HD):
+                half(w, Ql_s, Qr_s)[r, d] = T.Cast(q_dtype, acc_o[r, d] * alpha[r])
+            T.sync_threads(OUT_READY[w], CONSUMER_THREADS // 2)
+            for r, d in T.Parallel(BH, HD):
+                if h0 + r < H:
+                    O[t, h0 + r, w * HD + d] = half(w, Ql_s, Qr_s)[r, d]
+        else:
+            for r, d in T.Parallel(BH, HD):
+                if h0 + r < H:
+                    O[t, h0 + r, w * HD + d] = T.Cast(q_dtype, acc_o[r, d] * alpha[r])
         if w == 0:
             for r in T.Parallel(BH):
                 if h0 + r < H:
@@ -160,7 +172,8 @@ def consumer_macro(H: int, has_sink: bool, q_dtype: str, max_logits: bool = Fals
             T.mbarrier_arrive(half(w, empty_l, empty_r)[other])
             T.named_barrier_arrive(P_FREE[other], CONSUMER_THREADS)
         T.sync_threads(P_FREE[w], CONSUMER_THREADS)  # pairs the other group's arrival after the last pair
-        epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
+        epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse, Ql_s,
+                 Qr_s)
 
     @T.macro
     def math_groups(regs, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, l_s, sinks, O, LSE, full_l, full_r, empty_l,

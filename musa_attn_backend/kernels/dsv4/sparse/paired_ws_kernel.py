@@ -42,13 +42,20 @@ from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state
 from .. import layout as L
 from .paired_kernel import CONSUMER_THREADS, EPILOGUE, LEFT_ARRIVALS, RIGHT_ARRIVALS, consumer_macro  # noqa: F401
-from .rows import BH, BN, HD, PRODUCER, fp8_row_macros
+from .rows import BH, BN, HD, PRODUCER, copy16_hinted, evict_last_policy, fp8_row_macros
 
 # ptxas serialises the WGMMAs below 208 registers a math thread (docs/dsv4.md); a producer of copies needs few
 MATH_REGS, PRODUCER_REGS = 208, 88
 # the consumers: False, the paired program's (one maximum exchange a pair, each group's GEMMs waited for in turn);
 # True, FlashMLA's prefill schedule (module docstring); not yet run on a GPU
 PIPELINED = False
+# the producer's copies: False, TileLang's cp.async (L2::128B, the default cache policy); True, FlashMLA's SM90
+# prefill copies: an L2 evict-last policy for the key rows (read by many tokens, beside query and output rows read
+# or written once) and a 256-byte L2 prefetch (rows.copy16_hinted; the program is built with rows.LOAD_HINT_HEADER)
+COPY_HINT = False
+# the output: False, each thread stores its fragment's values (4 bytes a store); True, staged in shared memory and
+# stored in 16-byte pieces (paired_kernel.consumer_macro's smem_out)
+SMEM_EPILOGUE = False
 # named barriers of the pipelined consumers (0 is __syncthreads; the epilogue's is the paired program's)
 BUNCH0, BUNCH1, S0_READY, S1_READY = 6, 7, 8, 9
 WARPS = PRODUCER // 32
@@ -176,10 +183,12 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
 
 
 @functools.lru_cache(maxsize=None)
-def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", pipelined: bool = False):
+def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", pipelined: bool = False,
+                               copy_hint: bool = False, smem_epilogue: bool = False):
     """The paired sparse MQA program over a bf16 workspace for ``H`` query heads (blocks of 64, rows past ``H``
     padded inside). A token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or
-    FlashMLA's ``+inf``). ``pipelined``: FlashMLA's prefill schedule for the math groups (:data:`PIPELINED`)."""
+    FlashMLA's ``+inf``). ``pipelined``: FlashMLA's prefill schedule for the math groups (:data:`PIPELINED`);
+    ``copy_hint``, ``smem_epilogue``: :data:`COPY_HINT`, :data:`SMEM_EPILOGUE`."""
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -187,7 +196,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     R = T.dynamic("ws_rows")
     head_blocks = (H + BH - 1) // BH
     load_q = fp8_row_macros(H, False, q_dtype, K, 0).load_q
-    _, epilogue, math_groups = consumer_macro(H, has_sink, q_dtype, max_logits=True)
+    _, epilogue, math_groups = consumer_macro(H, has_sink, q_dtype, max_logits=True, smem_out=smem_epilogue)
     group0, group1 = pipelined_macros(H, has_sink, q_dtype)
     NEG_INF = -T.infinity(ACC)
 
@@ -207,21 +216,26 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         else:
             group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
                    scale_log2, state)
-        epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse)
+        epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse, Ql_s,
+                 Qr_s)
 
     @T.macro
-    def copy_half(K_s, st, col0, W, idx, ok, lane, warp):
+    def copy_half(K_s, st, col0, W, idx, ok, lane, warp, policy):
         """Each of this thread's rows' unit ``lane`` of the half at column ``col0`` into stage ``st`` of ``K_s``."""
         for i in T.unroll(ROWS_A_WARP):
-            T.ptx_cp_async(T.access_ptr(K_s[st, i * WARPS + warp, lane * 8], "w", 8),
-                           T.access_ptr(W[T.max(idx[i], 0), col0 + lane * 8], "r", 8), 8, ok[i] != 0)
+            if copy_hint:
+                copy16_hinted(K_s[st, i * WARPS + warp, lane * 8], W[T.max(idx[i], 0), col0 + lane * 8], ok[i],
+                              policy[0])
+            else:
+                T.ptx_cp_async(T.access_ptr(K_s[st, i * WARPS + warp, lane * 8], "w", 8),
+                               T.access_ptr(W[T.max(idx[i], 0), col0 + lane * 8], "r", 8), 8, ok[i] != 0)
 
     @T.macro
-    def fill_half(K_s, st, col0, par, W, idx, ok, lane, warp, ok_s, flags, full, empty):
+    def fill_half(K_s, st, col0, par, W, idx, ok, lane, warp, ok_s, flags, full, empty, policy):
         """Stage ``st``'s half at column ``col0`` once its consumers are done with it (and the stage's row flags,
         with its first half: ``flags``), completing its ``full`` barrier when the copies land."""
         T.mbarrier_wait_parity(empty[st], par ^ 1)
-        copy_half(K_s, st, col0, W, idx, ok, lane, warp)
+        copy_half(K_s, st, col0, W, idx, ok, lane, warp, policy)
         if flags:
             if lane == 0:
                 for i in T.unroll(ROWS_A_WARP):
@@ -283,6 +297,9 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                 warp = p // 32
                 idx = T.alloc_local([ROWS_A_WARP], "int32")
                 ok = T.alloc_local([ROWS_A_WARP], "int32")
+                policy = T.alloc_local([1], "uint64")
+                if copy_hint:
+                    policy[0] = evict_last_policy()
                 load_q(Q, Ql_s, Qr_s, t, h0, p)
                 T.ptx_wait_group(0)
                 T.fence_proxy_async()  # the query rows are read by the WGMMAs (async proxy)
@@ -294,10 +311,10 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                         idx[i] = T.if_then_else(e < length, I[t, T.min(e, K - 1)], -1)
                         ok[i] = T.if_then_else(T.And(idx[i] >= 0, idx[i] < R), 1, 0)
                     if j % 2 == 0:  # stage 0: left half first (group 0 alone reads it)
-                        fill_half(Kl_s, 0, 0, par, W, idx, ok, lane, warp, ok_s, True, full_l, empty_l)
-                        fill_half(Kr_s, 0, HD, par, W, idx, ok, lane, warp, ok_s, False, full_r, empty_r)
+                        fill_half(Kl_s, 0, 0, par, W, idx, ok, lane, warp, ok_s, True, full_l, empty_l, policy)
+                        fill_half(Kr_s, 0, HD, par, W, idx, ok, lane, warp, ok_s, False, full_r, empty_r, policy)
                     else:  # stage 1: right half first (group 1 alone reads it)
-                        fill_half(Kr_s, 1, HD, par, W, idx, ok, lane, warp, ok_s, True, full_r, empty_r)
-                        fill_half(Kl_s, 1, 0, par, W, idx, ok, lane, warp, ok_s, False, full_l, empty_l)
+                        fill_half(Kr_s, 1, HD, par, W, idx, ok, lane, warp, ok_s, True, full_r, empty_r, policy)
+                        fill_half(Kl_s, 1, 0, par, W, idx, ok, lane, warp, ok_s, False, full_l, empty_l, policy)
 
     return sparse_mqa_paired_ws

@@ -78,6 +78,18 @@ def load16_hinted(dst, src):
     return T.call_extern("handle", "musa_attn_ld16_hint", T.address_of(dst), T.address_of(src))
 
 
+def evict_last_policy():
+    """An L2 evict-last cache policy (a uint64 for :func:`copy16_hinted`; :data:`LOAD_HINT_HEADER`; CUDA)."""
+    return T.call_extern("uint64", "musa_attn_evict_last_policy")
+
+
+def copy16_hinted(dst, src, pred, policy):
+    """``cp.async`` of the 16 bytes at global ``src`` into shared ``dst`` (elements whose addresses are taken)
+    under the L2 cache ``policy`` with a 256-byte L2 prefetch, zeros where ``pred`` is 0 (:data:`LOAD_HINT_HEADER`;
+    CUDA sm_80+)."""
+    return T.call_extern("handle", "musa_attn_cp_async16_hint", T.address_of(dst), T.address_of(src), pred, policy)
+
+
 def send16(elem, peer, w0, w1, w2, w3, bar):
     """The 16 bytes ``w0 .. w3`` (32-bit words) into CTA ``peer`` of the cluster at the shared address ``elem`` has
     here, completing 16 bytes on the peer's barrier at the address ``bar`` has here (``st.async``; CUDA sm_90+,

@@ -1,0 +1,155 @@
+"""The paired_ws program's build variants beside FlashMLA's sparse prefill, kernel against kernel on FlashMLA's own
+inputs (its bf16 workspace of every cache row and its rebased lists, ``benchmarks/bench_dsv4_attention.py``'s
+``flashmla_prefill``), in one process on the GPU.
+
+A variant is ``base`` or ``+``-joined switches of :mod:`musa_attn_backend.kernels.dsv4.sparse.paired_ws_kernel`:
+``pipelined`` (``PIPELINED``: FlashMLA's order of the math groups), ``hint`` (``COPY_HINT``: the producer's copies
+with an L2 evict-last policy and a 256-byte prefetch), ``smem_out`` (``SMEM_EPILOGUE``: the output staged in
+shared memory, stored in 16-byte pieces). Each row: FlashMLA's time, each variant's time on those inputs
+(``<variant>_ms``) and through our own workspace (``<variant>_own_ws_ms``: the kernel alone, CUDA graph), its
+largest difference from FlashMLA's output and whether it equals the base build's output bit for bit (the switches
+change no arithmetic, only how bytes move).
+
+    python3 scripts/ws_variants.py [--variants base,hint,...] [--configs flash,pro] [--tokens 4096] [--out DIR]
+    ncu ... python3 scripts/ws_variants.py --ncu --variants base,hint+smem_out --configs flash
+        one call of FlashMLA's kernel and of each variant between cudaProfilerStart/Stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent)]
+
+SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE"}
+
+
+def select(variant: str) -> None:
+    """Set the paired_ws program's switches to ``variant`` (the launcher's kernel key holds them)."""
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+
+    on = set() if variant == "base" else set(variant.split("+"))
+    unknown = on - set(SWITCHES)
+    if unknown:
+        raise SystemExit(f"ws_variants: unknown switch(es) {sorted(unknown)}; known: {sorted(SWITCHES)}")
+    for name, attr in SWITCHES.items():
+        setattr(pw, attr, name in on)
+
+
+def _compile(job):
+    """One variant's kernel for ``H`` heads, in a worker process (it lands in the kernel cache on disk)."""
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+
+    variant, H = job
+    select(variant)
+    ti.paired_ws_kernel(H, True, "bfloat16")
+    ti.workspace_rows_kernel()
+    return job
+
+
+def precompile(variants, heads) -> None:
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=12, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_compile, (v, H)) for H in heads for v in variants]:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - the timing reports what cannot launch
+                print(f"precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print(f"precompiled {len(variants) * len(heads)} kernels in {time.time() - t0:.0f} s", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="base,hint,smem_out,hint+smem_out,pipelined+hint,pipelined+hint+smem_out")
+    ap.add_argument("--configs", default="flash,pro")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--out", default="/tmp/out")
+    ap.add_argument("--ncu", action="store_true")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    for v in variants:
+        select(v)  # unknown switches fail here, before any compile
+    import torch
+
+    from bench_attention import bench_ms, git_commit
+    from bench_dsv4_attention import CONFIGS, caches, flashmla_peer, flashmla_prefill, inputs, ws_times
+    from musa_attn_backend.kernels import dsv4
+
+    configs = args.configs.split(",")
+    precompile(variants, sorted({CONFIGS[c][0] for c in configs}))
+    errors: dict = {}
+    fm = flashmla_peer(errors)
+    if fm is None:
+        raise SystemExit(f"ws_variants: FlashMLA is not importable here: {errors}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    swa, c4 = caches(65536)
+    rows = []
+    scale = 512 ** -0.5
+    for cfg in configs:
+        H, K = CONFIGS[cfg]
+        q, i1, i2, sink = inputs(args.tokens, H, K, swa, c4, g)
+        fn, kv, idx = flashmla_prefill(fm, q, swa, i1, c4, i2, sink)
+        ours = lambda: dsv4.flash_mla_sparse_fwd(q, kv, idx, scale, attn_sink=sink)  # noqa: E731 - the variant selected
+        for v in variants:
+            select(v)
+            ours()  # each kernel loaded before any timing or profiling
+        torch.cuda.synchronize()
+        if args.ncu:
+            torch.cuda.profiler.start()
+            torch.cuda.nvtx.range_push(f"{cfg}/flashmla")
+            fn()
+            torch.cuda.nvtx.range_pop()
+            for v in variants:
+                select(v)
+                torch.cuda.nvtx.range_push(f"{cfg}/{v}")
+                ours()
+                torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            continue
+        ref = fn()[0].clone()
+        row = {"op": "prefill", "shape": {"config": cfg, "tokens": args.tokens, "heads": H, "topk": K + 128},
+               "flashmla_ms": bench_ms(fn, graph=False, rep=20)}
+        base_out = None
+        for v in variants:
+            select(v)
+            try:
+                row[f"{v}_ms"] = bench_ms(ours, graph=False, rep=20)
+                out = ours()[0]
+                row[f"{v}_max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+                if base_out is None:
+                    base_out = out.clone()
+                    row["first_variant"] = v
+                else:
+                    row[f"{v}_equals_first"] = bool(torch.equal(out, base_out))
+                own = torch.empty_like(q)
+                row[f"{v}_own_ws_ms"] = ws_times(q, swa, i1, c4, i2, sink, own, "paired_ws")["paired_ws_ms"]
+            except Exception as e:  # noqa: BLE001 - recorded
+                row[f"{v}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["peers"] = {"flashmla": row["flashmla_ms"]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del fn, kv, idx
+    if args.ncu:
+        return 0
+    select("base")
+    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "versions": {"torch": torch.__version__}, "rows": rows}
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"ws-variants-{stamp}.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
