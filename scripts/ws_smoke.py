@@ -56,7 +56,8 @@ def _compile_test(job):
         ti.workspace_rows_kernel()
     elif form.startswith("paired"):  # paired, or paired_ and ws_variants.py's switches joined by +
         on = set(form[len("paired_"):].split("+")) if form != "paired" else set()
-        pw.PIPELINED, pw.COPY_HINT, pw.SMEM_EPILOGUE = "pipelined" in on, "hint" in on, "smem_out" in on
+        pw.PIPELINED, pw.COPY_HINT, pw.SMEM_EPILOGUE, pw.Q_ASYNC = ("pipelined" in on, "hint" in on,
+                                                                    "smem_out" in on, "qasync" in on)
         ti.paired_ws_kernel(H, sink, "bfloat16")
     else:
         with config.override(musa_forms=form == "portable_musa"):
@@ -72,7 +73,8 @@ def precompile_tests() -> int:
 
     jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_pipelined", "portable", "portable_musa")
                                    for H, sink in TEST_HEADS]
-    jobs += [(f"paired_{v}", H, True) for v in ("hint", "smem_out", "hint+smem_out") for H in (16, 64, 128)]
+    jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)
+             for v in ("hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync", "pipelined+hint+smem_out+qasync")]
     t0, failed = time.time(), 0
     with ProcessPoolExecutor(max_workers=14, mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, f in [(j, pool.submit(_compile_test, j)) for j in jobs]:

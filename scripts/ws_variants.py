@@ -5,7 +5,8 @@ inputs (its bf16 workspace of every cache row and its rebased lists, ``benchmark
 A variant is ``base`` or ``+``-joined switches of :mod:`musa_attn_backend.kernels.dsv4.sparse.paired_ws_kernel`:
 ``pipelined`` (``PIPELINED``: FlashMLA's order of the math groups), ``hint`` (``COPY_HINT``: the producer's copies
 with an L2 evict-last policy and a 256-byte prefetch), ``smem_out`` (``SMEM_EPILOGUE``: the output staged in
-shared memory, stored in 16-byte pieces). Each row: FlashMLA's time, each variant's time on those inputs
+shared memory, stored in 16-byte pieces), ``qasync`` (``Q_ASYNC``: the query's copies complete their barrier
+themselves, the key tiles' copies start at once). Each row: FlashMLA's time, each variant's time on those inputs
 (``<variant>_ms``) and through our own workspace (``<variant>_own_ws_ms``: the kernel alone, CUDA graph), its
 largest difference from FlashMLA's output and whether it equals the base build's output bit for bit (the switches
 change no arithmetic, only how bytes move).
@@ -26,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent)]
 
-SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE"}
+SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC"}
 
 
 def select(variant: str) -> None:
@@ -69,7 +70,8 @@ def precompile(variants, heads) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="base,hint,smem_out,hint+smem_out,pipelined+hint,pipelined+hint+smem_out")
+    ap.add_argument("--variants", default="base,hint,smem_out,hint+smem_out,hint+smem_out+qasync,"
+                                          "pipelined+hint+smem_out,pipelined+hint+smem_out+qasync")
     ap.add_argument("--configs", default="flash,pro")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--out", default="/tmp/out")

@@ -154,8 +154,9 @@ def test_paired_ws_program_builds_for_sm90a(tmp_path):
 def test_paired_ws_pipelined_groups_build_for_sm90a(tmp_path):
     """The pipelined math groups (FlashMLA's prefill order): group 0 issues the next pair's Q K^T while the other
     tile's P V runs (a wait for all but one WGMMA group, then the stage 1 left half released), the four named
-    barriers of the maximum and P exchanges, the producer unchanged. ptxas: 168 registers; 540 bytes of spill
-    stores at 208 / 88 registers (docs/dsv4.md), bounded here so that a growth shows."""
+    barriers of the maximum and P exchanges, the producer unchanged. ptxas: 168 registers; 20 bytes of spill
+    stores at 208 / 88 registers since the first pair's Q K^T moved into the loop (540 before: its descriptors
+    were hoisted out of the loop with the later pairs'; docs/dsv4.md), bounded here so that a growth shows."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
 
@@ -170,7 +171,7 @@ def test_paired_ws_pipelined_groups_build_for_sm90a(tmp_path):
         assert f"({bar}, 256)" in src
     assert src.split("warpgroup_reg_dealloc<88>")[1].count("mbarrier_cp_async_arrive_noinc(") == 4
     spills, regs = _ptxas_spills(src, tmp_path)
-    assert regs == 168 and spills <= 640, spills
+    assert regs == 168 and spills <= 64, spills
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")

@@ -140,7 +140,7 @@ def test_workspace_rows_kernel_is_the_reference_reader(gpu_device, pages, rows, 
 
 
 # the paired_ws program's build switches a case sets (scripts/ws_variants.py names them the same way)
-WS_SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE"}
+WS_SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC"}
 
 
 def _ws_variant(monkeypatch, variant: str) -> None:

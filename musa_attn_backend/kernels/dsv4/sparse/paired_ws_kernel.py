@@ -56,6 +56,10 @@ COPY_HINT = False
 # the output: False, each thread stores its fragment's values (4 bytes a store); True, staged in shared memory and
 # stored in 16-byte pieces (paired_kernel.consumer_macro's smem_out)
 SMEM_EPILOGUE = False
+# the query rows: False, the producer waits for their copies and arrives on ``q_full`` before the first key tile's
+# copies; True, their copies complete ``q_full`` themselves (cp.async arrive, noinc) and the key tiles' copies
+# start at once, as FlashMLA's prefill overlaps its query's TMA load with its first key tiles
+Q_ASYNC = False
 # named barriers of the pipelined consumers (0 is __syncthreads; the epilogue's is the paired program's)
 BUNCH0, BUNCH1, S0_READY, S1_READY = 6, 7, 8, 9
 WARPS = PRODUCER // 32
@@ -115,11 +119,12 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
                scale_log2, state):
         acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state
         T.mbarrier_wait_parity(q_full, 0)
-        scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, 0)
-        T.wait_wgmma(0)
-        T.mbarrier_arrive(empty_r[0])  # group 1's P V still reads stage 0's right half
         for i in T.serial(pairs):
             par = i & 1
+            if i == 0:  # the first pair's scores inside the loop, as FlashMLA's: its descriptors are not hoisted
+                scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, 0)
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(empty_r[0])  # group 1's P V still reads stage 0's right half
             own_max(0, state, ok_s)
             for r in T.Parallel(BH):
                 m_s[0, r] = m_i[r]
@@ -184,11 +189,11 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", pipelined: bool = False,
-                               copy_hint: bool = False, smem_epilogue: bool = False):
+                               copy_hint: bool = False, smem_epilogue: bool = False, q_async: bool = False):
     """The paired sparse MQA program over a bf16 workspace for ``H`` query heads (blocks of 64, rows past ``H``
     padded inside). A token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or
     FlashMLA's ``+inf``). ``pipelined``: FlashMLA's prefill schedule for the math groups (:data:`PIPELINED`);
-    ``copy_hint``, ``smem_epilogue``: :data:`COPY_HINT`, :data:`SMEM_EPILOGUE`."""
+    ``copy_hint``, ``smem_epilogue``, ``q_async``: :data:`COPY_HINT`, :data:`SMEM_EPILOGUE`, :data:`Q_ASYNC`."""
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -301,9 +306,12 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                 if copy_hint:
                     policy[0] = evict_last_policy()
                 load_q(Q, Ql_s, Qr_s, t, h0, p)
-                T.ptx_wait_group(0)
-                T.fence_proxy_async()  # the query rows are read by the WGMMAs (async proxy)
-                T.mbarrier_arrive(q_full)
+                if q_async:
+                    T.cp_async_barrier_noinc(q_full)
+                else:
+                    T.ptx_wait_group(0)
+                    T.fence_proxy_async()  # the query rows are read by the WGMMAs (async proxy)
+                    T.mbarrier_arrive(q_full)
                 for j in T.serial(pairs * 2):
                     par = (j // 2) & 1
                     for i in T.unroll(ROWS_A_WARP):
