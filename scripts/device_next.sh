@@ -66,17 +66,22 @@ case "${1:-}" in
     grep -E "^\{" "$out/ws_smoke.txt" | cut -c1-1500 ;;
   ws3)  # issue 37: paired_ws's build variants (scripts/ws_variants.py) beside FlashMLA's prefill on its own inputs,
     # then ncu of FlashMLA's kernel and two variants at Flash 4096
-    timeout 300 python3 scripts/ws_variants.py --out "$out" ${WS_VARIANTS:+--variants $WS_VARIANTS} \
+    timeout 220 python3 scripts/ws_variants.py --out "$out" ${WS_VARIANTS:+--variants $WS_VARIANTS} \
       > "$out/ws_variants.txt" 2>&1
     stamp "ws variants rc=$?"
-    timeout 150 ncu --clock-control none --profile-from-start off --kernel-name regex:"sparse_attn_fwd|paired_ws" \
+    timeout 100 python3 scripts/ws_smoke.py --precompile-tests > "$out/ws_precompile.txt" 2>&1
+    timeout 90 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+      -k "switches or sparse_fwd_kernel" > "$out/ws_tests.txt" 2>&1
+    stamp "variant tests: $(tail -1 "$out/ws_tests.txt")"
+    timeout 120 ncu --clock-control none --profile-from-start off --kernel-name regex:"sparse_attn_fwd|paired_ws" \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section InstructionStats --section ComputeWorkloadAnalysis \
       python3 scripts/ws_variants.py --ncu --configs flash --variants ${NCU_VARIANTS:-base,hint+smem_out} \
       > "$out/ncu_ws.txt" 2>&1
     stamp "ncu rc=$?"
-    grep -E "^\{|precompiled|rror" "$out/ws_variants.txt" | cut -c1-2500 ;;
+    grep -E "^\{|precompiled|rror" "$out/ws_variants.txt" | cut -c1-2500
+    grep -E "passed|failed|FAILED" "$out/ws_tests.txt" | cut -c1-300 | tail -8 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)

@@ -172,11 +172,12 @@ def _flash_mla_prefill_case(gpu_device, H, S, S_kv, K):
 PREFILL_CASES = [(64, 300, 5000, 640), (128, 37, 700, 1152), (16, 9, 130, 70)]
 
 
-@pytest.mark.parametrize("variant", ["paired", "pipelined", "hint+smem_out"])
+@pytest.mark.parametrize("variant", ["paired", "pipelined", "hint+smem_out+qasync", "pipelined+hint+smem_out+qasync"])
 @pytest.mark.parametrize("H,S,S_kv,K", PREFILL_CASES)
 def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, variant, H, S, S_kv, K):
-    """FlashMLA's sparse prefill entry on the paired_ws program (each order of its math groups; the copies with
-    cache hints and the output through shared memory) against its reference (:func:`_flash_mla_prefill_case`)."""
+    """FlashMLA's sparse prefill entry on the paired_ws program (each order of its math groups, with and without
+    the copy hints, the staged output and the query's barrier completed by its copies) against its reference
+    (:func:`_flash_mla_prefill_case`)."""
     _ws_variant(monkeypatch, variant)
     args, sink, lens = _flash_mla_prefill_case(gpu_device, H, S, S_kv, K)
     ref = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="reference")
@@ -188,11 +189,12 @@ def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, 
         torch.testing.assert_close(a[fin], b[fin], atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["hint", "smem_out", "hint+smem_out"])
+@pytest.mark.parametrize("variant", ["hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync"])
 @pytest.mark.parametrize("H,S,S_kv,K", [PREFILL_CASES[0], PREFILL_CASES[2]])
 def test_paired_ws_switches_change_no_value(gpu_device, monkeypatch, variant, H, S, S_kv, K):
-    """The copies' cache hints and the output through shared memory move the same bytes: every output, LSE and
-    maximum equals the plain build's bit for bit (64 heads, and 16 padded into a block of 64)."""
+    """The copies' cache hints, the output through shared memory and the query's barrier completed by its copies
+    move the same bytes: every output, LSE and maximum equals the plain build's bit for bit (64 heads, and 16
+    padded into a block of 64)."""
     args, sink, lens = _flash_mla_prefill_case(gpu_device, H, S, S_kv, K)
     _ws_variant(monkeypatch, "paired")
     plain = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="tilelang")
