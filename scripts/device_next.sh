@@ -16,6 +16,8 @@
 #          timing paired_ws in both orders and portable_ws in both forms beside the scheduled program; then
 #          `scripts/device_v4_attention.sh suite prefill --sample 150` (carry .flashmla): FlashMLA's prefill tests
 #          now run our kernel
+#   ws4    (carry .device/env.sh .device/tl .device/peers .flashmla .commit; cold) issue 37: the new default build of
+#          paired_ws through FlashMLA's whole prefill suite, the default beside +rowcopy and FlashMLA, rowcopy's tests
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
@@ -82,11 +84,25 @@ case "${1:-}" in
     stamp "ncu rc=$?"
     grep -E "^\{|precompiled|rror" "$out/ws_variants.txt" | cut -c1-2500
     grep -E "passed|failed|FAILED" "$out/ws_tests.txt" | cut -c1-300 | tail -8 ;;
+  ws4)  # issue 37: paired_ws's new default build (pipelined+hint+smem_out+qasync) through FlashMLA's whole prefill
+    # suite, then the default beside +rowcopy and FlashMLA (kernels alone, graphs), then the rowcopy GPU cases
+    timeout 70 python3 scripts/ws_variants.py --precompile-only --configs flash,pro \
+      --variants pipelined+hint+smem_out+qasync,pipelined+hint+smem_out+qasync+rowcopy > "$out/ws4_precompile.txt" 2>&1
+    stamp "$(tail -1 "$out/ws4_precompile.txt")"
+    timeout 60 bash scripts/device_v4_attention.sh suite prefill --all > "$out/suite_prefill.txt" 2>&1
+    stamp "$(grep -E "^prefill:" "$out/suite_prefill.txt")"
+    timeout 100 python3 scripts/ws_variants.py --out "$out" --configs flash,pro \
+      --variants pipelined+hint+smem_out+qasync,pipelined+hint+smem_out+qasync+rowcopy > "$out/ws_variants.txt" 2>&1
+    stamp "ws variants rc=$?"
+    grep -E "^\{" "$out/ws_variants.txt" | cut -c1-2500
+    timeout 120 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+      -k "rowcopy" > "$out/ws_tests.txt" 2>&1
+    stamp "rowcopy tests: $(tail -1 "$out/ws_tests.txt")" ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|variants|next1b|next2|next3"; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 """A first GPU look at the paired_ws program (one short device call): Flash / Pro prefill of ``--tokens`` query
 tokens on the bench's caches (``benchmarks/bench_dsv4_attention.py``), its output against the scheduled
 program's, and the times of the scheduled program, the paired_ws call, its workspace build and its kernel alone,
-with its math groups in either order (``pipelined_*``: ``paired_ws_kernel.PIPELINED``), and the portable program
-over the workspace in the CUDA and MUSA forms (``portable_ws_*``, ``musa_portable_ws_*``).
+in its default build and with every build switch off (``plain_*``: ``scripts/ws_variants.py``'s ``base``), and the
+portable program over the workspace in the CUDA and MUSA forms (``portable_ws_*``, ``musa_portable_ws_*``).
 
     python3 scripts/ws_smoke.py [--configs flash] [--tokens 4096] [--out DIR]   (on the GPU, after env.sh)
 """
@@ -16,20 +16,20 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent)]
+sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent), str(HERE)]
+
+from ws_variants import SWITCHES, select  # noqa: E402 - the paired_ws build switches by variant name
 
 
 def _compile(job):
     """One kernel, in a worker process (it lands in the kernel cache on disk)."""
+    from musa_attn_backend import config
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
-    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
-
-    from musa_attn_backend import config
-
     kind, H = job
-    if kind in ("ws", "ws_pipelined"):
-        pw.PIPELINED = kind == "ws_pipelined"
+    if kind in ("ws", "ws_plain"):
+        if kind == "ws_plain":
+            select("base")
         ti.paired_ws_kernel(H, True, "bfloat16")
         ti.workspace_rows_kernel()
     elif kind in ("portable_ws", "portable_ws_musa"):
@@ -54,10 +54,9 @@ def _compile_test(job):
     form, H, sink = job
     if form == "rows":
         ti.workspace_rows_kernel()
-    elif form.startswith("paired"):  # paired, or paired_ and ws_variants.py's switches joined by +
-        on = set(form[len("paired_"):].split("+")) if form != "paired" else set()
-        pw.PIPELINED, pw.COPY_HINT, pw.SMEM_EPILOGUE, pw.Q_ASYNC = ("pipelined" in on, "hint" in on,
-                                                                    "smem_out" in on, "qasync" in on)
+    elif form.startswith("paired"):  # paired (the default build), or paired_ and a ws_variants.py variant
+        if form != "paired":
+            select(form[len("paired_"):])
         ti.paired_ws_kernel(H, sink, "bfloat16")
     else:
         with config.override(musa_forms=form == "portable_musa"):
@@ -71,10 +70,11 @@ def precompile_tests() -> int:
     import time
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_pipelined", "portable", "portable_musa")
+    jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_base", "portable", "portable_musa")
                                    for H, sink in TEST_HEADS]
-    jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)
-             for v in ("hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync", "pipelined+hint+smem_out+qasync")]
+    jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)  # test_gpu_dsv4.py's variant cases
+             for v in ("pipelined", "hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",
+                       "hint+smem_out+qasync+rowcopy", "pipelined+hint+smem_out+qasync+rowcopy")]
     t0, failed = time.time(), 0
     with ProcessPoolExecutor(max_workers=14, mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, f in [(j, pool.submit(_compile_test, j)) for j in jobs]:
@@ -108,9 +108,10 @@ def main(argv=None) -> int:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    defaults = {attr: getattr(pw, attr) for attr in SWITCHES.values()}
     heads = [CONFIGS[c][0] for c in args.configs.split(",")]
     with ProcessPoolExecutor(max_workers=6, mp_context=multiprocessing.get_context("spawn")) as pool:
-        kinds = ("ws", "ws_pipelined", "portable_ws", "portable_ws_musa", "sched", "combine")
+        kinds = ("ws", "ws_plain", "portable_ws", "portable_ws_musa", "sched", "combine")
         for f in [pool.submit(_compile, (k, H)) for H in heads for k in kinds]:
             try:
                 f.result()
@@ -129,10 +130,12 @@ def main(argv=None) -> int:
         row = {"op": "prefill", "shape": {"config": cfg, "tokens": args.tokens, "heads": H, "topk": K + 128},
                "scheduled_ms": bench_ms(sched)}
         sched()
-        # the paired program in both orders of its math groups, the portable one in the CUDA and MUSA forms
-        for tag, program, pipelined, musa in (("", "paired_ws", False, False), ("pipelined_", "paired_ws", True, False),
-                                              ("", "portable_ws", False, False), ("musa_", "portable_ws", False, True)):
-            pw.PIPELINED = pipelined
+        # the paired program in its default build and with every switch off, the portable one in the CUDA and
+        # MUSA forms
+        for tag, program, plain, musa in (("", "paired_ws", False, False), ("plain_", "paired_ws", True, False),
+                                          ("", "portable_ws", False, False), ("musa_", "portable_ws", False, True)):
+            if plain:
+                select("base")
             out = torch.full_like(q, float("nan"))
             try:
                 with config.override(musa_forms=musa):
@@ -142,7 +145,8 @@ def main(argv=None) -> int:
                 row[f"{tag}{program}_finite"] = bool(torch.isfinite(out).all())
             except Exception as e:  # noqa: BLE001 - recorded
                 row[f"{tag}{program}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        pw.PIPELINED = False
+            for attr, value in defaults.items():  # the default build's switches back
+                setattr(pw, attr, value)
         print(json.dumps(row), flush=True)
         rows.append(row)
     doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),

@@ -5,11 +5,13 @@ inputs (its bf16 workspace of every cache row and its rebased lists, ``benchmark
 A variant is ``base`` or ``+``-joined switches of :mod:`musa_attn_backend.kernels.dsv4.sparse.paired_ws_kernel`:
 ``pipelined`` (``PIPELINED``: FlashMLA's order of the math groups), ``hint`` (``COPY_HINT``: the producer's copies
 with an L2 evict-last policy and a 256-byte prefetch), ``smem_out`` (``SMEM_EPILOGUE``: the output staged in
-shared memory, stored in 16-byte pieces), ``qasync`` (``Q_ASYNC``: the query's copies complete their barrier
+shared memory, stored in 16-byte pieces), ``rowcopy`` (``ROW_COPY``, with ``hint``: the producer's copies
+addressed from each entry's row), ``qasync`` (``Q_ASYNC``: the query's copies complete their barrier
 themselves, the key tiles' copies start at once). Each row: FlashMLA's time, each variant's time on those inputs
 (``<variant>_ms``) and through our own workspace (``<variant>_own_ws_ms``: the kernel alone, CUDA graph), its
 largest difference from FlashMLA's output and whether it equals the base build's output bit for bit (the switches
-change no arithmetic, only how bytes move).
+change no arithmetic, only how bytes move). ``flashmla_graph_ms`` and ``<variant>_kernel_ms``: FlashMLA's call
+and our kernel alone (no entry, no allocations) on the same inputs, each replayed from a CUDA graph.
 
     python3 scripts/ws_variants.py [--variants base,hint,...] [--configs flash,pro] [--tokens 4096] [--out DIR]
     ncu ... python3 scripts/ws_variants.py --ncu --variants base,hint+smem_out --configs flash
@@ -27,7 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent)]
 
-SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC"}
+SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
+               "rowcopy": "ROW_COPY"}
 
 
 def select(variant: str) -> None:
@@ -43,29 +46,30 @@ def select(variant: str) -> None:
 
 
 def _compile(job):
-    """One variant's kernel for ``H`` heads, in a worker process (it lands in the kernel cache on disk)."""
+    """One variant's kernel for ``H`` heads (with a sink or not), in a worker process (it lands in the kernel cache
+    on disk)."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
-    variant, H = job
+    variant, H, sink = job
     select(variant)
-    ti.paired_ws_kernel(H, True, "bfloat16")
+    ti.paired_ws_kernel(H, sink, "bfloat16")
     ti.workspace_rows_kernel()
     return job
 
 
-def precompile(variants, heads) -> None:
+def precompile(variants, heads, sinks=(True,)) -> None:
     import multiprocessing
     import time
     from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=12, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for f in [pool.submit(_compile, (v, H)) for H in heads for v in variants]:
+        for f in [pool.submit(_compile, (v, H, sink)) for H in heads for v in variants for sink in sinks]:
             try:
                 f.result()
             except Exception as e:  # noqa: BLE001 - the timing reports what cannot launch
                 print(f"precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    print(f"precompiled {len(variants) * len(heads)} kernels in {time.time() - t0:.0f} s", flush=True)
+    print(f"precompiled {len(variants) * len(heads) * len(sinks)} kernels in {time.time() - t0:.0f} s", flush=True)
 
 
 def main(argv=None) -> int:
@@ -76,15 +80,23 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--out", default="/tmp/out")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--precompile-only", action="store_true",
+                    help="compile the variants for the configs' heads, with and without a sink, then exit")
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
     for v in variants:
         select(v)  # unknown switches fail here, before any compile
+    if args.precompile_only:
+        from bench_dsv4_attention import CONFIGS
+
+        precompile(variants, sorted({CONFIGS[c][0] for c in args.configs.split(",")}), (True, False))
+        return 0
     import torch
 
     from bench_attention import bench_ms, git_commit
     from bench_dsv4_attention import CONFIGS, caches, flashmla_peer, flashmla_prefill, inputs, ws_times
     from musa_attn_backend.kernels import dsv4
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     configs = args.configs.split(",")
     precompile(variants, sorted({CONFIGS[c][0] for c in configs}))
@@ -119,13 +131,21 @@ def main(argv=None) -> int:
             torch.cuda.profiler.stop()
             continue
         ref = fn()[0].clone()
+        for _ in range(30):  # the GPU at its clocks before the first timing (a process's first row read slow)
+            fn()
         row = {"op": "prefill", "shape": {"config": cfg, "tokens": args.tokens, "heads": H, "topk": K + 128},
-               "flashmla_ms": bench_ms(fn, graph=False, rep=20)}
+               "flashmla_ms": bench_ms(fn, graph=False, rep=20), "flashmla_graph_ms": bench_ms(fn, rep=20)}
+        kv2, idx2 = kv.view(kv.shape[0], -1), idx[:, 0]
+        full = torch.full((q.shape[0],), idx2.shape[1], dtype=torch.int32, device=q.device)
+        o, lse, maxl = torch.empty_like(q), *(torch.empty(q.shape[:2], device=q.device) for _ in range(2))
         base_out = None
         for v in variants:
             select(v)
             try:
                 row[f"{v}_ms"] = bench_ms(ours, graph=False, rep=20)
+                kernel = ti._ws_kernel("paired_ws", H, True)  # the kernel alone on FlashMLA's inputs, as a graph
+                row[f"{v}_kernel_ms"] = bench_ms(lambda: kernel(q, kv2, idx2, full, sink, scale, float("inf"), o, lse,
+                                                                maxl), rep=20)
                 out = ours()[0]
                 row[f"{v}_max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
                 if base_out is None:

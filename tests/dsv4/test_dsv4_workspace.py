@@ -175,24 +175,29 @@ def test_paired_ws_pipelined_groups_build_for_sm90a(tmp_path):
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
-def test_paired_ws_copy_hints_and_staged_output_build_for_sm90a(tmp_path):
+@pytest.mark.parametrize("row_copy", [False, True], ids=["hint", "rowcopy"])
+def test_paired_ws_copy_hints_and_staged_output_build_for_sm90a(tmp_path, row_copy):
     """``COPY_HINT``: the producer's 32 copies a tile go through the hinted cp.async (an evict-last policy made once,
-    before the key loop), still completing the halves' barriers by the cp.async arrive; ``SMEM_EPILOGUE``: each
-    group writes its output columns into its half of the query's shared memory, syncs its 128 threads on its own
-    named barrier and stores 16-byte pieces. ptxas: 168 registers, no spill."""
+    before the key loop), still completing the halves' barriers by the cp.async arrive (``ROW_COPY``: from each
+    entry's row, the list read from the token's first entry); ``SMEM_EPILOGUE``: each group writes its output
+    columns into its half of the query's shared memory, syncs its 128 threads on its own named barrier and stores
+    16-byte pieces. ptxas: 168 registers, no spill."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
     from musa_attn_backend.kernels.dsv4.sparse import paired_kernel as pk
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
     from musa_attn_backend.kernels.dsv4.sparse.rows import LOAD_HINT_HEADER
 
-    src = _tilelang.compile_cached(("test_paired_ws_hint_smem_out", 64, True),
-                                   lambda: pw.build_sparse_mqa_paired_ws(64, True, "bfloat16", False, True, True),
+    src = _tilelang.compile_cached(("test_paired_ws_hint_smem_out", 64, True, row_copy),
+                                   lambda: pw.build_sparse_mqa_paired_ws(64, True, "bfloat16", False, True, True,
+                                                                         False, row_copy),
                                    target=HOPPER, pass_configs=ti._ws_pass_configs(),
                                    headers=(LOAD_HINT_HEADER,)).get_kernel_source()
     producer = src.split("warpgroup_reg_dealloc<88>")[1]
     before, loop = producer.split("for (int j = 0;")
     assert "musa_attn_evict_last_policy()" in before and "musa_attn_evict_last_policy" not in loop
-    assert loop.count("musa_attn_cp_async16_hint(") == 4 and "cp_async_gs_conditional" not in loop
+    copy = "musa_attn_cp_async16_row(" if row_copy else "musa_attn_cp_async16_hint("
+    assert loop.count(copy) == 4 and "cp_async_gs_conditional" not in loop
+    assert ("musa_attn_ldg_i32(" in loop) == row_copy
     assert loop.count("mbarrier_cp_async_arrive_noinc(") == 4
     for w, q_s in enumerate(("Ql_s", "Qr_s")):
         group = src.split("warpgroup_reg_alloc<208>")[1 + w]

@@ -59,7 +59,7 @@ CASES = [
 ]
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
-PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "paired_ws:pipelined",
+PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "paired_ws:plain",
             "portable", "portable:musa", "portable_ws", "portable_ws:musa")
 
 
@@ -67,7 +67,8 @@ PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_
 def program(request, monkeypatch, use_settings):
     """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), the scheduled
     one's clustered form (its 65-128-head cases), both producers of the paired one, the paired division over a bf16
-    workspace (both orders of its math groups), and the portable one in MUSA's form."""
+    workspace (its default build, and ``plain``: every build switch off, the paired order of its math groups),
+    and the portable one in MUSA's form."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
@@ -85,10 +86,8 @@ def program(request, monkeypatch, use_settings):
 
         monkeypatch.setattr(paired_kernel, "PRODUCER_ROWS_AT_ONCE", 1)
         producer = ""
-    if producer == "pipelined":  # the paired_ws program's math groups in FlashMLA's prefill order
-        from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel
-
-        monkeypatch.setattr(paired_ws_kernel, "PIPELINED", True)
+    if producer == "plain":  # the paired_ws program with every build switch off
+        _ws_variant(monkeypatch, "paired")
         producer = ""
     monkeypatch.setattr(tilelang_impl, "sparse_mqa_program", lambda target=None: name)
     return request.param
@@ -140,7 +139,8 @@ def test_workspace_rows_kernel_is_the_reference_reader(gpu_device, pages, rows, 
 
 
 # the paired_ws program's build switches a case sets (scripts/ws_variants.py names them the same way)
-WS_SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC"}
+WS_SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
+               "rowcopy": "ROW_COPY"}
 
 
 def _ws_variant(monkeypatch, variant: str) -> None:
@@ -172,7 +172,8 @@ def _flash_mla_prefill_case(gpu_device, H, S, S_kv, K):
 PREFILL_CASES = [(64, 300, 5000, 640), (128, 37, 700, 1152), (16, 9, 130, 70)]
 
 
-@pytest.mark.parametrize("variant", ["paired", "pipelined", "hint+smem_out+qasync", "pipelined+hint+smem_out+qasync"])
+@pytest.mark.parametrize("variant", ["paired", "pipelined", "hint+smem_out+qasync", "pipelined+hint+smem_out+qasync",
+                                     "pipelined+hint+smem_out+qasync+rowcopy"])
 @pytest.mark.parametrize("H,S,S_kv,K", PREFILL_CASES)
 def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, variant, H, S, S_kv, K):
     """FlashMLA's sparse prefill entry on the paired_ws program (each order of its math groups, with and without
@@ -189,11 +190,12 @@ def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, 
         torch.testing.assert_close(a[fin], b[fin], atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync"])
+@pytest.mark.parametrize("variant", ["hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",
+                                     "hint+smem_out+qasync+rowcopy"])
 @pytest.mark.parametrize("H,S,S_kv,K", [PREFILL_CASES[0], PREFILL_CASES[2]])
 def test_paired_ws_switches_change_no_value(gpu_device, monkeypatch, variant, H, S, S_kv, K):
-    """The copies' cache hints, the output through shared memory and the query's barrier completed by its copies
-    move the same bytes: every output, LSE and maximum equals the plain build's bit for bit (64 heads, and 16
+    """The copies' cache hints (and their row addressing), the output through shared memory and the query's barrier
+    completed by its copies move the same bytes: every output, LSE and maximum equals the plain build's bit for bit (64 heads, and 16
     padded into a block of 64)."""
     args, sink, lens = _flash_mla_prefill_case(gpu_device, H, S, S_kv, K)
     _ws_variant(monkeypatch, "paired")

@@ -37,3 +37,16 @@ __device__ __forceinline__ void musa_attn_cp_async16_hint(void* dst, const void*
   asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;"
                :: "r"(dst_addr), "l"(src), "r"(pred ? 16 : 0), "l"(policy) : "memory");
 }
+
+// The same copy from row `row` of a row-major table whose rows are `row_bytes` long, at `byte_off` bytes into the
+// row, where `lane_base` is this thread's column of row 0 (loop-invariant): one wide multiply-add an address and
+// the half's offset an immediate, where an element index would be recomputed in 64 bits for every copy.
+__device__ __forceinline__ void musa_attn_cp_async16_row(void* dst, const void* lane_base, int row, unsigned row_bytes,
+                                                         int byte_off, int pred, unsigned long long policy) {
+  const char* src = static_cast<const char*>(lane_base) + static_cast<size_t>(static_cast<unsigned>(row)) * row_bytes
+                    + byte_off;
+  musa_attn_cp_async16_hint(dst, src, pred, policy);
+}
+
+// The int32 at `base[i]` through the read-only path (`base` this token's first entry, computed once).
+__device__ __forceinline__ int musa_attn_ldg_i32(const int* base, int i) { return __ldg(base + i); }

@@ -11,11 +11,13 @@ they are, as FlashMLA's SM90 sparse prefill does over the bf16 rows an engine bu
 
 384 threads, three warp groups:
 
-- Warp group 2, the producer (88 registers a thread): the token's query rows once (``cp.async``), then per key
+- Warp group 2, the producer (88 registers a thread): the token's query rows once (``cp.async``; their copies
+  complete ``q_full`` themselves with :data:`Q_ASYNC`), then per key
   tile its 64 rows' two 256-column halves into the stage of the tile's parity, in :mod:`.paired_kernel`'s order
   (stage 0 left, stage 1 right, stage 0 right, stage 1 left: the half its group frees first is refilled first).
-  A warp copies a row's half as 32 lanes' 16-byte ``cp.async`` copies (a 512-byte contiguous read), rows ``4 i +
-  warp`` for ``i < 16``; an invalid entry (past its token's length, negative, at or past ``W``'s rows) is
+  A warp copies a row's half as 32 lanes' 16-byte ``cp.async`` copies (a 512-byte contiguous read; with
+  :data:`COPY_HINT` under an L2 evict-last policy with a 256-byte prefetch, as FlashMLA's), rows ``4 i + warp`` for
+  ``i < 16``; an invalid entry (past its token's length, negative, at or past ``W``'s rows) is
   zero-filled without a read and flagged in ``ok_s``. Each half's ``full`` barrier completes when every producer
   thread's copies have landed (``cp.async.mbarrier.arrive.noinc``, so the producer never waits for its copies and
   the next half's are issued at once) and every thread has arrived after its flag stores (the flags are ordinary
@@ -31,7 +33,8 @@ they are, as FlashMLA's SM90 sparse prefill does over the bf16 rows an engine bu
   write: each group writes its next P only after a barrier the other reaches after its read of the last one
   (``tests/dsv4/test_dsv4_paired_ws_protocol.py`` models the order).
 
-The output (``O``, the sink in the denominator), the LSE (natural log; ``empty_lse`` where no entry is valid) and
+The output (``O``, the sink in the denominator; staged in the query's shared memory with :data:`SMEM_EPILOGUE`), the
+LSE (natural log; ``empty_lse`` where no entry is valid) and
 each row's largest scaled score (``MaxL``, ``-inf`` where none is valid: FlashMLA's sparse prefill returns it) are
 written by the block; nothing is split, so there is no combine.
 """
@@ -42,24 +45,32 @@ from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state
 from .. import layout as L
 from .paired_kernel import CONSUMER_THREADS, EPILOGUE, LEFT_ARRIVALS, RIGHT_ARRIVALS, consumer_macro  # noqa: F401
-from .rows import BH, BN, HD, PRODUCER, copy16_hinted, evict_last_policy, fp8_row_macros
+from .rows import BH, BN, HD, PRODUCER, copy16_hinted, copy16_row, evict_last_policy, fp8_row_macros, load_i32
 
 # ptxas serialises the WGMMAs below 208 registers a math thread (docs/dsv4.md); a producer of copies needs few
 MATH_REGS, PRODUCER_REGS = 208, 88
+# The build switches below: each measured against the FlashMLA prefill on its own inputs (scripts/ws_variants.py,
+# docs/dsv4.md); the four on by default were 10-13% faster together (H100, ws-variants-20261207T191926Z) and are
+# what the GPU tests and FlashMLA's prefill suite run.
 # the consumers: False, the paired program's (one maximum exchange a pair, each group's GEMMs waited for in turn);
-# True, FlashMLA's prefill schedule (module docstring); not yet run on a GPU
-PIPELINED = False
+# True, FlashMLA's prefill schedule (module docstring)
+PIPELINED = True
 # the producer's copies: False, TileLang's cp.async (L2::128B, the default cache policy); True, FlashMLA's SM90
 # prefill copies: an L2 evict-last policy for the key rows (read by many tokens, beside query and output rows read
 # or written once) and a 256-byte L2 prefetch (rows.copy16_hinted; the program is built with rows.LOAD_HINT_HEADER)
-COPY_HINT = False
+COPY_HINT = True
 # the output: False, each thread stores its fragment's values (4 bytes a store); True, staged in shared memory and
 # stored in 16-byte pieces (paired_kernel.consumer_macro's smem_out)
-SMEM_EPILOGUE = False
+SMEM_EPILOGUE = True
 # the query rows: False, the producer waits for their copies and arrives on ``q_full`` before the first key tile's
 # copies; True, their copies complete ``q_full`` themselves (cp.async arrive, noinc) and the key tiles' copies
 # start at once, as FlashMLA's prefill overlaps its query's TMA load with its first key tiles
-Q_ASYNC = False
+Q_ASYNC = True
+# the producer's address arithmetic (with COPY_HINT; not yet measured): False, each copy's source an element of W (its index
+# recomputed in 64 bits for every copy, the index list read through a clamped 64-bit index); True, each entry's
+# row clamped once (0 where invalid, the copy then reads nothing), a copy's source one wide multiply-add from this
+# thread's column of row 0 with the half an immediate (rows.copy16_row), the list read from the token's first entry
+ROW_COPY = False
 # named barriers of the pipelined consumers (0 is __syncthreads; the epilogue's is the paired program's)
 BUNCH0, BUNCH1, S0_READY, S1_READY = 6, 7, 8, 9
 WARPS = PRODUCER // 32
@@ -189,11 +200,14 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", pipelined: bool = False,
-                               copy_hint: bool = False, smem_epilogue: bool = False, q_async: bool = False):
+                               copy_hint: bool = False, smem_epilogue: bool = False, q_async: bool = False,
+                               row_copy: bool = False):
     """The paired sparse MQA program over a bf16 workspace for ``H`` query heads (blocks of 64, rows past ``H``
     padded inside). A token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or
     FlashMLA's ``+inf``). ``pipelined``: FlashMLA's prefill schedule for the math groups (:data:`PIPELINED`);
-    ``copy_hint``, ``smem_epilogue``, ``q_async``: :data:`COPY_HINT`, :data:`SMEM_EPILOGUE`, :data:`Q_ASYNC`."""
+    ``copy_hint``, ``smem_epilogue``, ``q_async``, ``row_copy``: :data:`COPY_HINT`, :data:`SMEM_EPILOGUE`,
+    :data:`Q_ASYNC`, :data:`ROW_COPY` (which needs ``copy_hint``)."""
+    assert copy_hint or not row_copy, "ROW_COPY is a form of the hinted copies (COPY_HINT)"
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -228,7 +242,10 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     def copy_half(K_s, st, col0, W, idx, ok, lane, warp, policy):
         """Each of this thread's rows' unit ``lane`` of the half at column ``col0`` into stage ``st`` of ``K_s``."""
         for i in T.unroll(ROWS_A_WARP):
-            if copy_hint:
+            if row_copy:  # idx[i] is a valid row (0 where the entry is invalid: nothing read, zeros written)
+                copy16_row(K_s[st, i * WARPS + warp, lane * 8], W[0, lane * 8], idx[i], D * 2, col0 * 2, ok[i],
+                           policy[0])
+            elif copy_hint:
                 copy16_hinted(K_s[st, i * WARPS + warp, lane * 8], W[T.max(idx[i], 0), col0 + lane * 8], ok[i],
                               policy[0])
             else:
@@ -316,8 +333,13 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                     par = (j // 2) & 1
                     for i in T.unroll(ROWS_A_WARP):
                         e = j * BN + i * WARPS + warp
-                        idx[i] = T.if_then_else(e < length, I[t, T.min(e, K - 1)], -1)
-                        ok[i] = T.if_then_else(T.And(idx[i] >= 0, idx[i] < R), 1, 0)
+                        if row_copy:  # e < length <= K: in the token's list
+                            idx[i] = T.if_then_else(e < length, load_i32(I[t, 0], e), -1)
+                            ok[i] = T.if_then_else(T.And(idx[i] >= 0, idx[i] < R), 1, 0)
+                            idx[i] = T.if_then_else(ok[i] != 0, idx[i], 0)
+                        else:
+                            idx[i] = T.if_then_else(e < length, I[t, T.min(e, K - 1)], -1)
+                            ok[i] = T.if_then_else(T.And(idx[i] >= 0, idx[i] < R), 1, 0)
                     if j % 2 == 0:  # stage 0: left half first (group 0 alone reads it)
                         fill_half(Kl_s, 0, 0, par, W, idx, ok, lane, warp, ok_s, True, full_l, empty_l, policy)
                         fill_half(Kr_s, 0, HD, par, W, idx, ok, lane, warp, ok_s, False, full_r, empty_r, policy)

@@ -90,6 +90,19 @@ def copy16_hinted(dst, src, pred, policy):
     return T.call_extern("handle", "musa_attn_cp_async16_hint", T.address_of(dst), T.address_of(src), pred, policy)
 
 
+def copy16_row(dst, lane_base, row, row_bytes, byte_off, pred, policy):
+    """:func:`copy16_hinted` from row ``row`` of a table of ``row_bytes``-byte rows, ``byte_off`` bytes into it;
+    ``lane_base``: this thread's element of row 0 (its address is taken; :data:`LOAD_HINT_HEADER`; CUDA sm_80+)."""
+    return T.call_extern("handle", "musa_attn_cp_async16_row", T.address_of(dst), T.address_of(lane_base), row,
+                         row_bytes, byte_off, pred, policy)
+
+
+def load_i32(first, i):
+    """The int32 ``i`` elements after ``first`` (an element whose address is taken), a read-only load
+    (:data:`LOAD_HINT_HEADER`; CUDA)."""
+    return T.call_extern("int32", "musa_attn_ldg_i32", T.address_of(first), i)
+
+
 def send16(elem, peer, w0, w1, w2, w3, bar):
     """The 16 bytes ``w0 .. w3`` (32-bit words) into CTA ``peer`` of the cluster at the shared address ``elem`` has
     here, completing 16 bytes on the peer's barrier at the address ``bar`` has here (``st.async``; CUDA sm_90+,
