@@ -115,7 +115,8 @@ def table(results: Path = RESULTS) -> str:
 
 
 # DeepSeek-V4 and MoE against DeepSeek's own kernels (and tile-kernels for the model-side ops), each from the newest
-# run of its bench that timed that peer: (label, row filter, our time's key, peer key path, peer label)
+# run of its bench that timed that peer: attention (label, row filter, op[, our time's key]), MoE (label, op, T, our
+# key, peer), the indexer and model-side ops (label, op, row filter)
 V4_ATTENTION_LINES = [
     ("V4 sparse decode, Flash, batch 1", dict(config="flash", tokens=1, s_q=1), "decode"),
     ("V4 sparse decode, Flash, batch 32", dict(config="flash", tokens=32, s_q=1), "decode"),
@@ -125,6 +126,11 @@ V4_ATTENTION_LINES = [
     ("V4 sparse decode, Pro, batch 64, MTP 2", dict(config="pro", tokens=128, s_q=2), "decode"),
     ("V4 sparse prefill, Flash, 4k tokens", dict(config="flash", tokens=4096), "prefill"),
     ("V4 sparse prefill, Pro, 4k tokens", dict(config="pro", tokens=4096), "prefill"),
+    # FlashMLA's prefill entry (our paired_ws program) on FlashMLA's own bf16 rows and lists: kernel against kernel
+    ("V4 prefill on FlashMLA's bf16 rows, Flash, 4k", dict(config="flash", tokens=4096), "prefill",
+     "paired_ws_on_flashmla_inputs_ms"),
+    ("V4 prefill on FlashMLA's bf16 rows, Pro, 4k", dict(config="pro", tokens=4096), "prefill",
+     "paired_ws_on_flashmla_inputs_ms"),
 ]
 MOE_LINES = [  # (label, op, T, our key, DeepGEMM's peer)
     ("MoE gate_up, Flash, T 64, masked", "moe_gate_up", 64, "ours_masked_ms", "deepgemm_masked"),
@@ -177,11 +183,12 @@ def dsv4_table(results: Path = RESULTS) -> str:
         sources.append(f"`{path.name}` ({doc['device'].replace('NVIDIA ', '')}, commit {doc['commit'][:7]}, "
                        f"{doc['date'][:10]})")
 
-    def attention(doc):  # the scheduled program (the default on Hopper) where the run timed it beside its own
-        for label, want, op in V4_ATTENTION_LINES:
+    def attention(doc):  # the scheduled program (the default on Hopper) where the run timed it beside its own; a
+        # line naming a key: that time (the same work, so the same roofline)
+        for label, want, op, *key in V4_ATTENTION_LINES:
             for r in (r for r in doc["rows"] if r.get("op") == op and _match(r, want)):
-                yield label, r.get("scheduled_ms") or r["ours_ms"], _peer_ms(r, "flashmla"), \
-                    r["roofline_frac"] * r["ours_ms"]
+                ours = r.get(key[0]) if key else r.get("scheduled_ms") or r["ours_ms"]
+                yield label, ours, _peer_ms(r, "flashmla"), r["roofline_frac"] * r["ours_ms"]
 
     def moe(doc):
         for label, op, T, key, peer in MOE_LINES:

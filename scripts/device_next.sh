@@ -16,8 +16,10 @@
 #          timing paired_ws in both orders and portable_ws in both forms beside the scheduled program; then
 #          `scripts/device_v4_attention.sh suite prefill --sample 150` (carry .flashmla): FlashMLA's prefill tests
 #          now run our kernel
-#   ws4    (carry .device/env.sh .device/tl .device/peers .flashmla .commit; cold) issue 37: the new default build of
-#          paired_ws through FlashMLA's whole prefill suite, the default beside +rowcopy and FlashMLA, rowcopy's tests
+#          (35th session: ws, ws2 and ws3 ran on an H100, docs/device-runs.md; the suite then ran on the plain build)
+#   ws4    (carry .device/env.sh .device/tl .device/peers .flashmla .commit; cold, about 5 minutes) issue 37: the new
+#          default build of paired_ws through FlashMLA's whole prefill suite, the default beside +rowcopy and
+#          FlashMLA, rowcopy's tests (staged: no device time was left in the 35th session)
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants

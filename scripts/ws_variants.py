@@ -157,6 +157,7 @@ def main(argv=None) -> int:
                 row[f"{v}_own_ws_ms"] = ws_times(q, swa, i1, c4, i2, sink, own, "paired_ws")["paired_ws_ms"]
             except Exception as e:  # noqa: BLE001 - recorded
                 row[f"{v}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["ours_ms"] = row.get(f"{variants[0]}_ms")  # the first variant's, the entry on FlashMLA's inputs
         row["peers"] = {"flashmla": row["flashmla_ms"]}
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -77,3 +77,22 @@ def test_dsv4_table_takes_each_line_from_the_newest_run_that_timed_it(tmp_path):
     assert "| 50.0 µs | FlashMLA 30.0 µs | 0.60x |" in lines["V4 sparse decode, Flash, batch 32"]
     assert set(lines) == {"V4 sparse decode, Flash, batch 1", "V4 sparse decode, Flash, batch 32"}
     assert "20261207T000000Z" in table and "20261206T000000Z" in table
+
+
+def test_dsv4_table_shows_the_kernel_on_flashmlas_prefill_inputs(tmp_path):
+    """A prefill row that timed our program on FlashMLA's own bf16 rows gives that line beside the scheduled
+    program's (the same FlashMLA time, the same roofline); a row without the key leaves the line out."""
+    import json
+
+    import perf_table
+
+    row = {"op": "prefill", "shape": {"config": "flash", "tokens": 4096}, "ours_ms": 1.4, "scheduled_ms": 1.4,
+           "paired_ws_on_flashmla_inputs_ms": 1.2, "peers": {"flashmla": 0.75}, "roofline_frac": 0.5}
+    pro = {"op": "prefill", "shape": {"config": "pro", "tokens": 4096}, "ours_ms": 4.0, "peers": {"flashmla": 2.2},
+           "roofline_frac": 0.5}
+    doc = {"device": "NVIDIA H100", "commit": "abcdef0", "date": "2026-12-07T00:00:00", "rows": [row, pro]}
+    (tmp_path / "dsv4-attention-20261207T000000Z.json").write_text(json.dumps(doc))
+    lines = {x.split(" | ")[0][2:]: x for x in perf_table.dsv4_table(tmp_path).splitlines() if x.startswith("| V4")}
+    assert "| 1.400 ms | FlashMLA 0.750 ms | 0.54x | 50% |" in lines["V4 sparse prefill, Flash, 4k tokens"]
+    assert "| 1.200 ms | FlashMLA 0.750 ms | 0.62x | 58% |" in lines["V4 prefill on FlashMLA's bf16 rows, Flash, 4k"]
+    assert "V4 prefill on FlashMLA's bf16 rows, Pro, 4k" not in lines
