@@ -87,19 +87,20 @@ case "${1:-}" in
     grep -E "^\{|precompiled|rror" "$out/ws_variants.txt" | cut -c1-2500
     grep -E "passed|failed|FAILED" "$out/ws_tests.txt" | cut -c1-300 | tail -8 ;;
   ws4)  # issue 37: paired_ws's new default build (pipelined+hint+smem_out+qasync) through FlashMLA's whole prefill
-    # suite, then the default beside +rowcopy and FlashMLA (kernels alone, graphs), then the rowcopy GPU cases
-    timeout 70 python3 scripts/ws_variants.py --precompile-only --configs flash,pro \
-      --variants pipelined+hint+smem_out+qasync,pipelined+hint+smem_out+qasync+rowcopy > "$out/ws4_precompile.txt" 2>&1
+    # suite, then the default beside +rowcopy (+groupcopy) and FlashMLA (kernels alone, graphs), then their GPU cases
+    d=pipelined+hint+smem_out+qasync; v=$d,$d+rowcopy,$d+rowcopy+groupcopy
+    timeout 80 python3 scripts/ws_variants.py --precompile-only --configs flash,pro --variants $v \
+      > "$out/ws4_precompile.txt" 2>&1
     stamp "$(tail -1 "$out/ws4_precompile.txt")"
     timeout 60 bash scripts/device_v4_attention.sh suite prefill --all > "$out/suite_prefill.txt" 2>&1
     stamp "$(grep -E "^prefill:" "$out/suite_prefill.txt")"
-    timeout 100 python3 scripts/ws_variants.py --out "$out" --configs flash,pro \
-      --variants pipelined+hint+smem_out+qasync,pipelined+hint+smem_out+qasync+rowcopy > "$out/ws_variants.txt" 2>&1
+    timeout 120 python3 scripts/ws_variants.py --out "$out" --configs flash,pro --variants $v > "$out/ws_variants.txt" 2>&1
     stamp "ws variants rc=$?"
-    grep -E "^\{" "$out/ws_variants.txt" | cut -c1-2500
-    timeout 120 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
-      -k "rowcopy" > "$out/ws_tests.txt" 2>&1
-    stamp "rowcopy tests: $(tail -1 "$out/ws_tests.txt")" ;;
+    grep -E "^\{" "$out/ws_variants.txt" | cut -c1-3000
+    timeout 150 python3 scripts/ws_smoke.py --precompile-tests > "$out/ws_precompile.txt" 2>&1
+    timeout 150 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+      -k "rowcopy or paired_ws" > "$out/ws_tests.txt" 2>&1
+    stamp "paired_ws (default build) and rowcopy/groupcopy tests: $(tail -1 "$out/ws_tests.txt")" ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)

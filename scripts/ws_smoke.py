@@ -74,7 +74,8 @@ def precompile_tests() -> int:
                                    for H, sink in TEST_HEADS]
     jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)  # test_gpu_dsv4.py's variant cases
              for v in ("pipelined", "hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",
-                       "hint+smem_out+qasync+rowcopy", "pipelined+hint+smem_out+qasync+rowcopy")]
+                       "hint+smem_out+qasync+rowcopy", "pipelined+hint+smem_out+qasync+rowcopy",
+                       "hint+smem_out+qasync+rowcopy+groupcopy", "pipelined+hint+smem_out+qasync+rowcopy+groupcopy")]
     t0, failed = time.time(), 0
     with ProcessPoolExecutor(max_workers=14, mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, f in [(j, pool.submit(_compile_test, j)) for j in jobs]:

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent)]
 
 SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
-               "rowcopy": "ROW_COPY"}
+               "rowcopy": "ROW_COPY", "groupcopy": "GROUP_COPY"}
 
 
 def select(variant: str) -> None:

@@ -175,11 +175,13 @@ def test_paired_ws_pipelined_groups_build_for_sm90a(tmp_path):
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
-@pytest.mark.parametrize("row_copy", [False, True], ids=["hint", "rowcopy"])
-def test_paired_ws_copy_hints_and_staged_output_build_for_sm90a(tmp_path, row_copy):
+@pytest.mark.parametrize("row_copy,group_copy", [(False, False), (True, False), (True, True)],
+                         ids=["hint", "rowcopy", "groupcopy"])
+def test_paired_ws_copy_hints_and_staged_output_build_for_sm90a(tmp_path, row_copy, group_copy):
     """``COPY_HINT``: the producer's 32 copies a tile go through the hinted cp.async (an evict-last policy made once,
     before the key loop), still completing the halves' barriers by the cp.async arrive (``ROW_COPY``: from each
-    entry's row, the list read from the token's first entry); ``SMEM_EPILOGUE``: each group writes its output
+    entry's row, the list read from the token's first entry; ``GROUP_COPY``: 8 lanes a row, 4 index reads a thread a
+    tile); ``SMEM_EPILOGUE``: each group writes its output
     columns into its half of the query's shared memory, syncs its 128 threads on its own named barrier and stores
     16-byte pieces. ptxas: 168 registers, no spill."""
     assert NVCC, "nvcc is required in CI to compile TileLang kernels for sm_90a"
@@ -187,9 +189,9 @@ def test_paired_ws_copy_hints_and_staged_output_build_for_sm90a(tmp_path, row_co
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
     from musa_attn_backend.kernels.dsv4.sparse.rows import LOAD_HINT_HEADER
 
-    src = _tilelang.compile_cached(("test_paired_ws_hint_smem_out", 64, True, row_copy),
+    src = _tilelang.compile_cached(("test_paired_ws_hint_smem_out", 64, True, row_copy, group_copy),
                                    lambda: pw.build_sparse_mqa_paired_ws(64, True, "bfloat16", False, True, True,
-                                                                         False, row_copy),
+                                                                         False, row_copy, group_copy),
                                    target=HOPPER, pass_configs=ti._ws_pass_configs(),
                                    headers=(LOAD_HINT_HEADER,)).get_kernel_source()
     producer = src.split("warpgroup_reg_dealloc<88>")[1]
@@ -198,6 +200,7 @@ def test_paired_ws_copy_hints_and_staged_output_build_for_sm90a(tmp_path, row_co
     copy = "musa_attn_cp_async16_row(" if row_copy else "musa_attn_cp_async16_hint("
     assert loop.count(copy) == 4 and "cp_async_gs_conditional" not in loop
     assert ("musa_attn_ldg_i32(" in loop) == row_copy
+    assert ("for (int c = 0; c < 4; ++c)" in loop) == group_copy  # a lane's four 16-byte pieces of each half
     assert loop.count("mbarrier_cp_async_arrive_noinc(") == 4
     for w, q_s in enumerate(("Ql_s", "Qr_s")):
         group = src.split("warpgroup_reg_alloc<208>")[1 + w]

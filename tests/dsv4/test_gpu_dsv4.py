@@ -140,7 +140,7 @@ def test_workspace_rows_kernel_is_the_reference_reader(gpu_device, pages, rows, 
 
 # the paired_ws program's build switches a case sets (scripts/ws_variants.py names them the same way)
 WS_SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
-               "rowcopy": "ROW_COPY"}
+               "rowcopy": "ROW_COPY", "groupcopy": "GROUP_COPY"}
 
 
 def _ws_variant(monkeypatch, variant: str) -> None:
@@ -173,7 +173,8 @@ PREFILL_CASES = [(64, 300, 5000, 640), (128, 37, 700, 1152), (16, 9, 130, 70)]
 
 
 @pytest.mark.parametrize("variant", ["paired", "pipelined", "hint+smem_out+qasync", "pipelined+hint+smem_out+qasync",
-                                     "pipelined+hint+smem_out+qasync+rowcopy"])
+                                     "pipelined+hint+smem_out+qasync+rowcopy",
+                                     "pipelined+hint+smem_out+qasync+rowcopy+groupcopy"])
 @pytest.mark.parametrize("H,S,S_kv,K", PREFILL_CASES)
 def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, variant, H, S, S_kv, K):
     """FlashMLA's sparse prefill entry on the paired_ws program (each order of its math groups, with and without
@@ -191,7 +192,7 @@ def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, 
 
 
 @pytest.mark.parametrize("variant", ["hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",
-                                     "hint+smem_out+qasync+rowcopy"])
+                                     "hint+smem_out+qasync+rowcopy", "hint+smem_out+qasync+rowcopy+groupcopy"])
 @pytest.mark.parametrize("H,S,S_kv,K", [PREFILL_CASES[0], PREFILL_CASES[2]])
 def test_paired_ws_switches_change_no_value(gpu_device, monkeypatch, variant, H, S, S_kv, K):
     """The copies' cache hints (and their row addressing), the output through shared memory and the query's barrier

@@ -71,11 +71,18 @@ Q_ASYNC = True
 # row clamped once (0 where invalid, the copy then reads nothing), a copy's source one wide multiply-add from this
 # thread's column of row 0 with the half an immediate (rows.copy16_row), the list read from the token's first entry
 ROW_COPY = False
+# the producer's division of a tile (with ROW_COPY; not yet measured): False, a warp a row's half (32 lanes' 16-byte
+# copies, 16 rows a thread, each row's index read by every lane); True, FlashMLA's: 16 groups of 8 lanes, a group 4
+# rows (``g``, ``g + 16``, ...), a lane 4 copies of 16 bytes 128 bytes apart in each half of its rows: 4 index reads
+# a thread a tile instead of 16, each row's copies at immediate offsets from one address
+GROUP_COPY = False
 # named barriers of the pipelined consumers (0 is __syncthreads; the epilogue's is the paired program's)
 BUNCH0, BUNCH1, S0_READY, S1_READY = 6, 7, 8, 9
 WARPS = PRODUCER // 32
 ROWS_A_WARP = BN // WARPS  # rows of a tile a producer warp copies (16)
 UNITS_A_HALF = HD // 8  # 16-byte units of a row's half (32: one a lane)
+GROUP, CHUNK = 8, 64  # GROUP_COPY: lanes a row, and the columns between one lane's copies in a row's half
+ROWS_A_GROUP = BN // (PRODUCER // GROUP)  # rows of a tile a group of 8 lanes copies (4)
 
 
 def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
@@ -201,13 +208,17 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", pipelined: bool = False,
                                copy_hint: bool = False, smem_epilogue: bool = False, q_async: bool = False,
-                               row_copy: bool = False):
+                               row_copy: bool = False, group_copy: bool = False):
     """The paired sparse MQA program over a bf16 workspace for ``H`` query heads (blocks of 64, rows past ``H``
     padded inside). A token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or
     FlashMLA's ``+inf``). ``pipelined``: FlashMLA's prefill schedule for the math groups (:data:`PIPELINED`);
-    ``copy_hint``, ``smem_epilogue``, ``q_async``, ``row_copy``: :data:`COPY_HINT`, :data:`SMEM_EPILOGUE`,
-    :data:`Q_ASYNC`, :data:`ROW_COPY` (which needs ``copy_hint``)."""
+    ``copy_hint``, ``smem_epilogue``, ``q_async``, ``row_copy``, ``group_copy``: :data:`COPY_HINT`,
+    :data:`SMEM_EPILOGUE`, :data:`Q_ASYNC`, :data:`ROW_COPY` (which needs ``copy_hint``), :data:`GROUP_COPY`
+    (which needs ``row_copy``)."""
     assert copy_hint or not row_copy, "ROW_COPY is a form of the hinted copies (COPY_HINT)"
+    assert row_copy or not group_copy, "GROUP_COPY is a form of ROW_COPY"
+    n_rows = ROWS_A_GROUP if group_copy else ROWS_A_WARP  # rows of a tile each producer thread copies
+    n_lanes = PRODUCER // GROUP if group_copy else WARPS  # rows between one thread's rows
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -240,9 +251,14 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
 
     @T.macro
     def copy_half(K_s, st, col0, W, idx, ok, lane, warp, policy):
-        """Each of this thread's rows' unit ``lane`` of the half at column ``col0`` into stage ``st`` of ``K_s``."""
-        for i in T.unroll(ROWS_A_WARP):
-            if row_copy:  # idx[i] is a valid row (0 where the entry is invalid: nothing read, zeros written)
+        """This thread's copies of the half at column ``col0`` into stage ``st`` of ``K_s``: each of its rows' unit
+        ``lane`` (a warp a row), or (``group_copy``) units ``lane``, ``lane + 8``, ... of its group ``warp``'s rows."""
+        for i in T.unroll(n_rows):
+            if group_copy:
+                for c in T.unroll(HD // CHUNK):
+                    copy16_row(K_s[st, i * n_lanes + warp, c * CHUNK + lane * 8], W[0, lane * 8], idx[i], D * 2,
+                               (col0 + c * CHUNK) * 2, ok[i], policy[0])
+            elif row_copy:  # idx[i] is a valid row (0 where the entry is invalid: nothing read, zeros written)
                 copy16_row(K_s[st, i * WARPS + warp, lane * 8], W[0, lane * 8], idx[i], D * 2, col0 * 2, ok[i],
                            policy[0])
             elif copy_hint:
@@ -260,8 +276,8 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         copy_half(K_s, st, col0, W, idx, ok, lane, warp, policy)
         if flags:
             if lane == 0:
-                for i in T.unroll(ROWS_A_WARP):
-                    ok_s[st, i * WARPS + warp] = ok[i]
+                for i in T.unroll(n_rows):
+                    ok_s[st, i * n_lanes + warp] = ok[i]
         T.cp_async_barrier_noinc(full[st])
         T.mbarrier_arrive(full[st])
 
@@ -315,10 +331,11 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
             with T.ws(2):
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 p = tx - CONSUMER_THREADS
-                lane = p % 32
-                warp = p // 32
-                idx = T.alloc_local([ROWS_A_WARP], "int32")
-                ok = T.alloc_local([ROWS_A_WARP], "int32")
+                # this thread's place: lane of a warp and warp, or (group_copy) lane of a group of 8 and group
+                lane = p % GROUP if group_copy else p % 32
+                warp = p // GROUP if group_copy else p // 32
+                idx = T.alloc_local([n_rows], "int32")
+                ok = T.alloc_local([n_rows], "int32")
                 policy = T.alloc_local([1], "uint64")
                 if copy_hint:
                     policy[0] = evict_last_policy()
@@ -331,8 +348,8 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                     T.mbarrier_arrive(q_full)
                 for j in T.serial(pairs * 2):
                     par = (j // 2) & 1
-                    for i in T.unroll(ROWS_A_WARP):
-                        e = j * BN + i * WARPS + warp
+                    for i in T.unroll(n_rows):
+                        e = j * BN + i * n_lanes + warp
                         if row_copy:  # e < length <= K: in the token's list
                             idx[i] = T.if_then_else(e < length, load_i32(I[t, 0], e), -1)
                             ok[i] = T.if_then_else(T.And(idx[i] >= 0, idx[i] < R), 1, 0)
