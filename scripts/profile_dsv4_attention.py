@@ -52,6 +52,19 @@ def candidates(cfg: str, T: int, s_q: int, swa, c4, g):
     return fns
 
 
+def ncu_once(calls: dict) -> None:
+    """Each of ``calls`` (``{name: callable}``, run in order) once between cudaProfilerStart/Stop, in an NVTX range
+    of its name: what ``ncu --profile-from-start off`` profiles."""
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for name, fn in calls.items():
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def profile(fn, calls: int = 10) -> list:
     """``[(kernel name, mean device µs a call, launches a call)]`` over ``calls`` calls."""
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -84,13 +97,7 @@ def main(argv=None) -> None:
         cfg, T, s_q = case.split(":")
         fns = candidates(cfg, int(T), int(s_q), swa, c4, g)
         if args.ncu:
-            torch.cuda.profiler.start()
-            for name, fn in fns.items():
-                torch.cuda.nvtx.range_push(f"{case}/{name}")
-                fn()
-                torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+            ncu_once({f"{case}/{name}": fn for name, fn in fns.items()})
             continue
         report["cases"][case] = {name: profile(fn) for name, fn in fns.items()}
         for name, rows in report["cases"][case].items():

@@ -10,7 +10,6 @@ portable program over the workspace in the CUDA and MUSA forms (``portable_ws_*`
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent), str(HERE)]
 
-from ws_variants import SWITCHES, select  # noqa: E402 - the paired_ws build switches by variant name
+from ws_variants import SWITCHES, select, write_doc  # noqa: E402 - the paired_ws build switches by variant name
 
 
 def _compile(job):
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
         return precompile_tests()
     import torch
 
-    from bench_attention import bench_ms, git_commit
+    from bench_attention import bench_ms
     from bench_dsv4_attention import CONFIGS, caches, inputs, ws_times
     from musa_attn_backend import config
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
@@ -150,11 +149,7 @@ def main(argv=None) -> int:
                 setattr(pw, attr, value)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "rows": rows}
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"ws-smoke-{stamp}.json").write_text(json.dumps(doc, indent=1))
+    write_doc(args.out, "ws-smoke", rows)
     return 0
 
 

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from bench_attention import bench_ms, git_commit
+    from bench_attention import bench_ms
     from bench_dsv4_attention import CONFIGS, caches, flashmla_peer, flashmla_prefill, inputs, ws_times
     from musa_attn_backend.kernels import dsv4
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
@@ -118,17 +118,9 @@ def main(argv=None) -> int:
             ours()  # each kernel loaded before any timing or profiling
         torch.cuda.synchronize()
         if args.ncu:
-            torch.cuda.profiler.start()
-            torch.cuda.nvtx.range_push(f"{cfg}/flashmla")
-            fn()
-            torch.cuda.nvtx.range_pop()
-            for v in variants:
-                select(v)
-                torch.cuda.nvtx.range_push(f"{cfg}/{v}")
-                ours()
-                torch.cuda.nvtx.range_pop()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+            from profile_dsv4_attention import ncu_once
+
+            ncu_once({f"{cfg}/flashmla": fn, **{f"{cfg}/{v}": lambda v=v: (select(v), ours()) for v in variants}})
             continue
         ref = fn()[0].clone()
         for _ in range(30):  # the GPU at its clocks before the first timing (a process's first row read slow)
@@ -165,13 +157,23 @@ def main(argv=None) -> int:
     if args.ncu:
         return 0
     select("base")
-    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "versions": {"torch": torch.__version__}, "rows": rows}
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"ws-variants-{stamp}.json").write_text(json.dumps(doc, indent=1))
+    write_doc(args.out, "ws-variants", rows)
     return 0
+
+
+def write_doc(out: str, prefix: str, rows: list) -> Path:
+    """``rows`` as ``<out>/<prefix>-<UTC stamp>.json``, with the device, the commit, the date and the versions."""
+    import torch
+
+    from bench_attention import git_commit
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+    doc = {"device": torch.cuda.get_device_name(), "commit": git_commit(), "date": now.isoformat(timespec="seconds"),
+           "versions": {"torch": torch.__version__}, "rows": rows}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    path = Path(out) / f"{prefix}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
 
 
 if __name__ == "__main__":

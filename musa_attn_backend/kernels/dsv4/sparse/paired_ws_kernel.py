@@ -66,8 +66,8 @@ SMEM_EPILOGUE = True
 # copies; True, their copies complete ``q_full`` themselves (cp.async arrive, noinc) and the key tiles' copies
 # start at once, as FlashMLA's prefill overlaps its query's TMA load with its first key tiles
 Q_ASYNC = True
-# the producer's address arithmetic (with COPY_HINT; not yet measured): False, each copy's source an element of W (its index
-# recomputed in 64 bits for every copy, the index list read through a clamped 64-bit index); True, each entry's
+# the producer's address arithmetic (with COPY_HINT; not yet measured): False, each copy's source an element of W
+# (its index recomputed in 64 bits for every copy, the list read through a clamped 64-bit index); True, each entry's
 # row clamped once (0 where invalid, the copy then reads nothing), a copy's source one wide multiply-add from this
 # thread's column of row 0 with the half an immediate (rows.copy16_row), the list read from the token's first entry
 ROW_COPY = False
@@ -86,8 +86,8 @@ ROWS_A_GROUP = BN // (PRODUCER // GROUP)  # rows of a tile a group of 8 lanes co
 
 
 def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
-    """``(group0, group1)``: the pipelined consumers' macros (module docstring) for ``H`` query heads (their end:
-    :func:`.paired_kernel.consumer_macro`'s epilogue)."""
+    """``group``: the pipelined consumers' macro (module docstring; ``group(w, ...)`` for math group ``w``) for ``H``
+    query heads (their end: :func:`.paired_kernel.consumer_macro`'s epilogue)."""
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
@@ -133,76 +133,71 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
         T.reduce_max(acc_s, m_i, dim=1, clear=False)
 
     @T.macro
-    def group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
-               scale_log2, state):
+    def group(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
+              scale_log2, state):
+        """Math group ``w``'s (a Python int) loop over the token's pairs (module docstring)."""
         acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state
         T.mbarrier_wait_parity(q_full, 0)
         for i in T.serial(pairs):
             par = i & 1
-            if i == 0:  # the first pair's scores inside the loop, as FlashMLA's: its descriptors are not hoisted
-                scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, 0)
+            if w == 0:
+                if i == 0:  # the first pair's scores inside the loop, as FlashMLA's: its descriptors are not hoisted
+                    scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, 0)
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(empty_r[0])  # group 1's P V still reads stage 0's right half
+                own_max(0, state, ok_s)
+                for r in T.Parallel(BH):
+                    m_s[0, r] = m_i[r]
+                T.named_barrier_arrive(BUNCH0, CONSUMER_THREADS)
+                softmax(0, state, ok_s, scale_log2)
+                T.wgmma_gemm(acc_p, Kl_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # own P V, columns 0-255
                 T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_r[0])  # group 1's P V still reads stage 0's right half
-            own_max(0, state, ok_s)
-            for r in T.Parallel(BH):
-                m_s[0, r] = m_i[r]
-            T.named_barrier_arrive(BUNCH0, CONSUMER_THREADS)
-            softmax(0, state, ok_s, scale_log2)
-            T.wgmma_gemm(acc_p, Kl_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # own P V, columns 0-255
-            T.wait_wgmma(0)
-            T.mbarrier_arrive(empty_l[0])
-            T.sync_threads(BUNCH1, CONSUMER_THREADS)  # the maximum of both tiles
-            for r in T.Parallel(BH):
-                alpha[r] = T.if_then_else(m_s[1, r] == NEG_INF, 1.0, T.exp2((m_i[r] - m_s[1, r]) * scale_log2))
-                m_i[r] = m_s[1, r]
-                l_i[r] = l_i[r] * alpha[r]
-            for r, jj in T.Parallel(BH, BN):
-                P_s[0, r, jj] = T.Cast(q_dtype, acc_s[r, jj] * alpha[r])
-            T.fence_proxy_async()  # P_s is read by group 1's WGMMA (async proxy)
-            T.named_barrier_arrive(S0_READY, CONSUMER_THREADS)
-            for r, d in T.Parallel(BH, HD):
-                acc_o[r, d] *= alpha[r]
-            T.sync_threads(S1_READY, CONSUMER_THREADS)
-            T.wgmma_gemm(P_s[1, :, :], Kl_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # group 1's tile
-            if i + 1 < pairs:  # the next pair's scores run beside that P V
-                scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, par ^ 1)
+                T.mbarrier_arrive(empty_l[0])
+                T.sync_threads(BUNCH1, CONSUMER_THREADS)  # the maximum of both tiles
+                for r in T.Parallel(BH):
+                    alpha[r] = T.if_then_else(m_s[1, r] == NEG_INF, 1.0, T.exp2((m_i[r] - m_s[1, r]) * scale_log2))
+                    m_i[r] = m_s[1, r]
+                    l_i[r] = l_i[r] * alpha[r]
+                for r, jj in T.Parallel(BH, BN):
+                    P_s[0, r, jj] = T.Cast(q_dtype, acc_s[r, jj] * alpha[r])
+                T.fence_proxy_async()  # P_s is read by group 1's WGMMA (async proxy)
+                T.named_barrier_arrive(S0_READY, CONSUMER_THREADS)
+                for r, d in T.Parallel(BH, HD):
+                    acc_o[r, d] *= alpha[r]
+                T.sync_threads(S1_READY, CONSUMER_THREADS)
+                T.wgmma_gemm(P_s[1, :, :], Kl_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # group 1's tile
+                if i + 1 < pairs:  # the next pair's scores run beside that P V
+                    scores(0, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, par ^ 1)
+                    T.wait_wgmma(1)
+                    T.mbarrier_arrive(empty_l[1])
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(empty_r[0])
+                else:
+                    T.wait_wgmma(0)
+                    T.mbarrier_arrive(empty_l[1])
+            else:
+                scores(1, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, par)
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(empty_l[1])  # group 0's P V still reads stage 1's left half
+                own_max(1, state, ok_s)
+                T.sync_threads(BUNCH0, CONSUMER_THREADS)  # group 0's maximum of this pair
+                for r in T.Parallel(BH):
+                    m_i[r] = T.max(m_i[r], m_s[0, r])
+                    m_s[1, r] = m_i[r]
+                T.named_barrier_arrive(BUNCH1, CONSUMER_THREADS)
+                softmax(1, state, ok_s, scale_log2)
+                T.wgmma_gemm(acc_p, Kr_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # own P V, columns 256-511
+                T.copy(acc_p, P_s[1, :, :])
+                T.sync_threads(S0_READY, CONSUMER_THREADS)
+                T.wgmma_gemm(P_s[0, :, :], Kr_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # group 0's tile
+                T.fence_proxy_async()  # P_s[1] is read by group 0's WGMMA (async proxy)
+                T.named_barrier_arrive(S1_READY, CONSUMER_THREADS)
                 T.wait_wgmma(1)
-                T.mbarrier_arrive(empty_l[1])
+                T.mbarrier_arrive(empty_r[1])
                 T.wait_wgmma(0)
                 T.mbarrier_arrive(empty_r[0])
-            else:
-                T.wait_wgmma(0)
-                T.mbarrier_arrive(empty_l[1])
 
-    @T.macro
-    def group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
-               scale_log2, state):
-        acc_s, acc_p, acc_o, m_i, m_prev, alpha, row_sum, l_i = state
-        T.mbarrier_wait_parity(q_full, 0)
-        for i in T.serial(pairs):
-            par = i & 1
-            scores(1, Ql_s, Qr_s, Kl_s, Kr_s, acc_s, full_l, full_r, par)
-            T.wait_wgmma(0)
-            T.mbarrier_arrive(empty_l[1])  # group 0's P V still reads stage 1's left half
-            own_max(1, state, ok_s)
-            T.sync_threads(BUNCH0, CONSUMER_THREADS)  # group 0's maximum of this pair
-            for r in T.Parallel(BH):
-                m_i[r] = T.max(m_i[r], m_s[0, r])
-                m_s[1, r] = m_i[r]
-            T.named_barrier_arrive(BUNCH1, CONSUMER_THREADS)
-            softmax(1, state, ok_s, scale_log2)
-            T.wgmma_gemm(acc_p, Kr_s[1, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # own P V, columns 256-511
-            T.copy(acc_p, P_s[1, :, :])
-            T.sync_threads(S0_READY, CONSUMER_THREADS)
-            T.wgmma_gemm(P_s[0, :, :], Kr_s[0, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)  # group 0's tile
-            T.fence_proxy_async()  # P_s[1] is read by group 0's WGMMA (async proxy)
-            T.named_barrier_arrive(S1_READY, CONSUMER_THREADS)
-            T.wait_wgmma(1)
-            T.mbarrier_arrive(empty_r[1])
-            T.wait_wgmma(0)
-            T.mbarrier_arrive(empty_r[0])
-
-    return group0, group1
+    return group
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,7 +222,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     head_blocks = (H + BH - 1) // BH
     load_q = fp8_row_macros(H, False, q_dtype, K, 0).load_q
     _, epilogue, math_groups = consumer_macro(H, has_sink, q_dtype, max_logits=True, smem_out=smem_epilogue)
-    group0, group1 = pipelined_macros(H, has_sink, q_dtype)
+    group = pipelined_macros(H, has_sink, q_dtype)
     NEG_INF = -T.infinity(ACC)
 
     @T.macro
@@ -240,12 +235,8 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         T.fill(acc_o, 0)
         T.fill(l_i, 0)
         T.fill(m_i, NEG_INF)
-        if w == 0:
-            group0(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
-                   scale_log2, state)
-        else:
-            group1(Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
-                   scale_log2, state)
+        group(w, Ql_s, Qr_s, Kl_s, Kr_s, P_s, ok_s, m_s, full_l, full_r, empty_l, empty_r, q_full, pairs,
+              scale_log2, state)
         epilogue(w, (acc_o, m_i, alpha, row_sum, l_i), l_s, sinks, O, LSE, MaxL, t, h0, scale_log2, empty_lse, Ql_s,
                  Qr_s)
 
