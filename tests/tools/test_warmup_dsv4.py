@@ -126,7 +126,9 @@ def test_paired_ws_program_plans_its_program_and_its_gather(use_settings):
     with _tilelang.intercepting(lambda k, b, t, p: keys.append(k)):
         for job in jobs["dsv4_sparse_mqa"] + jobs["dsv4_workspace_rows"]:
             warmup._build(job)
-    assert set(keys) == {("dsv4_sparse_mqa_paired_ws", 8, True, "bfloat16"), ("dsv4_workspace_rows", True)}
+    default_build = ("pipelined", "hint", "smem_out", "qasync")  # paired_ws_kernel's switches on by default
+    assert set(keys) == {("dsv4_sparse_mqa_paired_ws", 8, True, "bfloat16") + default_build,
+                         ("dsv4_workspace_rows", True)}
 
 
 def test_scheduled_program_plans_both_forms_for_128_heads(use_settings):
