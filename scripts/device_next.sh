@@ -20,6 +20,8 @@
 #   ws4    (carry .device/env.sh .device/tl .device/peers .flashmla .commit; cold, about 5 minutes) issue 37: the new
 #          default build of paired_ws through FlashMLA's whole prefill suite, the default beside +rowcopy and
 #          FlashMLA, rowcopy's tests (staged: no device time was left in the 35th session)
+#   ws5    (carry as ws4, warm after it) issue 37: the MUSA form's register prefetch (portable_ws PREFETCH): its GPU
+#          cases and every workspace form's timing (scripts/ws_smoke.py)
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
@@ -101,11 +103,20 @@ case "${1:-}" in
     timeout 150 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
       -k "rowcopy or paired_ws" > "$out/ws_tests.txt" 2>&1
     stamp "paired_ws (default build) and rowcopy/groupcopy tests: $(tail -1 "$out/ws_tests.txt")" ;;
+  ws5)  # issue 37, the MUSA form: portable_ws with its rows prefetched into registers (PREFETCH), its GPU cases,
+    # then every workspace form's timing at 4k tokens beside the scheduled program (ws_smoke)
+    timeout 150 python3 scripts/ws_smoke.py --precompile-tests > "$out/ws_precompile.txt" 2>&1
+    timeout 200 python3 -m pytest -m gpu -q -n 2 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+      -k "prefetch" > "$out/prefetch_tests.txt" 2>&1
+    stamp "prefetch tests: $(tail -1 "$out/prefetch_tests.txt")"
+    timeout 300 python3 scripts/ws_smoke.py --configs flash,pro --tokens 4096 --out "$out" > "$out/ws_smoke.txt" 2>&1
+    stamp "ws smoke rc=$?"
+    grep -E "^\{" "$out/ws_smoke.txt" | cut -c1-2500 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|variants|next1b|next2|next3"; exit 2 ;;
 esac

@@ -31,8 +31,11 @@ def _compile(job):
             select("base")
         ti.paired_ws_kernel(H, True, "bfloat16")
         ti.workspace_rows_kernel()
-    elif kind in ("portable_ws", "portable_ws_musa"):
-        with config.override(musa_forms=kind == "portable_ws_musa"):
+    elif kind.startswith("portable_ws"):  # portable_ws[_musa][_prefetch]
+        from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel as pws
+
+        pws.PREFETCH = kind.endswith("_prefetch")
+        with config.override(musa_forms="_musa" in kind):
             ti.portable_ws_kernel(H, True, "bfloat16")
     elif kind == "sched":
         ti.sparse_mqa_kernel(H, True, True, False, "bfloat16", program="scheduled")
@@ -57,8 +60,11 @@ def _compile_test(job):
         if form != "paired":
             select(form[len("paired_"):])
         ti.paired_ws_kernel(H, sink, "bfloat16")
-    else:
-        with config.override(musa_forms=form == "portable_musa"):
+    else:  # portable, portable_musa, and either with _prefetch
+        from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel as pws
+
+        pws.PREFETCH = form.endswith("_prefetch")
+        with config.override(musa_forms=form.startswith("portable_musa")):
             ti.portable_ws_kernel(H, sink, "bfloat16")
     return job
 
@@ -69,7 +75,8 @@ def precompile_tests() -> int:
     import time
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_base", "portable", "portable_musa")
+    jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_base", "portable", "portable_musa",
+                                                       "portable_prefetch", "portable_musa_prefetch")
                                    for H, sink in TEST_HEADS]
     jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)  # test_gpu_dsv4.py's variant cases
              for v in ("pipelined", "hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",
@@ -103,6 +110,7 @@ def main(argv=None) -> int:
     from bench_dsv4_attention import CONFIGS, caches, inputs, ws_times
     from musa_attn_backend import config
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+    from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel as pws
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     import multiprocessing
@@ -111,7 +119,8 @@ def main(argv=None) -> int:
     defaults = {attr: getattr(pw, attr) for attr in SWITCHES.values()}
     heads = [CONFIGS[c][0] for c in args.configs.split(",")]
     with ProcessPoolExecutor(max_workers=6, mp_context=multiprocessing.get_context("spawn")) as pool:
-        kinds = ("ws", "ws_plain", "portable_ws", "portable_ws_musa", "sched", "combine")
+        kinds = ("ws", "ws_plain", "portable_ws", "portable_ws_musa", "portable_ws_prefetch",
+                 "portable_ws_musa_prefetch", "sched", "combine")
         for f in [pool.submit(_compile, (k, H)) for H in heads for k in kinds]:
             try:
                 f.result()
@@ -133,9 +142,12 @@ def main(argv=None) -> int:
         # the paired program in its default build and with every switch off, the portable one in the CUDA and
         # MUSA forms
         for tag, program, plain, musa in (("", "paired_ws", False, False), ("plain_", "paired_ws", True, False),
-                                          ("", "portable_ws", False, False), ("musa_", "portable_ws", False, True)):
+                                          ("", "portable_ws", False, False), ("musa_", "portable_ws", False, True),
+                                          ("prefetch_", "portable_ws", False, False),
+                                          ("musa_prefetch_", "portable_ws", False, True)):
             if plain:
                 select("base")
+            pws.PREFETCH = "prefetch" in tag
             out = torch.full_like(q, float("nan"))
             try:
                 with config.override(musa_forms=musa):
@@ -147,6 +159,7 @@ def main(argv=None) -> int:
                 row[f"{tag}{program}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
             for attr, value in defaults.items():  # the default build's switches back
                 setattr(pw, attr, value)
+            pws.PREFETCH = False
         print(json.dumps(row), flush=True)
         rows.append(row)
     write_doc(args.out, "ws-smoke", rows)

@@ -259,12 +259,16 @@ def test_flash_mla_sparse_fwd_runs_the_paired_ws_program(use_settings):
         dsv4.flash_mla_sparse_fwd(q, kv, idx, 0.04, impl="tilelang")
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["gather", "prefetch"])
 @pytest.mark.parametrize("target,musa", [("sm_90a", False), ("mp_31", True)])
-def test_portable_ws_glue_and_musa_rules(use_settings, target, musa):
+def test_portable_ws_glue_and_musa_rules(use_settings, monkeypatch, target, musa, prefetch):
     """MUSA_ATTN_DSV4_PROGRAM=portable_ws: the workspace's gathers and one program launch, every argument where its
-    parameter is; MUSA's form (K and V tiles of their own, 32 rows) breaks none of MP31's lowering rules."""
+    parameter is; MUSA's form (K and V tiles of their own, 32 rows) breaks none of MP31's lowering rules, with the
+    rows gathered in turn or prefetched into registers (``portable_ws_kernel.PREFETCH``)."""
     from musa_attn_backend.kernels._tir import RULES, violations
+    from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel
 
+    monkeypatch.setattr(portable_ws_kernel, "PREFETCH", prefetch)
     use_settings(target=target, dsv4_program="portable_ws")
     kernels, funcs = {}, []
 
@@ -289,3 +293,20 @@ def test_portable_ws_program_builds_for_sm90a(use_settings):
     use_settings(dsv4_program="portable_ws")
     src = ti.portable_ws_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
     assert "sparse_mqa_portable_ws_kernel" in src
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_portable_ws_prefetch_form_builds_for_sm90a(use_settings, monkeypatch, tmp_path):
+    """``PREFETCH`` in MUSA's tiles: each tile stored from registers between two block barriers, then the next
+    tile's loads issued (guarded by the tile count) before this tile's first GEMM; ptxas: no spill."""
+    from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel
+
+    monkeypatch.setattr(portable_ws_kernel, "PREFETCH", True)
+    use_settings(dsv4_program="portable_ws", musa_forms=True)
+    src = ti.portable_ws_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
+    loop = src.split("for (int it = 0;")[1]
+    stored, rest = loop.split("__syncthreads();")[1:3]
+    assert "buf + (" in stored and "V_s" in stored  # the key and V tiles from the registers
+    assert rest.index("*(uint4*)(buf + (") < rest.index("wgmma")  # the next tile's loads before the math
+    spills, _ = _ptxas_spills(src, tmp_path)
+    assert spills == 0, spills

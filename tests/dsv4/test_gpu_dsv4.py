@@ -60,7 +60,8 @@ CASES = [
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
 PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "paired_ws:plain",
-            "portable", "portable:musa", "portable_ws", "portable_ws:musa")
+            "portable", "portable:musa", "portable_ws", "portable_ws:musa", "portable_ws:prefetch",
+            "portable_ws:musa_prefetch")
 
 
 @pytest.fixture(params=PROGRAMS)
@@ -68,10 +69,15 @@ def program(request, monkeypatch, use_settings):
     """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), the scheduled
     one's clustered form (its 65-128-head cases), both producers of the paired one, the paired division over a bf16
     workspace (its default build, and ``plain``: every build switch off, the paired order of its math groups),
-    and the portable one in MUSA's form."""
+    and the portable one in MUSA's form (over the workspace also with its rows prefetched into registers)."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
+    if producer.endswith("prefetch"):  # the portable_ws program's rows prefetched into registers
+        from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel
+
+        monkeypatch.setattr(portable_ws_kernel, "PREFETCH", True)
+        producer = producer[:-len("prefetch")].rstrip("_")
     if producer == "musa":
         use_settings(musa_forms=True)
         producer = ""

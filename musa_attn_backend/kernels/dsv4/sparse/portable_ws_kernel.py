@@ -18,6 +18,12 @@ scaled score (``-inf`` where none is valid), as FlashMLA's sparse prefill return
 
 import functools
 
+# the key loop's loads: False, each tile's rows gathered into shared memory, then its GEMMs and softmax, nothing
+# overlapped (as measured on the H100 proxy: docs/dsv4.md); True (not yet run on a GPU), the next tile's rows loaded
+# into registers before this tile's GEMMs and stored after them: their latency hidden behind the math on any target
+# (plain loads, no asynchronous copy; ``T.Pipelined`` does not pipeline this gather, docs/dsv4.md)
+PREFETCH = False
+
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E, Tiles, attention_macros
 from .. import layout as L
@@ -26,9 +32,10 @@ from .tl_macros import sparse_macros
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", block_H: int = 64,
-                                 block_N: int = 64, threads: int = 256, separate_v: bool = False):
+                                 block_N: int = 64, threads: int = 256, separate_v: bool = False,
+                                 prefetch: bool = False):
     """The portable program over a bf16 workspace for ``H`` query heads (blocks of ``block_H``, rows past ``H``
-    padded inside); ``separate_v``: K and V in tiles of their own (MUSA)."""
+    padded inside); ``separate_v``: K and V in tiles of their own (MUSA); ``prefetch``: :data:`PREFETCH`."""
     BH, BN, D = block_H, block_N, L.D
     NT = T.dynamic("num_tokens")
     K = T.dynamic("ws_topk")
@@ -37,6 +44,48 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
     head_blocks = (H + BH - 1) // BH
     alloc_state, _, _, softmax_step, pv_product, finish_rows = attention_macros(BH, BN, D, D, 0, 0, False, q_dtype)
     _, store_output = sparse_macros(H, BH, BN, False, has_sink, False, q_dtype, K, 0)
+    LANES = threads // BN  # prefetch: the threads of a row (each 16-byte unit u * LANES + lane of it)
+    UNITS = D // 8 // LANES
+    assert threads % BN == 0 and (D // 8) % LANES == 0, (threads, BN)
+
+    @T.macro
+    def fetch(it, buf, rowv, I, W, t, length, row, lane):
+        """Tile ``it``'s row ``row`` (this thread's units of it) into the registers ``buf``, its index into
+        ``rowv`` (-1: invalid, zeros loaded without a read)."""
+        e = it * BN + row
+        rowv[0] = T.if_then_else(e < length, I[t, T.min(e, K - 1)], -1)
+        rowv[0] = T.if_then_else(T.And(rowv[0] >= 0, rowv[0] < R), rowv[0], -1)
+        for u in T.unroll(UNITS):
+            for v in T.vectorized(8):
+                buf[u * 8 + v] = T.if_then_else(rowv[0] >= 0, W[T.max(rowv[0], 0), (u * LANES + lane) * 8 + v],
+                                                 T.Cast(q_dtype, 0))
+
+    @T.macro
+    def gather(it, row_s, KV_s, V_s, I, W, t, length):
+        """Tile ``it``'s rows into the key tile (and the V tile), their indices into ``row_s`` (-1: invalid,
+        zeros without a read)."""
+        for j in T.Parallel(BN):
+            e = it * BN + j
+            idx = T.if_then_else(e < length, I[t, T.min(e, K - 1)], -1)
+            row_s[j] = T.if_then_else(T.And(idx >= 0, idx < R), idx, -1)
+        for j, d in T.Parallel(BN, D):
+            KV_s[j, d] = T.if_then_else(row_s[j] >= 0, W[T.max(row_s[j], 0), d], T.Cast(q_dtype, 0))
+        if separate_v:
+            for j, d in T.Parallel(BN, D):
+                V_s[j, d] = T.if_then_else(row_s[j] >= 0, W[T.max(row_s[j], 0), d], T.Cast(q_dtype, 0))
+
+    @T.macro
+    def store(buf, rowv, row_s, KV_s, V_s, row, lane):
+        """The fetched row into the key tile (and the V tile) and its index into ``row_s``."""
+        if lane == 0:
+            row_s[row] = rowv[0]
+        for u in T.unroll(UNITS):
+            for v in T.vectorized(8):
+                KV_s[row, (u * LANES + lane) * 8 + v] = buf[u * 8 + v]
+        if separate_v:
+            for u in T.unroll(UNITS):
+                for v in T.vectorized(8):
+                    V_s[row, (u * LANES + lane) * 8 + v] = buf[u * 8 + v]
 
     @T.prim_func
     def sparse_mqa_portable_ws(
@@ -68,16 +117,22 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
             T.fill(state.l_i, 0)
             T.fill(state.m_i, NEG_INF)
 
-            for it in T.serial(T.ceildiv(length, BN)):
-                for j in T.Parallel(BN):
-                    e = it * BN + j
-                    idx = T.if_then_else(e < length, I[t, T.min(e, K - 1)], -1)
-                    row_s[j] = T.if_then_else(T.And(idx >= 0, idx < R), idx, -1)
-                for j, d in T.Parallel(BN, D):
-                    KV_s[j, d] = T.if_then_else(row_s[j] >= 0, W[T.max(row_s[j], 0), d], T.Cast(q_dtype, 0))
-                if separate_v:
-                    for j, d in T.Parallel(BN, D):
-                        V_s[j, d] = T.if_then_else(row_s[j] >= 0, W[T.max(row_s[j], 0), d], T.Cast(q_dtype, 0))
+            n_tiles = T.ceildiv(length, BN)
+            if prefetch:
+                tx = T.get_thread_binding()
+                buf = T.alloc_local([UNITS * 8], q_dtype)
+                rowv = T.alloc_local([1], "int32")
+                if n_tiles > 0:
+                    fetch(0, buf, rowv, I, W, t, length, tx // LANES, tx % LANES)
+            for it in T.serial(n_tiles):
+                if prefetch:  # the fetched tile in, the next one's loads issued before this one's math
+                    T.sync_threads()
+                    store(buf, rowv, row_s, KV_s, V_s, tx // LANES, tx % LANES)
+                    T.sync_threads()
+                    if it + 1 < n_tiles:
+                        fetch(it + 1, buf, rowv, I, W, t, length, tx // LANES, tx % LANES)
+                else:
+                    gather(it, row_s, KV_s, V_s, I, W, t, length)
                 acc_s = state.acc_s
                 T.clear(acc_s)
                 T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)

@@ -532,15 +532,16 @@ def _sparse_mqa_paired(q, cache, indices, lengths, extra_cache, extra_indices, e
 def portable_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     """The compiled portable sparse MQA program over a bf16 workspace (:mod:`.portable_ws_kernel`), in the form
     :func:`portable_form` gives the target."""
-    from .portable_ws_kernel import build_sparse_mqa_portable_ws
+    from . import portable_ws_kernel as pws
 
     _check_program("portable_ws", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the portable_ws program takes bfloat16 q, got {q_dtype}")
-    form = portable_form(target)
+    form, prefetch = portable_form(target), pws.PREFETCH
     key = ("dsv4_sparse_mqa_portable_ws", H, has_sink, q_dtype, form["block_N"]) + (
-        ("separate_v",) if form["separate_v"] else ())
-    return compile_cached(key, lambda: build_sparse_mqa_portable_ws(H, has_sink, q_dtype, BLOCK_H, form["block_N"],
-                                                                    256, form["separate_v"]), target=target)
+        ("separate_v",) if form["separate_v"] else ()) + (("prefetch",) if prefetch else ())
+    return compile_cached(key, lambda: pws.build_sparse_mqa_portable_ws(H, has_sink, q_dtype, BLOCK_H,
+                                                                        form["block_N"], 256, form["separate_v"],
+                                                                        prefetch), target=target)
 
 
 def _ws_kernel(program: str, H: int, has_sink: bool):
