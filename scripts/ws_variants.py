@@ -29,8 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "benchmarks"), str(HERE.parent)]
 
-SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
-               "rowcopy": "ROW_COPY", "groupcopy": "GROUP_COPY"}
+from musa_attn_backend.kernels.dsv4.sparse.paired_ws_kernel import SWITCHES  # noqa: E402 - after sys.path
 
 
 def select(variant: str) -> None:

@@ -144,16 +144,11 @@ def test_workspace_rows_kernel_is_the_reference_reader(gpu_device, pages, rows, 
     assert (tilelang_impl._read_rows("test")(cache, bad, "cache") == 0).all()
 
 
-# the paired_ws program's build switches a case sets (scripts/ws_variants.py names them the same way)
-WS_SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
-               "rowcopy": "ROW_COPY", "groupcopy": "GROUP_COPY"}
-
-
 def _ws_variant(monkeypatch, variant: str) -> None:
     from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel
 
-    on = set() if variant == "paired" else set(variant.split("+"))
-    for name, attr in WS_SWITCHES.items():
+    on = set() if variant == "paired" else set(variant.split("+"))  # paired_ws_kernel.SWITCHES' names
+    for name, attr in paired_ws_kernel.SWITCHES.items():
         monkeypatch.setattr(paired_ws_kernel, attr, name in on)
 
 

@@ -76,6 +76,10 @@ ROW_COPY = False
 # rows (``g``, ``g + 16``, ...), a lane 4 copies of 16 bytes 128 bytes apart in each half of its rows: 4 index reads
 # a thread a tile instead of 16, each row's copies at immediate offsets from one address
 GROUP_COPY = False
+# the switches above by their variant names (scripts/ws_variants.py, the GPU tests, the kernel's key), in the order
+# of build_sparse_mqa_paired_ws's arguments
+SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
+            "rowcopy": "ROW_COPY", "groupcopy": "GROUP_COPY"}
 # named barriers of the pipelined consumers (0 is __syncthreads; the epilogue's is the paired program's)
 BUNCH0, BUNCH1, S0_READY, S1_READY = 6, 7, 8, 9
 WARPS = PRODUCER // 32
@@ -214,6 +218,7 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     assert row_copy or not group_copy, "GROUP_COPY is a form of ROW_COPY"
     n_rows = ROWS_A_GROUP if group_copy else ROWS_A_WARP  # rows of a tile each producer thread copies
     n_lanes = PRODUCER // GROUP if group_copy else WARPS  # rows between one thread's rows
+    n_chunks = HD // CHUNK if group_copy else 1  # a thread's 16-byte pieces of each of its rows' halves
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -245,13 +250,10 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         """This thread's copies of the half at column ``col0`` into stage ``st`` of ``K_s``: each of its rows' unit
         ``lane`` (a warp a row), or (``group_copy``) units ``lane``, ``lane + 8``, ... of its group ``warp``'s rows."""
         for i in T.unroll(n_rows):
-            if group_copy:
-                for c in T.unroll(HD // CHUNK):
+            if row_copy:  # idx[i] is a valid row (0 where the entry is invalid: nothing read, zeros written)
+                for c in T.unroll(n_chunks):
                     copy16_row(K_s[st, i * n_lanes + warp, c * CHUNK + lane * 8], W[0, lane * 8], idx[i], D * 2,
                                (col0 + c * CHUNK) * 2, ok[i], policy[0])
-            elif row_copy:  # idx[i] is a valid row (0 where the entry is invalid: nothing read, zeros written)
-                copy16_row(K_s[st, i * WARPS + warp, lane * 8], W[0, lane * 8], idx[i], D * 2, col0 * 2, ok[i],
-                           policy[0])
             elif copy_hint:
                 copy16_hinted(K_s[st, i * WARPS + warp, lane * 8], W[T.max(idx[i], 0), col0 + lane * 8], ok[i],
                               policy[0])

@@ -18,16 +18,16 @@ scaled score (``-inf`` where none is valid), as FlashMLA's sparse prefill return
 
 import functools
 
+from ...._tilelang import tl_lang as T
+from ...attention.tl_common import ACC, LOG2E, Tiles, attention_macros
+from .. import layout as L
+from .tl_macros import sparse_macros
+
 # the key loop's loads: False, each tile's rows gathered into shared memory, then its GEMMs and softmax, nothing
 # overlapped (as measured on the H100 proxy: docs/dsv4.md); True (not yet run on a GPU), the next tile's rows loaded
 # into registers before this tile's GEMMs and stored after them: their latency hidden behind the math on any target
 # (plain loads, no asynchronous copy; ``T.Pipelined`` does not pipeline this gather, docs/dsv4.md)
 PREFETCH = False
-
-from ...._tilelang import tl_lang as T
-from ...attention.tl_common import ACC, LOG2E, Tiles, attention_macros
-from .. import layout as L
-from .tl_macros import sparse_macros
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,9 +82,7 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
         for u in T.unroll(UNITS):
             for v in T.vectorized(8):
                 KV_s[row, (u * LANES + lane) * 8 + v] = buf[u * 8 + v]
-        if separate_v:
-            for u in T.unroll(UNITS):
-                for v in T.vectorized(8):
+                if separate_v:
                     V_s[row, (u * LANES + lane) * 8 + v] = buf[u * 8 + v]
 
     @T.prim_func

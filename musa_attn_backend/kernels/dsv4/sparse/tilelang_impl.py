@@ -218,13 +218,11 @@ def paired_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
 
     _check_program("paired_ws", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the paired_ws program takes bfloat16 q, got {q_dtype}")
-    switches = (pw.PIPELINED, pw.COPY_HINT, pw.SMEM_EPILOGUE, pw.Q_ASYNC, pw.ROW_COPY, pw.GROUP_COPY)
-    names = ("pipelined", "hint", "smem_out", "qasync", "rowcopy", "groupcopy")
-    variant = tuple(name for name, on in zip(names, switches) if on)
-    hint = pw.COPY_HINT
+    switches = tuple(getattr(pw, attr) for attr in pw.SWITCHES.values())
+    variant = tuple(name for name, on in zip(pw.SWITCHES, switches) if on)
     return compile_cached(("dsv4_sparse_mqa_paired_ws", H, has_sink, q_dtype) + variant,
-                          lambda: pw.build_sparse_mqa_paired_ws(H, has_sink, q_dtype, *switches),
-                          target=target, pass_configs=_ws_pass_configs(), headers=(LOAD_HINT_HEADER,) if hint else ())
+                          lambda: pw.build_sparse_mqa_paired_ws(H, has_sink, q_dtype, *switches), target=target,
+                          pass_configs=_ws_pass_configs(), headers=(LOAD_HINT_HEADER,) if pw.COPY_HINT else ())
 
 
 from .combine_kernel import MAX_GROUPS  # noqa: E402
