@@ -50,8 +50,8 @@ from .rows import BH, BN, HD, PRODUCER, copy16_hinted, copy16_row, evict_last_po
 # ptxas serialises the WGMMAs below 208 registers a math thread (docs/dsv4.md); a producer of copies needs few
 MATH_REGS, PRODUCER_REGS = 208, 88
 # The build switches below: each measured against the FlashMLA prefill on its own inputs (scripts/ws_variants.py,
-# docs/dsv4.md); the four on by default were 10-13% faster together (H100, ws-variants-20261207T191926Z) and are
-# what the GPU tests and FlashMLA's prefill suite run.
+# docs/dsv4.md); the four on by default were faster together (the measurements: docs/dsv4.md) and are what the GPU
+# tests and FlashMLA's prefill suite run.
 # the consumers: False, the paired program's (one maximum exchange a pair, each group's GEMMs waited for in turn);
 # True, FlashMLA's prefill schedule (module docstring)
 PIPELINED = True
