@@ -323,7 +323,7 @@ def main(argv=None):
             extra = {"program": program}
             ours_out = out.clone()
             for prog in programs:
-                if prog in ("paired_ws", "portable_ws"):  # a workspace built with a host synchronisation: no graph
+                if prog in tilelang_impl.WORKSPACE_PROGRAMS:  # a workspace built with a host synchronisation: no graph
                     try:
                         extra.update(ws_times(q, swa, i1, c4, i2, sink, out, prog))
                         extra[f"{prog}_max_abs_diff"] = (out.float() - ours_out.float()).abs().max().item()

@@ -98,8 +98,9 @@ class Settings:
                 "paired_ws (the paired division over a bf16 workspace of the call's selected rows, built with a host "
                 "synchronisation, so not under CUDA graph capture; its kernel 0.89-0.91x the scheduled program's "
                 "prefill time on the H100, the workspace's build on top), portable, or portable_ws (the portable program "
-                "over such a workspace: any target, MUSA included; not yet run on a GPU); a program the target cannot run "
-                "is refused, never replaced")
+                "over such a workspace: any target, MUSA included), or staged_ws (over such a workspace, a producer warp "
+                "group staging the next key tile beside the math, within MUSA's rules on every target); a program "
+                "the target cannot run is refused, never replaced")
     target: Optional[str] = _switch(
         "MUSA_ATTN_TARGET", default=None, kernels=True,
         meaning="compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "
@@ -146,7 +147,7 @@ BY_FIELD: dict[str, Switch] = {s.field: s for s in SWITCHES}
 CHOICES: dict[str, tuple[str, ...]] = {"moe": ("auto", "on", "off"), "model_kernels": ("auto", "on", "off"),
                                        "compiled_launch": ("auto", "on", "off"),
                                        "dsv4_program": ("auto", "scheduled", "paired", "paired_ws", "portable",
-                                                                        "portable_ws")}  # text switches with a fixed set of values
+                                                                        "portable_ws", "staged_ws")}  # text switches with a fixed set of values
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -40,7 +40,7 @@ DEVICE_KINDS = ("cuda", "musa", "cpu")
 LOWERING_FLAGS = ("gemm_a_in_registers", "gemm_tile_two_majors", "gemm_any_extent", "gemm_tile_slices",
                   "wide_float_vectors")
 FEATURES = ("fp8", "bulk_copy", "warpgroup_mma", "warp_specialized", "dependent_launch", "clusters",
-            "load_hints") + LOWERING_FLAGS
+            "load_hints", "async_proxy_fence") + LOWERING_FLAGS
 
 # Moore Threads architectures we know: MTT S5000 is MP31 (FP8, TME bulk copy, SQMMA warp-group MMA);
 # MTT S4000 is MP22 (none of them).
@@ -78,6 +78,10 @@ class Platform:
     # global loads may carry cache hints (PTX ld.global.nc with an L1 eviction priority and an L2 prefetch size,
     # through a force-included device function): CUDA sm_80+
     load_hints: bool = False
+    # the tensor cores read shared memory through an asynchronous proxy, so a thread's shared stores that a GEMM
+    # reads after a barrier need a proxy fence first (CUDA sm_90+: WGMMA); MUSA's programs wait for their local
+    # stores instead (tilelang-musa's own producer/consumer kernels)
+    async_proxy_fence: bool = False
     # a tile GEMM may take A from registers with B in shared memory (CUDA); else P goes through shared memory
     gemm_a_in_registers: bool = False
     # one shared tile may be a GEMM operand read K-major by one GEMM and MN-major by another (CUDA); else each
@@ -157,6 +161,7 @@ def _cuda_features(arch: str) -> dict:
         "dependent_launch": cc >= 90,
         "clusters": cc >= 90,
         "load_hints": cc >= 80,
+        "async_proxy_fence": cc >= 90,
         "gemm_a_in_registers": True,
         "gemm_tile_two_majors": True,
         "gemm_any_extent": True,
@@ -181,6 +186,7 @@ def _musa_features(arch: str) -> dict:
         "dependent_launch": False,
         "clusters": False,
         "load_hints": False,
+        "async_proxy_fence": False,
         # SQMMA, PH1 WMMA and the FMA fallback of tilelang-musa's GEMM lowering read A from shared memory only
         "gemm_a_in_registers": False,
         # what tilelang-musa's lowering for MP31 refuses (docs/musa.md): its layout inference lays a shared GEMM

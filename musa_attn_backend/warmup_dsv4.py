@@ -130,7 +130,8 @@ def _index_tiles(model: V4Model, ratio: int, block_n: int) -> int:
 
 
 def _attention(model: V4Model, engine: str) -> list[Job]:
-    from .kernels.dsv4.sparse.tilelang_impl import _sched_cluster, sparse_mqa_block_n, sparse_mqa_program
+    from .kernels.dsv4.sparse.tilelang_impl import (WORKSPACE_PROGRAMS, _sched_cluster, sparse_mqa_block_n,
+                                                     sparse_mqa_program)
 
     H = attention_heads(model, engine)
     jobs = []
@@ -143,7 +144,7 @@ def _attention(model: V4Model, engine: str) -> list[Job]:
             if _sched_cluster(H, None):  # the job above built the clustered form, for calls of many tokens;
                 # calls of fewer take the unclustered one (tilelang_impl.SCHED_CLUSTER_MIN_TOKENS)
                 jobs.append(Job("dsv4_sched", (H, extra, True, "bfloat16"), (("cluster", False),)))
-        elif program in ("paired_ws", "portable_ws"):  # one program, never split, and its workspace's gather
+        elif program in WORKSPACE_PROGRAMS:  # one program, never split, and its workspace's gather
             jobs.append(Job("dsv4_workspace_rows", ()))
         elif program == "paired":  # one program, never split
             pass

@@ -22,6 +22,10 @@
 #          FlashMLA, rowcopy's tests (staged: no device time was left in the 35th session)
 #   ws5    (carry as ws4, warm after it) issue 37: the MUSA form's register prefetch (portable_ws PREFETCH): its GPU
 #          cases and every workspace form's timing (scripts/ws_smoke.py)
+#   ws6    (carry as ws4; warm after ws4/ws5 or cold, about 5 minutes) issue 37: the staged_ws program (MUSA's form
+#          with a producer warp group): its GPU cases, FlashMLA's prefill suite on it, its kernel beside FlashMLA
+#   ws7    (carry as ws4; cold, about 8 minutes) issue 37, 36th session: the new defaults (paired_ws's ROW_COPY and
+#          GROUP_COPY, portable_ws's PREFETCH) and staged_ws: GPU cases, FlashMLA's prefill suite, timings
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
@@ -112,11 +116,54 @@ case "${1:-}" in
     timeout 300 python3 scripts/ws_smoke.py --configs flash,pro --tokens 4096 --out "$out" > "$out/ws_smoke.txt" 2>&1
     stamp "ws smoke rc=$?"
     grep -E "^\{" "$out/ws_smoke.txt" | cut -c1-2500 ;;
+  ws6)  # issue 37, the MUSA form's new program: staged_ws (a producer warp group staging 32-row tiles beside two
+    # math groups, within MP31's rules): its GPU cases, FlashMLA's prefill suite on it, then its kernel and
+    # portable_ws's MUSA form beside FlashMLA on FlashMLA's own inputs (kernels alone, graphs)
+    d=pipelined+hint+smem_out+qasync
+    timeout 100 python3 scripts/ws_variants.py --precompile-only --configs flash,pro --variants $d \
+      --programs staged_ws,portable_ws:musa > "$out/ws6_precompile.txt" 2>&1
+    stamp "$(tail -1 "$out/ws6_precompile.txt")"
+    timeout 100 python3 scripts/ws_smoke.py --precompile-tests --forms staged >> "$out/ws6_precompile.txt" 2>&1
+    stamp "$(tail -1 "$out/ws6_precompile.txt")"
+    timeout 150 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs -o faulthandler_timeout=100 \
+      tests/dsv4/test_gpu_dsv4.py -k "staged" > "$out/staged_tests.txt" 2>&1
+    stamp "staged_ws tests: $(tail -1 "$out/staged_tests.txt")"
+    grep -E "FAILED|Error|assert" "$out/staged_tests.txt" | cut -c1-300 | head -12
+    timeout 90 bash scripts/device_v4_attention.sh suite prefill --all --program staged_ws > "$out/suite_staged.txt" 2>&1
+    stamp "$(grep -E "^prefill:" "$out/suite_staged.txt")"
+    timeout 120 python3 scripts/ws_variants.py --out "$out" --configs flash,pro --variants $d \
+      --programs staged_ws,portable_ws:musa > "$out/ws6_variants.txt" 2>&1
+    stamp "ws variants rc=$?"
+    grep -E "^\{" "$out/ws6_variants.txt" | cut -c1-3000 ;;
+  ws7)  # issue 37 (36th session): the new defaults (paired_ws with ROW_COPY + GROUP_COPY, portable_ws with PREFETCH)
+    # and the staged_ws program: their kernels compiled in parallel, FlashMLA's prefill suite on paired_ws and
+    # staged_ws, every workspace program's GPU cases, then the kernels beside FlashMLA on its own inputs
+    d=pipelined+hint+smem_out+qasync+rowcopy+groupcopy
+    timeout 90 python3 scripts/ws_variants.py --precompile-only --configs flash,pro --variants $d \
+      --programs staged_ws,portable_ws:musa > "$out/ws7_precompile.txt" 2>&1
+    timeout 170 python3 scripts/ws_smoke.py --precompile-tests >> "$out/ws7_precompile.txt" 2>&1
+    stamp "$(grep -E "^precompiled" "$out/ws7_precompile.txt" | tr '\n' ' ')"
+    for p in auto staged_ws; do
+      timeout 45 bash scripts/device_v4_attention.sh suite prefill --all \
+        $([ $p = auto ] || echo --program $p) > "$out/suite_$p.txt" 2>&1
+      cp "$out/flashmla_prefill.json" "$out/flashmla-suite-prefill-$p.json" 2>/dev/null
+      stamp "suite $p: $(grep -E "^prefill:" "$out/suite_$p.txt")"
+    done
+    rm -f "$out/flashmla_prefill.json" "$out/flashmla_prefill.log"
+    timeout 200 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rs -o faulthandler_timeout=150 \
+      tests/dsv4/test_gpu_dsv4.py -k "paired_ws or portable_ws or staged or sparse_fwd or workspace_rows" \
+      > "$out/ws7_tests.txt" 2>&1
+    stamp "workspace program tests: $(tail -1 "$out/ws7_tests.txt")"
+    grep -E "^FAILED|^ERROR" "$out/ws7_tests.txt" | cut -c1-250 | head -12
+    timeout 100 python3 scripts/ws_variants.py --out "$out" --configs flash,pro --variants $d \
+      --programs staged_ws,portable_ws:musa > "$out/ws7_variants.txt" 2>&1
+    stamp "ws variants rc=$?"
+    grep -E "^\{" "$out/ws7_variants.txt" | cut -c1-2500 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|ws6|ws7|variants|next1b|next2|next3"; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 
     python scripts/flashmla_suite.py fetch --from <FlashMLA git dir or URL> [--commit REV]
     python scripts/flashmla_suite.py run decode|prefill [--sample N | --all] [--seed S] [--device cuda|cpu]
-                                         [--out report.json] [--program scheduled|paired|portable]
+                                         [--out report.json] [--program scheduled|paired|portable|<workspace program>]
 
 ``fetch`` copies FlashMLA's ``tests/`` folder at ``REV`` (default: the last commit of its Hopper / V4 line this
 package targets) into ``.flashmla/`` (git-ignored: none of FlashMLA's code is in this repository), with the commit
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     r.add_argument("--out", default="")
-    r.add_argument("--program", choices=("scheduled", "paired", "portable"), default=None)
+    r.add_argument("--program", choices=("scheduled", "paired", "portable", "paired_ws", "portable_ws", "staged_ws"),
+                   default=None, help="MUSA_ATTN_DSV4_PROGRAM for the run (prefill: a workspace program)")
     r.add_argument("--max-work", type=int, default=0,
                    help="skip cases attending to more index entries in all (for CPU runs)")
     args = ap.parse_args(argv)

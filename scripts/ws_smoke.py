@@ -2,7 +2,8 @@
 tokens on the bench's caches (``benchmarks/bench_dsv4_attention.py``), its output against the scheduled
 program's, and the times of the scheduled program, the paired_ws call, its workspace build and its kernel alone,
 in its default build and with every build switch off (``plain_*``: ``scripts/ws_variants.py``'s ``base``), and the
-portable program over the workspace in the CUDA and MUSA forms (``portable_ws_*``, ``musa_portable_ws_*``).
+portable program over the workspace in the CUDA and MUSA forms (``portable_ws_*``, ``musa_portable_ws_*``) and the
+staged one (``staged_ws_*``, one form: MUSA's rules on every target).
 
     python3 scripts/ws_smoke.py [--configs flash] [--tokens 4096] [--out DIR]   (on the GPU, after env.sh)
 """
@@ -37,6 +38,8 @@ def _compile(job):
         pws.PREFETCH = kind.endswith("_prefetch")
         with config.override(musa_forms="_musa" in kind):
             ti.portable_ws_kernel(H, True, "bfloat16")
+    elif kind == "staged_ws":
+        ti.staged_ws_kernel(H, True, "bfloat16")
     elif kind == "sched":
         ti.sparse_mqa_kernel(H, True, True, False, "bfloat16", program="scheduled")
     else:
@@ -60,6 +63,8 @@ def _compile_test(job):
         if form != "paired":
             select(form[len("paired_"):])
         ti.paired_ws_kernel(H, sink, "bfloat16")
+    elif form == "staged":
+        ti.staged_ws_kernel(H, sink, "bfloat16")
     else:  # portable, portable_musa, and either with _prefetch
         from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel as pws
 
@@ -69,19 +74,22 @@ def _compile_test(job):
     return job
 
 
-def precompile_tests() -> int:
-    """Every workspace program the GPU tests launch, into the kernel cache, 14 at a time."""
+def precompile_tests(forms=None) -> int:
+    """Every workspace program the GPU tests launch (``forms``: only those of these forms, e.g. ``staged``), into
+    the kernel cache, 14 at a time."""
     import multiprocessing
     import time
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_base", "portable", "portable_musa",
-                                                       "portable_prefetch", "portable_musa_prefetch")
+                                                       "portable_prefetch", "portable_musa_prefetch", "staged")
                                    for H, sink in TEST_HEADS]
     jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)  # test_gpu_dsv4.py's variant cases
              for v in ("pipelined", "hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",
                        "hint+smem_out+qasync+rowcopy", "pipelined+hint+smem_out+qasync+rowcopy",
                        "hint+smem_out+qasync+rowcopy+groupcopy", "pipelined+hint+smem_out+qasync+rowcopy+groupcopy")]
+    if forms:
+        jobs = [j for j in jobs if j[0] in forms]
     t0, failed = time.time(), 0
     with ProcessPoolExecutor(max_workers=14, mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, f in [(j, pool.submit(_compile_test, j)) for j in jobs]:
@@ -101,9 +109,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/out")
     ap.add_argument("--precompile-tests", action="store_true",
                     help="only compile, in parallel, every workspace program the GPU tests launch, then exit")
+    ap.add_argument("--forms", default="", help="with --precompile-tests: only these forms (comma-separated)")
     args = ap.parse_args(argv)
     if args.precompile_tests:
-        return precompile_tests()
+        return precompile_tests([f for f in args.forms.split(",") if f])
     import torch
 
     from bench_attention import bench_ms
@@ -117,10 +126,11 @@ def main(argv=None) -> int:
     from concurrent.futures import ProcessPoolExecutor
 
     defaults = {attr: getattr(pw, attr) for attr in SWITCHES.values()}
+    prefetch_default = pws.PREFETCH
     heads = [CONFIGS[c][0] for c in args.configs.split(",")]
     with ProcessPoolExecutor(max_workers=6, mp_context=multiprocessing.get_context("spawn")) as pool:
         kinds = ("ws", "ws_plain", "portable_ws", "portable_ws_musa", "portable_ws_prefetch",
-                 "portable_ws_musa_prefetch", "sched", "combine")
+                 "portable_ws_musa_prefetch", "staged_ws", "sched", "combine")
         for f in [pool.submit(_compile, (k, H)) for H in heads for k in kinds]:
             try:
                 f.result()
@@ -144,7 +154,8 @@ def main(argv=None) -> int:
         for tag, program, plain, musa in (("", "paired_ws", False, False), ("plain_", "paired_ws", True, False),
                                           ("", "portable_ws", False, False), ("musa_", "portable_ws", False, True),
                                           ("prefetch_", "portable_ws", False, False),
-                                          ("musa_prefetch_", "portable_ws", False, True)):
+                                          ("musa_prefetch_", "portable_ws", False, True),
+                                          ("", "staged_ws", False, False)):
             if plain:
                 select("base")
             pws.PREFETCH = "prefetch" in tag
@@ -159,7 +170,7 @@ def main(argv=None) -> int:
                 row[f"{tag}{program}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
             for attr, value in defaults.items():  # the default build's switches back
                 setattr(pw, attr, value)
-            pws.PREFETCH = False
+            pws.PREFETCH = prefetch_default
         print(json.dumps(row), flush=True)
         rows.append(row)
     write_doc(args.out, "ws-smoke", rows)

@@ -12,8 +12,12 @@ themselves, the key tiles' copies start at once). Each row: FlashMLA's time, eac
 largest difference from FlashMLA's output and whether it equals the base build's output bit for bit (the switches
 change no arithmetic, only how bytes move). ``flashmla_graph_ms`` and ``<variant>_kernel_ms``: FlashMLA's call
 and our kernel alone (no entry, no allocations) on the same inputs, each replayed from a CUDA graph.
+``--programs``: other programs over the workspace timed the same way, kernel alone from a graph on FlashMLA's
+inputs (``<program>_kernel_ms``, ``<program>_max_abs_diff`` from FlashMLA's output): ``staged_ws``, ``portable_ws``
+and ``portable_ws:musa`` (MUSA's form, ``MUSA_ATTN_MUSA_FORMS``; key ``portable_ws_musa_*``).
 
-    python3 scripts/ws_variants.py [--variants base,hint,...] [--configs flash,pro] [--tokens 4096] [--out DIR]
+    python3 scripts/ws_variants.py [--variants base,hint,...] [--programs staged_ws,portable_ws:musa]
+                                   [--configs flash,pro] [--tokens 4096] [--out DIR]
     ncu ... python3 scripts/ws_variants.py --ncu --variants base,hint+smem_out --configs flash
         one call of FlashMLA's kernel and of each variant between cudaProfilerStart/Stop
 """
@@ -44,12 +48,25 @@ def select(variant: str) -> None:
         setattr(pw, attr, name in on)
 
 
+def program_kernel(program: str, H: int, sink: bool = True):
+    """The compiled kernel of a workspace ``program`` (``name`` or ``name:musa``, MUSA's form)."""
+    from musa_attn_backend import config
+    from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
+
+    name, _, form = program.partition(":")
+    with config.override(musa_forms=form == "musa"):
+        return getattr(ti, f"{name}_kernel")(H, sink, "bfloat16")
+
+
 def _compile(job):
-    """One variant's kernel for ``H`` heads (with a sink or not), in a worker process (it lands in the kernel cache
-    on disk)."""
+    """One variant's kernel (or, ``program:`` first, another workspace program's) for ``H`` heads (with a sink or
+    not), in a worker process (it lands in the kernel cache on disk)."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     variant, H, sink = job
+    if variant.startswith("program:"):
+        program_kernel(variant[len("program:"):], H, sink)
+        return job
     select(variant)
     ti.paired_ws_kernel(H, sink, "bfloat16")
     ti.workspace_rows_kernel()
@@ -75,6 +92,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="base,hint,smem_out,hint+smem_out,hint+smem_out+qasync,"
                                           "pipelined+hint+smem_out,pipelined+hint+smem_out+qasync")
+    ap.add_argument("--programs", default="", help="other workspace programs to time (module docstring)")
     ap.add_argument("--configs", default="flash,pro")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--out", default="/tmp/out")
@@ -85,10 +103,12 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     for v in variants:
         select(v)  # unknown switches fail here, before any compile
+    programs = [p for p in args.programs.split(",") if p]
+    jobs = variants + [f"program:{p}" for p in programs]
     if args.precompile_only:
         from bench_dsv4_attention import CONFIGS
 
-        precompile(variants, sorted({CONFIGS[c][0] for c in args.configs.split(",")}), (True, False))
+        precompile(jobs, sorted({CONFIGS[c][0] for c in args.configs.split(",")}), (True, False))
         return 0
     import torch
 
@@ -98,7 +118,7 @@ def main(argv=None) -> int:
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     configs = args.configs.split(",")
-    precompile(variants, sorted({CONFIGS[c][0] for c in configs}))
+    precompile(jobs, sorted({CONFIGS[c][0] for c in configs}))
     errors: dict = {}
     fm = flashmla_peer(errors)
     if fm is None:
@@ -148,6 +168,18 @@ def main(argv=None) -> int:
                 row[f"{v}_own_ws_ms"] = ws_times(q, swa, i1, c4, i2, sink, own, "paired_ws")["paired_ws_ms"]
             except Exception as e:  # noqa: BLE001 - recorded
                 row[f"{v}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        for p in programs:  # the other workspace programs, kernel alone from a graph on the same inputs
+            tag = p.replace(":", "_")
+            try:
+                kernel = program_kernel(p, H)
+                run = lambda k=kernel: k(q, kv2, idx2, full, sink, scale, float("inf"), o, lse, maxl)  # noqa: E731
+                row[f"{tag}_kernel_ms"] = bench_ms(run, rep=20)
+                o.fill_(float("nan"))
+                run()
+                row[f"{tag}_max_abs_diff"] = (o.float() - ref.float()).abs().max().item()
+                row[f"{tag}_finite"] = bool(torch.isfinite(o).all())
+            except Exception as e:  # noqa: BLE001 - recorded
+                row[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
         row["ours_ms"] = row.get(f"{variants[0]}_ms")  # the first variant's, the entry on FlashMLA's inputs
         row["peers"] = {"flashmla": row["flashmla_ms"]}
         print(json.dumps(row), flush=True)

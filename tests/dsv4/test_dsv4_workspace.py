@@ -310,3 +310,58 @@ def test_portable_ws_prefetch_form_builds_for_sm90a(use_settings, monkeypatch, t
     assert rest.index("*(uint4*)(buf + (") < rest.index("wgmma")  # the next tile's loads before the math
     spills, _ = _ptxas_spills(src, tmp_path)
     assert spills == 0, spills
+
+
+@pytest.mark.parametrize("target,musa", [("sm_90a", False), ("mp_31", True)])
+def test_staged_ws_glue_and_musa_rules(use_settings, target, musa):
+    """MUSA_ATTN_DSV4_PROGRAM=staged_ws: the workspace's gathers and one program launch, every argument where its
+    parameter is; one form within every MP31 lowering rule on both targets (its tiles are MUSA's everywhere), the
+    proxy fence and the register reallocation only where the target has them; FlashMLA's prefill entry runs it
+    where the setting names it."""
+    from musa_attn_backend.kernels._tir import RULES, violations
+
+    use_settings(target=target, dsv4_program="staged_ws")
+    kernels, funcs = {}, []
+
+    def capture(key, build, target, pass_configs):
+        funcs.append(build())
+        return kernels.setdefault(key[0], SignatureCheck(funcs[-1]))
+
+    q, cache, idx, xcache, xidx = _batch(4)
+    with _tilelang.intercepting(capture):
+        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, extra_cache=xcache, extra_indices=xidx,
+                                          sink=torch.zeros(64), return_lse=True)
+    assert set(kernels) == {"dsv4_workspace_rows", "dsv4_sparse_mqa_staged_ws"}
+    assert len(kernels["dsv4_sparse_mqa_staged_ws"].calls) == 1
+    program = str(funcs[-1])
+    assert violations(funcs[-1], {flag: False for flag in RULES}) == []
+    assert ("fence_proxy_async" in program) == (not musa)
+    assert ("set_max_nreg" in program) == (not musa)
+    assert "sync_threads(" not in program.split("if tx < 128")[-1]  # no named barrier in the groups' code
+    kernels.clear()
+    S, S_kv, K = 6, 300, 96
+    kv = torch.randn(S_kv, 512).to(torch.bfloat16)
+    with _tilelang.intercepting(capture):
+        ti.sparse_prefill_bf16(torch.randn(S, 64, 512).to(torch.bfloat16), kv,
+                               torch.randint(-1, S_kv, (S, K), dtype=torch.int32), None, None, 0.04)
+    assert set(kernels) == {"dsv4_sparse_mqa_staged_ws"}
+
+
+@pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
+def test_staged_ws_program_builds_for_sm90a(use_settings, tmp_path):
+    """The staged program for sm_90a: the barriers' arrival counts the protocol model assumes (one group of 128 a
+    barrier, both math groups on ``v_empty``: tests/dsv4/test_dsv4_staged_ws_protocol.py), the groups' registers
+    reallocated (232 / 176 / 96: within the launch's 3 x 168), and ptxas spills nothing."""
+    from musa_attn_backend.kernels.dsv4.sparse import staged_ws_kernel as sws
+
+    use_settings(dsv4_program="staged_ws")
+    src = ti.staged_ws_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
+    inits = {}
+    for name, count in re.findall(r"(\w+)\[\d\]\.init\((\d+)\)", src):
+        inits.setdefault(name, set()).add(int(count))
+    assert inits == {"k_full": {128}, "k_empty": {128}, "v_full": {128}, "v_empty": {256}, "p_full": {128},
+                     "p_empty": {128}, "done": {128}}
+    assert [int(n) for n in re.findall(r"warpgroup_reg_(?:de)?alloc<(\d+)>", src)] == list(sws.REGS)
+    assert sum(sws.REGS) <= 3 * 168
+    spills, _ = _ptxas_spills(src, tmp_path)
+    assert spills == 0, spills

@@ -60,8 +60,8 @@ CASES = [
 # program[:producer]; "portable:musa": the portable program in MUSA's form (K and V tiles of their own, 32 rows:
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
 PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "paired_ws:plain",
-            "portable", "portable:musa", "portable_ws", "portable_ws:musa", "portable_ws:prefetch",
-            "portable_ws:musa_prefetch")
+            "portable", "portable:musa", "portable_ws", "portable_ws:musa", "portable_ws:gather",
+            "portable_ws:musa_gather", "staged_ws")
 
 
 @pytest.fixture(params=PROGRAMS)
@@ -69,15 +69,16 @@ def program(request, monkeypatch, use_settings):
     """Each sparse MQA program on this GPU (the portable one is what MUSA runs; all build here), the scheduled
     one's clustered form (its 65-128-head cases), both producers of the paired one, the paired division over a bf16
     workspace (its default build, and ``plain``: every build switch off, the paired order of its math groups),
-    and the portable one in MUSA's form (over the workspace also with its rows prefetched into registers)."""
+    the portable one in MUSA's form (over the workspace: its rows prefetched into registers by default, or
+    ``gather``ed in turn), and the staged one (MUSA's rules on every target)."""
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl
 
     name, _, producer = request.param.partition(":")
-    if producer.endswith("prefetch"):  # the portable_ws program's rows prefetched into registers
+    if producer.endswith("gather"):  # the portable_ws program's rows gathered in turn (its default prefetches)
         from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel
 
-        monkeypatch.setattr(portable_ws_kernel, "PREFETCH", True)
-        producer = producer[:-len("prefetch")].rstrip("_")
+        monkeypatch.setattr(portable_ws_kernel, "PREFETCH", False)
+        producer = producer[:-len("gather")].rstrip("_")
     if producer == "musa":
         use_settings(musa_forms=True)
         producer = ""
@@ -187,6 +188,21 @@ def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, 
     got = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="tilelang")
     torch.testing.assert_close(got[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
     for a, b in zip(got[1:], ref[1:]):  # max_logits, lse: +-inf where no entry is valid
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        fin = torch.isfinite(b)
+        torch.testing.assert_close(a[fin], b[fin], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("H,S,S_kv,K", PREFILL_CASES)
+def test_flash_mla_sparse_fwd_on_staged_ws_matches_reference(gpu_device, use_settings, H, S, S_kv, K):
+    """FlashMLA's sparse prefill entry on the staged program (MUSA_ATTN_DSV4_PROGRAM=staged_ws: a producer warp group
+    staging 32-row tiles beside two math groups, within MP31's rules) against its reference."""
+    use_settings(dsv4_program="staged_ws")
+    args, sink, lens = _flash_mla_prefill_case(gpu_device, H, S, S_kv, K)
+    ref = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="reference")
+    got = dsv4.flash_mla_sparse_fwd(*args, attn_sink=sink, topk_length=lens, impl="tilelang")
+    torch.testing.assert_close(got[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+    for a, b in zip(got[1:], ref[1:]):
         assert torch.equal(torch.isinf(a), torch.isinf(b))
         fin = torch.isfinite(b)
         torch.testing.assert_close(a[fin], b[fin], atol=2e-3, rtol=1e-4)

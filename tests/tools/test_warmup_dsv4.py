@@ -126,7 +126,7 @@ def test_paired_ws_program_plans_its_program_and_its_gather(use_settings):
     with _tilelang.intercepting(lambda k, b, t, p: keys.append(k)):
         for job in jobs["dsv4_sparse_mqa"] + jobs["dsv4_workspace_rows"]:
             warmup._build(job)
-    default_build = ("pipelined", "hint", "smem_out", "qasync")  # paired_ws_kernel's switches on by default
+    default_build = ("pipelined", "hint", "smem_out", "qasync", "rowcopy", "groupcopy")  # paired_ws_kernel's switches on by default
     assert set(keys) == {("dsv4_sparse_mqa_paired_ws", 8, True, "bfloat16") + default_build,
                          ("dsv4_workspace_rows", True)}
 

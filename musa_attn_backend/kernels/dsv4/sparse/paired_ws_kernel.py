@@ -50,8 +50,8 @@ from .rows import BH, BN, HD, PRODUCER, copy16_hinted, copy16_row, evict_last_po
 # ptxas serialises the WGMMAs below 208 registers a math thread (docs/dsv4.md); a producer of copies needs few
 MATH_REGS, PRODUCER_REGS = 208, 88
 # The build switches below: each measured against the FlashMLA prefill on its own inputs (scripts/ws_variants.py,
-# docs/dsv4.md); the four on by default were faster together (the measurements: docs/dsv4.md) and are what the GPU
-# tests and FlashMLA's prefill suite run.
+# docs/dsv4.md); all six are on by default, faster together and equal bit for bit to the plain build (the
+# measurements: docs/dsv4.md); the default build is what the GPU tests and FlashMLA's prefill suite run.
 # the consumers: False, the paired program's (one maximum exchange a pair, each group's GEMMs waited for in turn);
 # True, FlashMLA's prefill schedule (module docstring)
 PIPELINED = True
@@ -66,16 +66,16 @@ SMEM_EPILOGUE = True
 # copies; True, their copies complete ``q_full`` themselves (cp.async arrive, noinc) and the key tiles' copies
 # start at once, as FlashMLA's prefill overlaps its query's TMA load with its first key tiles
 Q_ASYNC = True
-# the producer's address arithmetic (with COPY_HINT; not yet measured): False, each copy's source an element of W
+# the producer's address arithmetic (with COPY_HINT): False, each copy's source an element of W
 # (its index recomputed in 64 bits for every copy, the list read through a clamped 64-bit index); True, each entry's
 # row clamped once (0 where invalid, the copy then reads nothing), a copy's source one wide multiply-add from this
 # thread's column of row 0 with the half an immediate (rows.copy16_row), the list read from the token's first entry
-ROW_COPY = False
-# the producer's division of a tile (with ROW_COPY; not yet measured): False, a warp a row's half (32 lanes' 16-byte
+ROW_COPY = True
+# the producer's division of a tile (with ROW_COPY): False, a warp a row's half (32 lanes' 16-byte
 # copies, 16 rows a thread, each row's index read by every lane); True, FlashMLA's: 16 groups of 8 lanes, a group 4
 # rows (``g``, ``g + 16``, ...), a lane 4 copies of 16 bytes 128 bytes apart in each half of its rows: 4 index reads
 # a thread a tile instead of 16, each row's copies at immediate offsets from one address
-GROUP_COPY = False
+GROUP_COPY = True
 # the switches above by their variant names (scripts/ws_variants.py, the GPU tests, the kernel's key), in the order
 # of build_sparse_mqa_paired_ws's arguments
 SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",

@@ -24,10 +24,10 @@ from .. import layout as L
 from .tl_macros import sparse_macros
 
 # the key loop's loads: False, each tile's rows gathered into shared memory, then its GEMMs and softmax, nothing
-# overlapped (as measured on the H100 proxy: docs/dsv4.md); True (not yet run on a GPU), the next tile's rows loaded
-# into registers before this tile's GEMMs and stored after them: their latency hidden behind the math on any target
-# (plain loads, no asynchronous copy; ``T.Pipelined`` does not pipeline this gather, docs/dsv4.md)
-PREFETCH = False
+# overlapped; True, the next tile's rows loaded into registers before this tile's GEMMs and stored after them: their
+# latency hidden behind the math on any target (plain loads, no asynchronous copy; ``T.Pipelined`` does not pipeline
+# this gather). The faster on the H100 proxy in both forms (docs/dsv4.md).
+PREFETCH = True
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,9 +61,9 @@ def _cache_word_views(cache: torch.Tensor, device, op: str, name: str):
     return made
 
 
-PROGRAMS = ("scheduled", "paired", "paired_ws", "portable", "portable_ws")
+PROGRAMS = ("scheduled", "paired", "paired_ws", "portable", "portable_ws", "staged_ws")
 # the programs over a bf16 workspace of the call's selected rows (:mod:`.workspace`)
-WORKSPACE_PROGRAMS = ("paired_ws", "portable_ws")
+WORKSPACE_PROGRAMS = ("paired_ws", "portable_ws", "staged_ws")
 # the programs that need warp specialisation, GEMMs reading A from registers and an FP8 conversion
 HOPPER_PROGRAMS = ("scheduled", "paired", "paired_ws")
 
@@ -77,9 +77,9 @@ def sparse_mqa_program(target=None) -> str:
     """Which sparse MQA program ``target`` (None: this platform's) runs, as ``MUSA_ATTN_DSV4_PROGRAM`` says:
     ``auto`` is ``scheduled`` (:mod:`.sched_kernel`: a per-batch plan, FlashMLA's division of the work)
     where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
-    ``portable`` (:mod:`.mqa_kernel`); ``paired``, ``paired_ws`` and ``portable_ws`` (the paired division and the
-    portable program over a bf16 workspace of the selected rows, :mod:`.paired_ws_kernel`,
-    :mod:`.portable_ws_kernel`) are selectable (how they compare: docs/dsv4.md). A named
+    ``portable`` (:mod:`.mqa_kernel`); ``paired``, ``paired_ws``, ``portable_ws`` and ``staged_ws`` (the paired
+    division, the portable program and the staged one over a bf16 workspace of the selected rows,
+    :mod:`.paired_ws_kernel`, :mod:`.portable_ws_kernel`, :mod:`.staged_ws_kernel`) are selectable (how they compare: docs/dsv4.md). A named
     program the target cannot run is refused when it is built."""
     chosen = settings().dsv4_program
     if chosen != "auto":
@@ -116,6 +116,8 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
         return paired_ws_kernel(H, has_sink, q_dtype, target=target)
     if program == "portable_ws":
         return portable_ws_kernel(H, has_sink, q_dtype, target=target)
+    if program == "staged_ws":
+        return staged_ws_kernel(H, has_sink, q_dtype, target=target)
     # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
     fp8_convert = _glue._fp8_convert(target)
@@ -542,9 +544,26 @@ def portable_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
                                                                         prefetch), target=target)
 
 
+def staged_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
+    """The compiled staged sparse MQA program over a bf16 workspace (:mod:`.staged_ws_kernel`: a producer warp
+    group staging the next tile, within MP31's rules on every target)."""
+    from . import staged_ws_kernel as sws
+
+    _check_program("staged_ws", target)
+    check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the staged_ws program takes bfloat16 q, got {q_dtype}")
+    f = features_of(target)
+    fence, regs = bool(f["async_proxy_fence"]), bool(f["warp_specialized"])
+    return compile_cached(("dsv4_sparse_mqa_staged_ws", H, has_sink, q_dtype, fence, regs),
+                          lambda: sws.build_sparse_mqa_staged_ws(H, has_sink, q_dtype, fence, regs), target=target,
+                          pass_configs=_ws_pass_configs())
+
+
+_WS_KERNELS = {"paired_ws": paired_ws_kernel, "portable_ws": portable_ws_kernel, "staged_ws": staged_ws_kernel}
+
+
 def _ws_kernel(program: str, H: int, has_sink: bool):
-    """The compiled program over a workspace: ``paired_ws`` or ``portable_ws``."""
-    return (paired_ws_kernel if program == "paired_ws" else portable_ws_kernel)(H, has_sink, "bfloat16")
+    """The compiled program over a workspace (one of :data:`WORKSPACE_PROGRAMS`)."""
+    return _WS_KERNELS[program](H, has_sink, "bfloat16")
 
 
 def workspace_rows_kernel(target=None):
@@ -603,8 +622,12 @@ def _launch_ws(program, q, rows, indices, lengths, sink, sm_scale, empty_lse, ou
 
 
 def sparse_prefill_program(target=None) -> str:
-    """The program FlashMLA's sparse prefill entry runs over a caller's bf16 rows: ``paired_ws`` where the target
-    runs the Hopper programs, else ``portable_ws`` (MUSA)."""
+    """The program FlashMLA's sparse prefill entry runs over a caller's bf16 rows: the workspace program
+    ``MUSA_ATTN_DSV4_PROGRAM`` names (one of :data:`WORKSPACE_PROGRAMS`), else ``paired_ws`` where the target runs
+    the Hopper programs and ``portable_ws`` where it does not (MUSA)."""
+    chosen = settings().dsv4_program
+    if chosen in WORKSPACE_PROGRAMS:
+        return chosen
     return "paired_ws" if _hopper_capable(target) else "portable_ws"
 
 
