@@ -132,6 +132,15 @@ V4_ATTENTION_LINES = [
     ("V4 prefill on FlashMLA's bf16 rows, Pro, 4k", dict(config="pro", tokens=4096), "prefill",
      "paired_ws_on_flashmla_inputs_ms"),
 ]
+# scripts/ws_variants.py's runs: our kernels alone on FlashMLA's own bf16 rows and lists beside FlashMLA's call, both
+# replayed from CUDA graphs (label, config, our key: "default" is paired_ws's default build); these lines replace
+# the attention bench's lines of the same label, and take their roofline from its prefill row of that shape
+WS_LINES = [
+    ("V4 prefill on FlashMLA's bf16 rows, Flash, 4k", "flash", "default"),
+    ("V4 prefill on FlashMLA's bf16 rows, Pro, 4k", "pro", "default"),
+    ("V4 prefill, MUSA form (staged_ws), Flash, 4k", "flash", "staged_ws_kernel_ms"),
+    ("V4 prefill, MUSA form (staged_ws), Pro, 4k", "pro", "staged_ws_kernel_ms"),
+]
 MOE_LINES = [  # (label, op, T, our key, DeepGEMM's peer)
     ("MoE gate_up, Flash, T 64, masked", "moe_gate_up", 64, "ours_masked_ms", "deepgemm_masked"),
     ("MoE gate_up, Flash, T 4096", "moe_gate_up", 4096, "ours_ms", "deepgemm"),
@@ -225,11 +234,49 @@ def dsv4_table(results: Path = RESULTS) -> str:
         for label, *_ in spec:
             if label in found:
                 add(label, found[label][0], peer_label, found[label][1], found[label][2])
+    ws_lines(results, lines, add, source)
     if not lines:
         return "No DeepSeek-V4 results with DeepSeek's kernels beside ours yet."
     note = ("Kernel times (CUDA-graph replays), identical inputs for both sides, outputs compared in the same run; "
             "each line from the newest run that timed it: " + "; ".join(sources) + ".")
     return "\n".join([note, "", *head, *lines])
+
+
+def ws_lines(results: Path, lines: list, add, source) -> None:
+    """:data:`WS_LINES` from the newest ``ws-variants-*.json`` that has each (the line of the same label from the
+    attention bench replaced), their rooflines from the newest attention bench's prefill row of the shape."""
+    roofline = {}
+    for path in sorted(results.glob("dsv4-attention-*.json"), reverse=True):
+        for r in json.loads(path.read_text())["rows"]:
+            if r.get("op") == "prefill" and r.get("roofline_frac"):
+                roofline.setdefault((r["shape"]["config"], r["shape"]["tokens"]), r["roofline_frac"] * r["ours_ms"])
+    found, used = {}, []
+    for path in sorted(results.glob("ws-variants-*.json"), reverse=True):
+        doc = json.loads(path.read_text())
+        fresh = {}
+        for label, config, key in WS_LINES:
+            for r in (r for r in doc["rows"] if r["shape"].get("config") == config and r.get("flashmla_graph_ms")):
+                k = f"{r.get('default_variant', r.get('first_variant'))}_kernel_ms" if key == "default" else key
+                roof = roofline.get((config, r["shape"]["tokens"]))
+                if label not in found and r.get(k) and roof:
+                    fresh[label] = (r[k], r["flashmla_graph_ms"], roof)
+        if fresh:
+            found.update(fresh)
+            used.append((path, doc))
+        if len(found) == len(WS_LINES):
+            break
+    for path, doc in used:
+        source(path, doc)
+    for label, *_ in WS_LINES:
+        if label in found:
+            add(label, found[label][0], "FlashMLA", found[label][1], found[label][2])
+            line = lines.pop()
+            at = [i for i, old in enumerate(lines) if old.startswith(f"| {label} |")]
+            if at:  # in place of the attention bench's line
+                lines[at[0]] = line
+            else:  # after the V4 attention lines
+                lines.insert(max(i for i, old in enumerate(lines) if old.startswith("| V4 sp") or
+                                 old.startswith("| V4 prefill")) + 1, line)
 
 
 def serve_table(results: Path = RESULTS) -> str:

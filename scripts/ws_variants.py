@@ -118,6 +118,9 @@ def main(argv=None) -> int:
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     configs = args.configs.split(",")
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+
+    default_variant = "+".join(n for n, attr in SWITCHES.items() if getattr(pw, attr)) or "base"
     precompile(jobs, sorted({CONFIGS[c][0] for c in configs}))
     errors: dict = {}
     fm = flashmla_peer(errors)
@@ -180,6 +183,7 @@ def main(argv=None) -> int:
                 row[f"{tag}_finite"] = bool(torch.isfinite(o).all())
             except Exception as e:  # noqa: BLE001 - recorded
                 row[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["default_variant"] = default_variant
         row["ours_ms"] = row.get(f"{variants[0]}_ms")  # the first variant's, the entry on FlashMLA's inputs
         row["peers"] = {"flashmla": row["flashmla_ms"]}
         print(json.dumps(row), flush=True)
