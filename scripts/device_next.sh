@@ -26,6 +26,7 @@
 #          with a producer warp group): its GPU cases, FlashMLA's prefill suite on it, its kernel beside FlashMLA
 #   ws7    (carry as ws4; cold, about 8 minutes) issue 37, 36th session: the new defaults (paired_ws's ROW_COPY and
 #          GROUP_COPY, portable_ws's PREFETCH) and staged_ws: GPU cases, FlashMLA's prefill suite, timings
+#   ws8    (carry as ws4; warm after ws7) issue 37: staged_ws's OVERLAP build: GPU cases, timing beside FlashMLA
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
@@ -159,11 +160,24 @@ case "${1:-}" in
       --programs staged_ws,portable_ws:musa > "$out/ws7_variants.txt" 2>&1
     stamp "ws variants rc=$?"
     grep -E "^\{" "$out/ws7_variants.txt" | cut -c1-2500 ;;
+  ws8)  # issue 37: staged_ws's OVERLAP build (group 0's next scores beside its P V0): its GPU cases and both builds
+    # beside FlashMLA and paired_ws's default on FlashMLA's own inputs (warm after ws7: the rest is compiled)
+    d=pipelined+hint+smem_out+qasync+rowcopy+groupcopy
+    timeout 100 python3 scripts/ws_smoke.py --precompile-tests --forms staged,staged_overlap > "$out/ws8_precompile.txt" 2>&1
+    stamp "$(tail -1 "$out/ws8_precompile.txt")"
+    timeout 150 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rs -o faulthandler_timeout=100 \
+      tests/dsv4/test_gpu_dsv4.py -k "staged" > "$out/ws8_tests.txt" 2>&1
+    stamp "staged tests: $(tail -1 "$out/ws8_tests.txt")"
+    grep -E "^FAILED|^ERROR" "$out/ws8_tests.txt" | cut -c1-250 | head -12
+    timeout 100 python3 scripts/ws_variants.py --out "$out" --configs flash,pro --variants $d \
+      --programs staged_ws,staged_ws:overlap,portable_ws:musa > "$out/ws8_variants.txt" 2>&1
+    stamp "ws variants rc=$?"
+    grep -E "^\{" "$out/ws8_variants.txt" | cut -c1-2500 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|ws6|ws7|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|ws6|ws7|ws8|variants|next1b|next2|next3"; exit 2 ;;
 esac

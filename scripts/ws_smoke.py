@@ -63,7 +63,10 @@ def _compile_test(job):
         if form != "paired":
             select(form[len("paired_"):])
         ti.paired_ws_kernel(H, sink, "bfloat16")
-    elif form == "staged":
+    elif form.startswith("staged"):  # staged, staged_overlap
+        from musa_attn_backend.kernels.dsv4.sparse import staged_ws_kernel as sws
+
+        sws.OVERLAP = form.endswith("_overlap")
         ti.staged_ws_kernel(H, sink, "bfloat16")
     else:  # portable, portable_musa, and either with _prefetch
         from musa_attn_backend.kernels.dsv4.sparse import portable_ws_kernel as pws
@@ -82,7 +85,8 @@ def precompile_tests(forms=None) -> int:
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = [("rows", 0, False)] + [(f, H, sink) for f in ("paired", "paired_base", "portable", "portable_musa",
-                                                       "portable_prefetch", "portable_musa_prefetch", "staged")
+                                                       "portable_prefetch", "portable_musa_prefetch", "staged",
+                                                       "staged_overlap")
                                    for H, sink in TEST_HEADS]
     jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)  # test_gpu_dsv4.py's variant cases
              for v in ("pipelined", "hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",

@@ -14,7 +14,8 @@ change no arithmetic, only how bytes move). ``flashmla_graph_ms`` and ``<variant
 and our kernel alone (no entry, no allocations) on the same inputs, each replayed from a CUDA graph.
 ``--programs``: other programs over the workspace timed the same way, kernel alone from a graph on FlashMLA's
 inputs (``<program>_kernel_ms``, ``<program>_max_abs_diff`` from FlashMLA's output): ``staged_ws``, ``portable_ws``
-and ``portable_ws:musa`` (MUSA's form, ``MUSA_ATTN_MUSA_FORMS``; key ``portable_ws_musa_*``).
+and ``portable_ws:musa`` (MUSA's form, ``MUSA_ATTN_MUSA_FORMS``; key ``portable_ws_musa_*``), ``staged_ws:overlap``
+(its ``OVERLAP`` build).
 
     python3 scripts/ws_variants.py [--variants base,hint,...] [--programs staged_ws,portable_ws:musa]
                                    [--configs flash,pro] [--tokens 4096] [--out DIR]
@@ -54,6 +55,10 @@ def program_kernel(program: str, H: int, sink: bool = True):
     from musa_attn_backend.kernels.dsv4.sparse import tilelang_impl as ti
 
     name, _, form = program.partition(":")
+    if name == "staged_ws":  # staged_ws:overlap, its OVERLAP build
+        from musa_attn_backend.kernels.dsv4.sparse import staged_ws_kernel as sws
+
+        sws.OVERLAP = form == "overlap"
     with config.override(musa_forms=form == "musa"):
         return getattr(ti, f"{name}_kernel")(H, sink, "bfloat16")
 

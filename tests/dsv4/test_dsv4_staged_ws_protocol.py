@@ -22,8 +22,8 @@ ARRIVALS = {"k_full": 1, "k_empty": 1, "v_full": 1, "v_empty": 2, "p_full": 1, "
 
 
 class State:
-    def __init__(self, tiles, broken=""):
-        self.tiles, self.broken = tiles, broken
+    def __init__(self, tiles, broken="", overlap=False):
+        self.tiles, self.broken, self.overlap = tiles, broken, overlap
         self.k_full = [MBarrier(1), MBarrier(1)]
         self.k_empty = [MBarrier(1), MBarrier(1)]
         self.v_full, self.v_empty = MBarrier(1), MBarrier(2)
@@ -55,12 +55,21 @@ def read_v(s, it, w):
     assert s.v is not None and s.v[0] == it, f"V read for tile {it} while it holds {s.v}"
 
 
+def scores(s, it):
+    st, par = it % 2, (it // 2) & 1
+    yield from wait(s.k_full[st], par)
+    assert s.k[st][0] == it, f"K stage {st} read for tile {it} while it holds {s.k[st][0]}"
+
+
 def group0(s):
+    if s.overlap and s.tiles:
+        yield from scores(s, 0)
     for it in range(s.tiles):
-        st, par = it % 2, (it // 2) & 1
-        yield from wait(s.k_full[st], par)
+        st = it % 2
+        if not s.overlap:
+            yield from scores(s, it)
+        yield STEP  # the scores (issued before, with OVERLAP), the flags' mask
         assert s.k[st][0] == it, f"K stage {st} read for tile {it} while it holds {s.k[st][0]}"
-        yield STEP  # the scores, the flags' mask
         s.k[st] = (it, True)
         s.k_empty[st].arrive()
         yield STEP  # the softmax
@@ -73,6 +82,8 @@ def group0(s):
         yield from wait(s.v_full, it & 1)
         read_v(s, it, 0)
         yield STEP  # P V0
+        if s.overlap and it + 1 < s.tiles:  # the next scores issued beside this P V0, before its release
+            yield from scores(s, it + 1)
         read_v(s, it, 0)
         s.v[1].add(0)
         s.v_empty.arrive()
@@ -98,23 +109,28 @@ def group1(s):
     assert s.final, "the rows' final scale read before group 0 wrote it"
 
 
-def run(tiles, rng, broken=""):
-    s = State(tiles, broken)
+def run(tiles, rng, broken="", overlap=False):
+    s = State(tiles, broken, overlap)
     run_actors({"producer": producer(s), "group0": group0(s), "group1": group1(s)}, rng)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlap"])
 @pytest.mark.parametrize("tiles", [0, 1, 2, 3, 4, 9])
-def test_every_interleaving_ends_and_no_tile_is_overwritten_in_use(tiles):
+def test_every_interleaving_ends_and_no_tile_is_overwritten_in_use(tiles, overlap):
+    """Both orders of group 0's GEMMs (``OVERLAP``: the next tile's scores waited for and issued before this
+    tile's ``P V0`` is released)."""
     rng = random.Random(tiles)
     for _ in range(300):
-        run(tiles, rng)
+        run(tiles, rng, overlap=overlap)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlap"])
 @pytest.mark.parametrize("broken,what", [("v_empty", "V refilled"), ("p_empty", "overwritten before group 1")])
-def test_the_model_catches_a_broken_protocol(broken, what):
+def test_the_model_catches_a_broken_protocol(broken, what, overlap):
     """Without the producer's wait for the V tiles, or group 0's for group 1's read of P, some interleaving
     overwrites a tile in use."""
-    caught = first_failure(lambda tiles, rng, broken: run(tiles, rng, broken=broken), 4, broken, seeds=2000)
+    caught = first_failure(lambda tiles, rng, broken: run(tiles, rng, broken=broken, overlap=overlap), 4, broken,
+                           seeds=2000)
     assert what in caught, caught
 
 

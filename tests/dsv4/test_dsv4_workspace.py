@@ -312,14 +312,17 @@ def test_portable_ws_prefetch_form_builds_for_sm90a(use_settings, monkeypatch, t
     assert spills == 0, spills
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlap"])
 @pytest.mark.parametrize("target,musa", [("sm_90a", False), ("mp_31", True)])
-def test_staged_ws_glue_and_musa_rules(use_settings, target, musa):
+def test_staged_ws_glue_and_musa_rules(use_settings, monkeypatch, target, musa, overlap):
     """MUSA_ATTN_DSV4_PROGRAM=staged_ws: the workspace's gathers and one program launch, every argument where its
     parameter is; one form within every MP31 lowering rule on both targets (its tiles are MUSA's everywhere), the
     proxy fence and the register reallocation only where the target has them; FlashMLA's prefill entry runs it
     where the setting names it."""
     from musa_attn_backend.kernels._tir import RULES, violations
+    from musa_attn_backend.kernels.dsv4.sparse import staged_ws_kernel
 
+    monkeypatch.setattr(staged_ws_kernel, "OVERLAP", overlap)
     use_settings(target=target, dsv4_program="staged_ws")
     kernels, funcs = {}, []
 
@@ -348,14 +351,18 @@ def test_staged_ws_glue_and_musa_rules(use_settings, target, musa):
 
 
 @pytest.mark.skipif(not NVCC and not in_ci(), reason="nvcc not installed (CI requires it)")
-def test_staged_ws_program_builds_for_sm90a(use_settings, tmp_path):
-    """The staged program for sm_90a: the barriers' arrival counts the protocol model assumes (one group of 128 a
-    barrier, both math groups on ``v_empty``: tests/dsv4/test_dsv4_staged_ws_protocol.py), the groups' registers
-    reallocated (232 / 176 / 96: within the launch's 3 x 168), and ptxas spills nothing."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlap"])
+def test_staged_ws_program_builds_for_sm90a(use_settings, monkeypatch, tmp_path, overlap):
+    """The staged program for sm_90a, in both orders of group 0's GEMMs: the barriers' arrival counts the protocol
+    model assumes (one group of 128 a barrier, both math groups on ``v_empty``:
+    tests/dsv4/test_dsv4_staged_ws_protocol.py), the groups' registers reallocated (232 / 176 / 96: within the launch's 3 x 168), and ptxas spills nothing."""
     from musa_attn_backend.kernels.dsv4.sparse import staged_ws_kernel as sws
 
+    monkeypatch.setattr(sws, "OVERLAP", overlap)
     use_settings(dsv4_program="staged_ws")
     src = ti.staged_ws_kernel(64, True, "bfloat16", target=HOPPER).get_kernel_source()
+    # OVERLAP: group 0's scores issued, then waited for by count (this tile's P V0 first, then the scores)
+    assert (src.count("wait_wgmma<1>") > 0) == overlap
     inits = {}
     for name, count in re.findall(r"(\w+)\[\d\]\.init\((\d+)\)", src):
         inits.setdefault(name, set()).add(int(count))

@@ -61,7 +61,7 @@ CASES = [
 # MUSA_ATTN_MUSA_FORMS, docs/musa.md)
 PROGRAMS = ("scheduled", "scheduled:cluster", "paired", "paired:rows1", "paired_ws", "paired_ws:plain",
             "portable", "portable:musa", "portable_ws", "portable_ws:musa", "portable_ws:gather",
-            "portable_ws:musa_gather", "staged_ws")
+            "portable_ws:musa_gather", "staged_ws", "staged_ws:overlap")
 
 
 @pytest.fixture(params=PROGRAMS)
@@ -79,6 +79,11 @@ def program(request, monkeypatch, use_settings):
 
         monkeypatch.setattr(portable_ws_kernel, "PREFETCH", False)
         producer = producer[:-len("gather")].rstrip("_")
+    if producer == "overlap":  # the staged program's next scores issued beside its P V (OVERLAP)
+        from musa_attn_backend.kernels.dsv4.sparse import staged_ws_kernel
+
+        monkeypatch.setattr(staged_ws_kernel, "OVERLAP", True)
+        producer = ""
     if producer == "musa":
         use_settings(musa_forms=True)
         producer = ""

@@ -37,6 +37,7 @@ the block; nothing is split, so there is no combine.
 """
 
 import functools
+import inspect
 
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E
@@ -54,16 +55,29 @@ UNITS = 2  # 16-byte units a lane loads of a row (one in each half: 32 lanes x 1
 # accumulator alone, the producer one tile's rows (64) and their indices (ptxas for sm_90a: no spill at these; group 0
 # spills at 224, the producer at 88)
 REGS = (232, 176, 96)
+# group 0's GEMMs: False, each waited for as issued; True, the next tile's scores issued beside this tile's P V0
+# (asynchronous GEMMs waited for by count, as tilelang-musa's own prefill issues its SQMMAs), so that group 0's two
+# GEMM chains overlap (not yet measured)
+OVERLAP = False
+
+
+def issue_gemm(A, B, C, **kw):
+    """A tile GEMM issued and not waited for (``T.wait_wgmma(n)`` waits): tilelang-musa's ``T.gemm(...,
+    wg_wait=-1)`` where this TileLang's ``T.gemm`` takes it, else ``T.wgmma_gemm`` (TileLang's asynchronous
+    warp-group GEMM)."""
+    if "wg_wait" in inspect.signature(T.gemm).parameters:
+        return T.gemm(A, B, C, wg_wait=-1, **kw)
+    return T.wgmma_gemm(A, B, C, **kw)
 
 
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", proxy_fence: bool = True,
-                               regs: bool = True):
+                               regs: bool = True, overlap: bool = False):
     """The staged program over a bf16 workspace for ``H`` query heads (blocks of 64, rows past ``H`` padded
     inside); ``proxy_fence``: ``publish``'s fence (the target's tensor cores read shared memory through an
     async proxy); ``regs``: the groups' registers reallocated (:data:`REGS`; 168 a thread otherwise, where group 0
-    spills). A token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or
-    FlashMLA's ``+inf``)."""
+    spills); ``overlap``: :data:`OVERLAP`. A token with no valid entry gets the LSE ``empty_lse`` (a run-time
+    argument: ``-inf``, or FlashMLA's ``+inf``)."""
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
     NT = T.dynamic("num_tokens")
@@ -114,11 +128,24 @@ def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         T.barrier_arrive(v_full[0])
 
     @T.macro
-    def scores_and_p(st, par, Q_s, K_s, V0_s, P_s, a_s, ok_s, acc_s, acc_o, m_i, m_prev, alpha, row_sum, l_i,
-                     scale_log2, k_full, k_empty, v_full, v_empty, p_full, p_empty):
-        """Group 0's tile of stage ``st``: scores, softmax, P and its factor published, ``O[:, :256] += P V0``."""
+    def scores(st, par, Q_s, K_s, acc_s, k_full):
+        """``S = Q K^T`` of stage ``st``'s tile: waited for, or (``overlap``) issued only."""
         T.barrier_wait(k_full[st], par)
-        T.gemm(Q_s, K_s[st, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        if overlap:
+            issue_gemm(Q_s, K_s[st, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        else:
+            T.gemm(Q_s, K_s[st, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+
+    @T.macro
+    def scores_and_p(st, par, Q_s, K_s, V0_s, P_s, a_s, ok_s, acc_s, acc_o, m_i, m_prev, alpha, row_sum, l_i,
+                     scale_log2, k_full, k_empty, v_full, v_empty, p_full, p_empty, has_next, next_par):
+        """Group 0's tile of stage ``st``: scores, softmax, P and its factor published, ``O[:, :256] += P V0``;
+        with ``overlap`` the scores were issued before (the last tile's ``P V0`` done), and the next tile's (stage
+        ``1 - st``, fill parity ``next_par``, where ``has_next``) are issued beside this ``P V0``."""
+        if overlap:
+            T.wait_wgmma(0)
+        else:
+            scores(st, par, Q_s, K_s, acc_s, k_full)
         for r, j in T.Parallel(BH, BN):
             acc_s[r, j] = T.if_then_else(ok_s[st, j] != 0, acc_s[r, j], NEG_INF)
         T.barrier_arrive(k_empty[st])  # the stage's rows and flags are read
@@ -141,7 +168,15 @@ def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
             acc_o[r, d] *= alpha[r]
         T.barrier_wait(p_full[0], st)  # every thread of this group has stored its part of P
         T.barrier_wait(v_full[0], st)
-        T.gemm(P_s, V0_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+        if overlap:
+            issue_gemm(P_s, V0_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+            if has_next:
+                scores(1 - st, next_par, Q_s, K_s, acc_s, k_full)
+                T.wait_wgmma(1)  # this P V0 (issued first) is done; the next scores run on
+            else:
+                T.wait_wgmma(0)
+        else:
+            T.gemm(P_s, V0_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
         T.barrier_arrive(v_empty[0])
 
     @T.macro
@@ -208,13 +243,18 @@ def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
                 T.fill(acc_o, 0)
                 T.fill(l_i, 0)
                 T.fill(m_i, NEG_INF)
+                if overlap:
+                    if n_tiles > 0:
+                        scores(0, 0, Q_s, K_s, acc_s, k_full)
                 for ip in T.serial(pairs):
                     # each stage's code apart, its barriers and tiles named by constants
                     scores_and_p(0, ip & 1, Q_s, K_s, V0_s, P_s, a_s, ok_s, acc_s, acc_o, m_i, m_prev, alpha,
-                                 row_sum, l_i, scale_log2, k_full, k_empty, v_full, v_empty, p_full, p_empty)
+                                 row_sum, l_i, scale_log2, k_full, k_empty, v_full, v_empty, p_full, p_empty,
+                                 ip * 2 + 1 < n_tiles, ip & 1)
                     if ip * 2 + 1 < n_tiles:
                         scores_and_p(1, ip & 1, Q_s, K_s, V0_s, P_s, a_s, ok_s, acc_s, acc_o, m_i, m_prev, alpha,
-                                     row_sum, l_i, scale_log2, k_full, k_empty, v_full, v_empty, p_full, p_empty)
+                                     row_sum, l_i, scale_log2, k_full, k_empty, v_full, v_empty, p_full, p_empty,
+                                     ip * 2 + 2 < n_tiles, (ip + 1) & 1)
                 for r in T.Parallel(BH):
                     if has_sink:
                         row_sum[r] = T.if_then_else(

@@ -552,9 +552,11 @@ def staged_ws_kernel(H: int, has_sink: bool, q_dtype: str, target=None):
     _check_program("staged_ws", target)
     check(q_dtype == "bfloat16", lambda: f"sparse_mqa: the staged_ws program takes bfloat16 q, got {q_dtype}")
     f = features_of(target)
-    fence, regs = bool(f["async_proxy_fence"]), bool(f["warp_specialized"])
-    return compile_cached(("dsv4_sparse_mqa_staged_ws", H, has_sink, q_dtype, fence, regs),
-                          lambda: sws.build_sparse_mqa_staged_ws(H, has_sink, q_dtype, fence, regs), target=target,
+    fence, regs, overlap = bool(f["async_proxy_fence"]), bool(f["warp_specialized"]), sws.OVERLAP
+    return compile_cached(("dsv4_sparse_mqa_staged_ws", H, has_sink, q_dtype, fence, regs) + (
+                              ("overlap",) if overlap else ()),
+                          lambda: sws.build_sparse_mqa_staged_ws(H, has_sink, q_dtype, fence, regs, overlap),
+                          target=target,
                           pass_configs=_ws_pass_configs())
 
 
