@@ -26,7 +26,8 @@
 #          with a producer warp group): its GPU cases, FlashMLA's prefill suite on it, its kernel beside FlashMLA
 #   ws7    (carry as ws4; cold, about 8 minutes) issue 37, 36th session: the new defaults (paired_ws's ROW_COPY and
 #          GROUP_COPY, portable_ws's PREFETCH) and staged_ws: GPU cases, FlashMLA's prefill suite, timings
-#   ws8    (carry as ws4; warm after ws7) issue 37: staged_ws's OVERLAP build: GPU cases, timing beside FlashMLA
+#   ws8    (carry as ws4; cold, about 7 minutes) issue 37: the grids with tokens on x (FlashMLA's 70,000-token
+#          prefill cases), staged_ws's OVERLAP build: GPU cases, FlashMLA's prefill suite, timing beside FlashMLA
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
@@ -160,14 +161,23 @@ case "${1:-}" in
       --programs staged_ws,portable_ws:musa > "$out/ws7_variants.txt" 2>&1
     stamp "ws variants rc=$?"
     grep -E "^\{" "$out/ws7_variants.txt" | cut -c1-2500 ;;
-  ws8)  # issue 37: staged_ws's OVERLAP build (group 0's next scores beside its P V0): its GPU cases and both builds
-    # beside FlashMLA and paired_ws's default on FlashMLA's own inputs (warm after ws7: the rest is compiled)
+  ws8)  # issue 37: the grids with tokens on x (workspace programs, the portable program, MoE combine, mHC post),
+    # checked where FlashMLA's prefill suite found tokens on y (70,000 tokens); staged_ws's OVERLAP build: GPU cases
+    # and both builds beside FlashMLA and paired_ws's default on FlashMLA's own inputs
     d=pipelined+hint+smem_out+qasync+rowcopy+groupcopy
-    timeout 100 python3 scripts/ws_smoke.py --precompile-tests --forms staged,staged_overlap > "$out/ws8_precompile.txt" 2>&1
-    stamp "$(tail -1 "$out/ws8_precompile.txt")"
-    timeout 150 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rs -o faulthandler_timeout=100 \
-      tests/dsv4/test_gpu_dsv4.py -k "staged" > "$out/ws8_tests.txt" 2>&1
-    stamp "staged tests: $(tail -1 "$out/ws8_tests.txt")"
+    timeout 60 python3 scripts/ws_variants.py --precompile-only --configs flash,pro --variants $d \
+      --programs staged_ws,staged_ws:overlap,portable_ws:musa > "$out/ws8_precompile.txt" 2>&1
+    timeout 100 python3 scripts/ws_smoke.py --precompile-tests \
+      --forms rows,staged,staged_overlap,portable,portable_musa,portable_prefetch,portable_musa_prefetch \
+      >> "$out/ws8_precompile.txt" 2>&1
+    stamp "$(grep -E "^precompiled" "$out/ws8_precompile.txt" | tr '\n' ' ')"
+    timeout 45 bash scripts/device_v4_attention.sh suite prefill --all --program staged_ws > "$out/suite_staged.txt" 2>&1
+    mv "$out/flashmla_prefill.json" "$out/flashmla-suite-prefill-staged_ws.json" 2>/dev/null; rm -f "$out/flashmla_prefill.log"
+    stamp "suite staged_ws: $(grep -E "^prefill:" "$out/suite_staged.txt")"
+    timeout 200 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rs -o faulthandler_timeout=150 \
+      tests/dsv4/test_gpu_dsv4.py tests/moe/test_gpu_moe.py tests/dsv4/test_gpu_dsv4_model_ops.py \
+      -k "staged or portable or combine_experts or mhc_post" > "$out/ws8_tests.txt" 2>&1
+    stamp "tests: $(tail -1 "$out/ws8_tests.txt")"
     grep -E "^FAILED|^ERROR" "$out/ws8_tests.txt" | cut -c1-250 | head -12
     timeout 100 python3 scripts/ws_variants.py --out "$out" --configs flash,pro --variants $d \
       --programs staged_ws,staged_ws:overlap,portable_ws:musa > "$out/ws8_variants.txt" 2>&1

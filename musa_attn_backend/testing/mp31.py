@@ -124,13 +124,19 @@ def moe_programs(target: str = "mp_31") -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def checked(target: str = "mp_31") -> tuple:
-    """``((key, family, [violations]) ...)`` for every program of the reference plans on ``target`` (cached per
+def programs(target: str = "mp_31") -> dict:
+    """``{key: (prim_func, compile target)}`` of every program of the reference plans on ``target`` (cached per
     process: building them takes about a minute)."""
-    programs = {**dense_programs(target), **v4_programs(target), **moe_programs(target)}
+    return {**dense_programs(target), **v4_programs(target), **moe_programs(target)}
+
+
+@functools.lru_cache(maxsize=None)
+def checked(target: str = "mp_31") -> tuple:
+    """``((key, family, [violations]) ...)`` for every program of the reference plans on ``target``."""
+    programs_ = programs(target)
     with config.override(target=target):
         flags = platform.features_of(None)
-    return tuple((key, family(key), violations(func, flags)) for key, (func, _) in programs.items())
+    return tuple((key, family(key), violations(func, flags)) for key, (func, _) in programs_.items())
 
 
 def markdown_table(target: str = "mp_31", rows: Optional[tuple] = None) -> str:

@@ -28,7 +28,7 @@ def build_combine_experts(H: int, k: int, block: int = 1024, threads: int = 128)
         W: T.Tensor((n, k), ACC),
         O: T.Tensor((n, H), BF16),
     ):
-        with T.Kernel(H // block, n, threads=threads) as (bx, t):
+        with T.Kernel(n, H // block, threads=threads) as (t, bx):  # tokens on x: no 65,535 cap
             acc = T.alloc_fragment((block,), ACC)
             T.clear(acc)
             for j in T.serial(k):

@@ -41,6 +41,8 @@ def indexer_logits_tilelang(q, w, k, k_scale, starts, ends, clean: bool) -> torc
     T_, H, D = q.shape
     S = k.shape[0]
     check(T_ * S < 2 ** 31 and T_ * H < 2 ** 31, lambda: f"{op}: [T, S] = [{T_}, {S}] has more than 2^31 elements")
+    # the program's grid holds the token blocks (2 tokens each) on y, at most 65,535 of them
+    check(T_ <= 2 * 65535, lambda: f"{op}: {T_} query tokens in one call; at most {2 * 65535} are supported")
     out = torch.empty(T_, S, dtype=torch.float32, device=q.device)
     indexer_logits_kernel(H, clean)(q.reshape(T_ * H, D).contiguous(), w.contiguous(), k.contiguous(),
                                     k_scale.contiguous(), starts.to(torch.int32).contiguous(),

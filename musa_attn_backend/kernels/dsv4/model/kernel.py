@@ -213,7 +213,7 @@ def build_mhc_post(n: int, H: int, dtype: str, block: int = 256):
         comb: T.Tensor((NT, n, n), ACC),
         Rout: T.Tensor((NT, n, H), dtype),
     ):
-        with T.Kernel(T.ceildiv(H, block), NT, threads=block) as (bx, t):
+        with T.Kernel(NT, T.ceildiv(H, block), threads=block) as (t, bx):  # tokens on x: no 65,535 cap
             x = T.get_thread_binding()
             h = bx * block + x
             r = T.alloc_local([n], ACC)

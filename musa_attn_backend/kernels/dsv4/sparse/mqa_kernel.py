@@ -118,7 +118,7 @@ def build_sparse_mqa(H: int, has_extra: bool, has_sink: bool, split: bool, q_dty
         O: T.Tensor(O_shape, ACC if split else q_dtype),
         LSE: T.Tensor(L_shape, "float32"),
     ):
-        with T.Kernel(num_splits, head_blocks, NT, threads=threads) as (bs, bh, bt):
+        with T.Kernel(NT, head_blocks, num_splits, threads=threads) as (bt, bh, bs):  # tokens on x: no 65,535 cap
             Q_s = T.alloc_shared([BH, D], q_dtype)
             KV_s = T.alloc_shared([BN, D], q_dtype)
             V_s = T.alloc_shared([BN, D], q_dtype) if separate_v else None

@@ -97,7 +97,7 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
         LSE: T.Tensor((NT, H), "float32"),
         MaxL: T.Tensor((NT, H), "float32"),
     ):
-        with T.Kernel(head_blocks, NT, threads=threads) as (bh, t):
+        with T.Kernel(NT, head_blocks, threads=threads) as (t, bh):  # tokens on x: up to 2^31 - 1 blocks
             Q_s = T.alloc_shared([BH, D], q_dtype)
             KV_s = T.alloc_shared([BN, D], q_dtype)
             V_s = T.alloc_shared([BN, D], q_dtype) if separate_v else None

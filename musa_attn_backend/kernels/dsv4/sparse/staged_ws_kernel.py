@@ -202,7 +202,7 @@ def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         LSE: T.Tensor((NT, H), "float32"),
         MaxL: T.Tensor((NT, H), "float32"),
     ):
-        with T.Kernel(head_blocks, NT, threads=THREADS) as (bh, t):
+        with T.Kernel(NT, head_blocks, threads=THREADS) as (t, bh):  # tokens on x: up to 2^31 - 1 blocks
             Q_s = T.alloc_shared([BH, D], q_dtype)
             K_s = T.alloc_shared([2, BN, D], q_dtype)
             V0_s = T.alloc_shared([BN, HD], q_dtype)
