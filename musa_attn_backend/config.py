@@ -97,10 +97,11 @@ class Settings:
                 "FlashMLA's prefill division; correct, 1.15-1.19x the scheduled program's prefill time on the H100), "
                 "paired_ws (the paired division over a bf16 workspace of the call's selected rows, built with a host "
                 "synchronisation, so not under CUDA graph capture; its kernel 0.89-0.91x the scheduled program's "
-                "prefill time on the H100, the workspace's build on top), portable, or portable_ws (the portable program "
-                "over such a workspace: any target, MUSA included), or staged_ws (over such a workspace, a producer warp "
-                "group staging the next key tile beside the math, within MUSA's rules on every target); a program "
-                "the target cannot run is refused, never replaced")
+                "prefill time on the H100, the workspace's build on top), portable, portable_ws (the portable program "
+                "over such a workspace: any target, MUSA included) or staged_ws (over such a workspace, a producer warp "
+                "group staging the next key tile beside the math, within MUSA's rules on every target); a workspace "
+                "program named here also runs FlashMLA's sparse prefill entry; a program the target cannot run is "
+                "refused, never replaced")
     target: Optional[str] = _switch(
         "MUSA_ATTN_TARGET", default=None, kernels=True,
         meaning="compile for this target instead of the detected device: sm_90a, cuda:sm_90a, cuda (arch of the "

@@ -100,13 +100,13 @@ def test_dsv4_table_shows_the_kernel_on_flashmlas_prefill_inputs(tmp_path):
     # the attention bench's roofline of the shape
     ws = {"op": "prefill", "shape": {"config": "flash", "tokens": 4096}, "flashmla_graph_ms": 0.9,
           "default_variant": "a+b", "first_variant": "a", "a_kernel_ms": 2.0, "a+b_kernel_ms": 1.0,
-          "staged_ws_kernel_ms": 1.8}
+          "portable_ws_musa_kernel_ms": 1.8}
     doc = dict(doc, commit="1234567", rows=[ws])
     (tmp_path / "ws-variants-20261207T000000Z.json").write_text(json.dumps(doc))
     table = perf_table.dsv4_table(tmp_path).splitlines()
     v4 = [x.split(" | ")[0][2:] for x in table if x.startswith("| V4")]
     lines = {x.split(" | ")[0][2:]: x for x in table if x.startswith("| V4")}
     assert "| 1.000 ms | FlashMLA 0.900 ms | 0.90x | 70% |" in lines["V4 prefill on FlashMLA's bf16 rows, Flash, 4k"]
-    assert "| 1.800 ms | FlashMLA 0.900 ms | 0.50x | 39% |" in lines["V4 prefill, MUSA form (staged_ws), Flash, 4k"]
-    assert v4.index("V4 prefill, MUSA form (staged_ws), Flash, 4k") == v4.index(
+    assert "| 1.800 ms | FlashMLA 0.900 ms | 0.50x | 39% |" in lines["V4 prefill, MUSA's form, Flash, 4k"]
+    assert v4.index("V4 prefill, MUSA's form, Flash, 4k") == v4.index(
         "V4 prefill on FlashMLA's bf16 rows, Flash, 4k") + 1

@@ -15,9 +15,11 @@ they are, as FlashMLA's SM90 sparse prefill does over the bf16 rows an engine bu
   complete ``q_full`` themselves with :data:`Q_ASYNC`), then per key
   tile its 64 rows' two 256-column halves into the stage of the tile's parity, in :mod:`.paired_kernel`'s order
   (stage 0 left, stage 1 right, stage 0 right, stage 1 left: the half its group frees first is refilled first).
-  A warp copies a row's half as 32 lanes' 16-byte ``cp.async`` copies (a 512-byte contiguous read; with
-  :data:`COPY_HINT` under an L2 evict-last policy with a 256-byte prefetch, as FlashMLA's), rows ``4 i + warp`` for
-  ``i < 16``; an invalid entry (past its token's length, negative, at or past ``W``'s rows) is
+  By default (:data:`GROUP_COPY`, FlashMLA's division) 16 groups of 8 lanes copy a tile, a group rows ``g, g + 16,
+  g + 32, g + 48``, a lane four 16-byte ``cp.async`` copies 128 bytes apart in each half (each copy one multiply-add
+  from the entry's row, :data:`ROW_COPY`; under an L2 evict-last policy with a 256-byte prefetch, :data:`COPY_HINT`,
+  as FlashMLA's); without it a warp copies a row's half as 32 lanes' copies, rows ``4 i + warp`` for ``i < 16``; an
+  invalid entry (past its token's length, negative, at or past ``W``'s rows) is
   zero-filled without a read and flagged in ``ok_s``. Each half's ``full`` barrier completes when every producer
   thread's copies have landed (``cp.async.mbarrier.arrive.noinc``, so the producer never waits for its copies and
   the next half's are issued at once) and every thread has arrived after its flag stores (the flags are ordinary
