@@ -28,6 +28,7 @@
 #          GROUP_COPY, portable_ws's PREFETCH) and staged_ws: GPU cases, FlashMLA's prefill suite, timings
 #   ws8    (carry as ws4; cold, about 7 minutes) issue 37: the grids with tokens on x (FlashMLA's 70,000-token
 #          prefill cases), staged_ws's OVERLAP build: GPU cases, FlashMLA's prefill suite, timing beside FlashMLA
+#   ws9    (carry as ws4) issue 37: paired_ws's ADJACENT_HEADS at Pro beside the default and FlashMLA, its GPU cases
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
@@ -183,11 +184,24 @@ case "${1:-}" in
       --programs staged_ws,staged_ws:overlap,portable_ws:musa > "$out/ws8_variants.txt" 2>&1
     stamp "ws variants rc=$?"
     grep -E "^\{" "$out/ws8_variants.txt" | cut -c1-2500 ;;
+  ws9)  # issue 37: paired_ws's ADJACENT_HEADS (a token's two head blocks adjacent in launch order) beside the
+    # default and FlashMLA at Pro, its GPU cases (128 heads among them)
+    d=pipelined+hint+smem_out+qasync+rowcopy+groupcopy
+    timeout 60 python3 scripts/ws_variants.py --precompile-only --configs pro --variants $d,$d+adjacent \
+      > "$out/ws9_precompile.txt" 2>&1
+    stamp "$(tail -1 "$out/ws9_precompile.txt")"
+    timeout 120 python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rs tests/dsv4/test_gpu_dsv4.py \
+      -k "adjacent" > "$out/ws9_tests.txt" 2>&1
+    stamp "adjacent tests: $(tail -1 "$out/ws9_tests.txt")"
+    timeout 90 python3 scripts/ws_variants.py --out "$out" --configs pro --variants $d+adjacent,$d \
+      > "$out/ws9_variants.txt" 2>&1
+    stamp "ws variants rc=$?"
+    grep -E "^\{" "$out/ws9_variants.txt" | cut -c1-2500 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|ws6|ws7|ws8|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|ws6|ws7|ws8|ws9|variants|next1b|next2|next3"; exit 2 ;;
 esac

@@ -91,7 +91,8 @@ def precompile_tests(forms=None) -> int:
     jobs += [(f"paired_{v}", H, True) for H in (16, 64, 128)  # test_gpu_dsv4.py's variant cases
              for v in ("pipelined", "hint", "smem_out", "hint+smem_out", "hint+smem_out+qasync",
                        "hint+smem_out+qasync+rowcopy", "pipelined+hint+smem_out+qasync+rowcopy",
-                       "hint+smem_out+qasync+rowcopy+groupcopy", "pipelined+hint+smem_out+qasync+rowcopy+groupcopy")]
+                       "hint+smem_out+qasync+rowcopy+groupcopy", "pipelined+hint+smem_out+qasync+rowcopy+groupcopy",
+                       "pipelined+hint+smem_out+qasync+rowcopy+groupcopy+adjacent")]
     if forms:
         jobs = [j for j in jobs if j[0] in forms]
     t0, failed = time.time(), 0

@@ -181,7 +181,8 @@ PREFILL_CASES = [(64, 300, 5000, 640), (128, 37, 700, 1152), (16, 9, 130, 70)]
 
 @pytest.mark.parametrize("variant", ["paired", "pipelined", "hint+smem_out+qasync", "pipelined+hint+smem_out+qasync",
                                      "pipelined+hint+smem_out+qasync+rowcopy",
-                                     "pipelined+hint+smem_out+qasync+rowcopy+groupcopy"])
+                                     "pipelined+hint+smem_out+qasync+rowcopy+groupcopy",
+                                     "pipelined+hint+smem_out+qasync+rowcopy+groupcopy+adjacent"])
 @pytest.mark.parametrize("H,S,S_kv,K", PREFILL_CASES)
 def test_flash_mla_sparse_fwd_kernel_matches_reference(gpu_device, monkeypatch, variant, H, S, S_kv, K):
     """FlashMLA's sparse prefill entry on the paired_ws program (each order of its math groups, with and without

@@ -78,10 +78,14 @@ ROW_COPY = True
 # rows (``g``, ``g + 16``, ...), a lane 4 copies of 16 bytes 128 bytes apart in each half of its rows: 4 index reads
 # a thread a tile instead of 16, each row's copies at immediate offsets from one address
 GROUP_COPY = True
+# the grid (not yet measured): False, a block a (token, head block) with the tokens along x, so a token's head blocks
+# (65-128 heads: two) are a whole grid row apart in launch order; True, one dimension of (token, head block) pairs, a
+# token's head blocks adjacent, so both read its rows while they are in L2 (the same work otherwise)
+ADJACENT_HEADS = False
 # the switches above by their variant names (scripts/ws_variants.py, the GPU tests, the kernel's key), in the order
 # of build_sparse_mqa_paired_ws's arguments
 SWITCHES = {"pipelined": "PIPELINED", "hint": "COPY_HINT", "smem_out": "SMEM_EPILOGUE", "qasync": "Q_ASYNC",
-            "rowcopy": "ROW_COPY", "groupcopy": "GROUP_COPY"}
+            "rowcopy": "ROW_COPY", "groupcopy": "GROUP_COPY", "adjacent": "ADJACENT_HEADS"}
 # named barriers of the pipelined consumers (0 is __syncthreads; the epilogue's is the paired program's)
 BUNCH0, BUNCH1, S0_READY, S1_READY = 6, 7, 8, 9
 WARPS = PRODUCER // 32
@@ -209,13 +213,13 @@ def pipelined_macros(H: int, has_sink: bool, q_dtype: str):
 @functools.lru_cache(maxsize=None)
 def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16", pipelined: bool = False,
                                copy_hint: bool = False, smem_epilogue: bool = False, q_async: bool = False,
-                               row_copy: bool = False, group_copy: bool = False):
+                               row_copy: bool = False, group_copy: bool = False, adjacent_heads: bool = False):
     """The paired sparse MQA program over a bf16 workspace for ``H`` query heads (blocks of 64, rows past ``H``
     padded inside). A token with no valid entry gets the LSE ``empty_lse`` (a run-time argument: ``-inf``, or
     FlashMLA's ``+inf``). ``pipelined``: FlashMLA's prefill schedule for the math groups (:data:`PIPELINED`);
     ``copy_hint``, ``smem_epilogue``, ``q_async``, ``row_copy``, ``group_copy``: :data:`COPY_HINT`,
     :data:`SMEM_EPILOGUE`, :data:`Q_ASYNC`, :data:`ROW_COPY` (which needs ``copy_hint``), :data:`GROUP_COPY`
-    (which needs ``row_copy``)."""
+    (which needs ``row_copy``); ``adjacent_heads``: :data:`ADJACENT_HEADS`."""
     assert copy_hint or not row_copy, "ROW_COPY is a form of the hinted copies (COPY_HINT)"
     assert row_copy or not group_copy, "GROUP_COPY is a form of ROW_COPY"
     n_rows = ROWS_A_GROUP if group_copy else ROWS_A_WARP  # rows of a tile each producer thread copies
@@ -288,7 +292,10 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         LSE: T.Tensor((NT, H), "float32"),
         MaxL: T.Tensor((NT, H), "float32"),
     ):
-        with T.Kernel(NT, head_blocks, threads=CONSUMER_THREADS + PRODUCER) as (t, bh):
+        with T.Kernel(NT * head_blocks if adjacent_heads else NT, 1 if adjacent_heads else head_blocks,
+                      threads=CONSUMER_THREADS + PRODUCER) as (bx, by):
+            t = bx // head_blocks if adjacent_heads else bx
+            bh = bx % head_blocks if adjacent_heads else by
             Ql_s = T.alloc_shared([BH, HD], q_dtype)
             Qr_s = T.alloc_shared([BH, HD], q_dtype)
             Kl_s = T.alloc_shared([2, BN, HD], q_dtype)
