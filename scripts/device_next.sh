@@ -29,6 +29,8 @@
 #   ws8    (carry as ws4; cold, about 7 minutes) issue 37: the grids with tokens on x (FlashMLA's 70,000-token
 #          prefill cases), staged_ws's OVERLAP build: GPU cases, FlashMLA's prefill suite, timing beside FlashMLA
 #   ws9    (carry as ws4) issue 37: paired_ws's ADJACENT_HEADS at Pro beside the default and FlashMLA, its GPU cases
+#   ws10   (carry as ws4; cold, about 4 minutes) issue 37: ws8 and ws9 in one short call (the grid fix checked by
+#          FlashMLA's 70,000-token prefill cases, the moved programs' GPU cases, OVERLAP and ADJACENT_HEADS timed)
 #   ws3    (carry .device/env.sh .device/tl .device/peers .commit; cold, about 5 minutes) issue 37: paired_ws's build
 #          variants (copy hints, the output through shared memory, FlashMLA's order) against FlashMLA's prefill on its
 #          own inputs (scripts/ws_variants.py), then ncu of FlashMLA's kernel and two variants
@@ -197,11 +199,33 @@ case "${1:-}" in
       > "$out/ws9_variants.txt" 2>&1
     stamp "ws variants rc=$?"
     grep -E "^\{" "$out/ws9_variants.txt" | cut -c1-2500 ;;
+  ws10)  # issue 37, one short call: the grids with tokens on x checked (FlashMLA's prefill suite on staged_ws, its
+    # 70,000-token cases; the GPU cases of the moved programs), then staged_ws's OVERLAP and paired_ws's
+    # ADJACENT_HEADS beside FlashMLA
+    d=pipelined+hint+smem_out+qasync+rowcopy+groupcopy
+    timeout 100 python3 scripts/ws_smoke.py --precompile-tests \
+      --forms rows,staged,staged_overlap,portable_prefetch,portable_musa_prefetch > "$out/ws10_precompile.txt" 2>&1 &
+    timeout 100 python3 scripts/ws_variants.py --precompile-only --configs flash,pro --variants $d,$d+adjacent \
+      --programs staged_ws,staged_ws:overlap >> "$out/ws10_precompile2.txt" 2>&1
+    wait
+    stamp "$(grep -h -E "^precompiled" "$out"/ws10_precompile*.txt | tr '\n' ' ')"
+    timeout 40 bash scripts/device_v4_attention.sh suite prefill --all --program staged_ws > "$out/suite_staged.txt" 2>&1
+    mv "$out/flashmla_prefill.json" "$out/flashmla-suite-prefill-staged_ws.json" 2>/dev/null; rm -f "$out/flashmla_prefill.log"
+    stamp "suite staged_ws: $(grep -E "^prefill:" "$out/suite_staged.txt")"
+    timeout 100 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider -rs -o faulthandler_timeout=90 \
+      tests/dsv4/test_gpu_dsv4.py tests/moe/test_gpu_moe.py tests/dsv4/test_gpu_dsv4_model_ops.py \
+      -k "staged or (portable_ws and not gather) or combine_experts or mhc_post or adjacent" > "$out/ws10_tests.txt" 2>&1
+    stamp "tests: $(tail -1 "$out/ws10_tests.txt")"
+    grep -E "^FAILED|^ERROR" "$out/ws10_tests.txt" | cut -c1-250 | head -12
+    timeout 60 python3 scripts/ws_variants.py --out "$out" --configs flash,pro --variants $d,$d+adjacent \
+      --programs staged_ws,staged_ws:overlap > "$out/ws10_variants.txt" 2>&1
+    stamp "ws variants rc=$?"
+    grep -E "^\{" "$out/ws10_variants.txt" | cut -c1-2500 ;;
   next2|next3)  # the engines' plugin loaders find us by entry points: the package's dist-info, onto PYTHONPATH
     source scripts/device_entry_points.sh
     engine=$([ "$1" = next2 ] && echo vllm || echo sglang)
     timeout 420 python3 benchmarks/bench_${engine}_dsv4.py --quick --out "$out" > "$out/${engine}_dsv4.txt" 2>&1
     stamp "$engine V4 bench rc=$?"
     grep -h -E "^${engine}_dsv4" "$out/${engine}_dsv4.txt" | cut -c1-220 ;;
-  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|ws6|ws7|ws8|ws9|variants|next1b|next2|next3"; exit 2 ;;
+  *) echo "usage: scripts/device_next.sh ws|ws2|ws3|ws4|ws5|ws6|ws7|ws8|ws9|ws10|variants|next1b|next2|next3"; exit 2 ;;
 esac
