@@ -220,18 +220,7 @@ def dsv4_table(results: Path = RESULTS) -> str:
     for pattern, peer, peer_label, rows, spec in families:
         # each line from the newest run that timed it beside the peer (a quick run leaves the others' lines as
         # the last full run measured them; every run a line comes from is named)
-        found, used = {}, []
-        for path in sorted(results.glob(pattern), reverse=True):
-            doc = json.loads(path.read_text())
-            fresh = {label: (ours, peer_ms, roof) for label, ours, peer_ms, roof in rows(doc)
-                     if label not in found and ours and peer_ms}
-            if fresh:
-                found.update(fresh)
-                used.append((path, doc))
-            if len(found) == len(spec):
-                break
-        for path, doc in used:
-            source(path, doc)
+        found = newest_lines(results, pattern, rows, len(spec), source)
         for label, *_ in spec:
             if label in found:
                 add(label, found[label][0], peer_label, found[label][1], found[label][2])
@@ -243,6 +232,24 @@ def dsv4_table(results: Path = RESULTS) -> str:
     return "\n".join([note, "", *head, *lines])
 
 
+def newest_lines(results: Path, pattern: str, rows, count: int, source) -> dict:
+    """``{label: (ours, peer, roofline ms)}``: each line from the newest run of ``pattern`` whose ``rows(doc)``
+    (``(label, ours, peer, roofline)`` tuples) gives it with every value, runs read newest first until ``count``
+    lines are found (a quick run leaves the others' lines as the last full run measured them); ``source(path,
+    doc)`` is called for every run a line comes from."""
+    found = {}
+    for path in sorted(results.glob(pattern), reverse=True):
+        doc = json.loads(path.read_text())
+        fresh = {label: (ours, peer, roof) for label, ours, peer, roof in rows(doc)
+                 if label not in found and ours and peer and roof}
+        if fresh:
+            found.update(fresh)
+            source(path, doc)
+        if len(found) == count:
+            break
+    return found
+
+
 def ws_lines(results: Path, lines: list, add, source) -> None:
     """:data:`WS_LINES` from the newest ``ws-variants-*.json`` that has each (the line of the same label from the
     attention bench replaced), their rooflines from the newest attention bench's prefill row of the shape."""
@@ -251,23 +258,14 @@ def ws_lines(results: Path, lines: list, add, source) -> None:
         for r in json.loads(path.read_text())["rows"]:
             if r.get("op") == "prefill" and r.get("roofline_frac"):
                 roofline.setdefault((r["shape"]["config"], r["shape"]["tokens"]), r["roofline_frac"] * r["ours_ms"])
-    found, used = {}, []
-    for path in sorted(results.glob("ws-variants-*.json"), reverse=True):
-        doc = json.loads(path.read_text())
-        fresh = {}
+
+    def rows(doc):
         for label, config, key in WS_LINES:
             for r in (r for r in doc["rows"] if r["shape"].get("config") == config and r.get("flashmla_graph_ms")):
                 k = f"{r.get('default_variant', r.get('first_variant'))}_kernel_ms" if key == "default" else key
-                roof = roofline.get((config, r["shape"]["tokens"]))
-                if label not in found and r.get(k) and roof:
-                    fresh[label] = (r[k], r["flashmla_graph_ms"], roof)
-        if fresh:
-            found.update(fresh)
-            used.append((path, doc))
-        if len(found) == len(WS_LINES):
-            break
-    for path, doc in used:
-        source(path, doc)
+                yield label, r.get(k), r["flashmla_graph_ms"], roofline.get((config, r["shape"]["tokens"]))
+
+    found = newest_lines(results, "ws-variants-*.json", rows, len(WS_LINES), source)
     for label, *_ in WS_LINES:
         if label in found:
             add(label, found[label][0], "FlashMLA", found[label][1], found[label][2])

@@ -259,6 +259,25 @@ def test_flash_mla_sparse_fwd_runs_the_paired_ws_program(use_settings):
         dsv4.flash_mla_sparse_fwd(q, kv, idx, 0.04, impl="tilelang")
 
 
+def _one_ws_launch(program: str):
+    """A V4 batch through ``sparse_mqa_tilelang`` with the kernels intercepted (the settings name ``program``):
+    the workspace's gather and one launch of the program, each argument where its parameter is. Returns the
+    kernels by name, the built prim_funcs in order and the interceptor (for more calls)."""
+    kernels, funcs = {}, []
+
+    def capture(key, build, target, pass_configs):
+        funcs.append(build())
+        return kernels.setdefault(key[0], SignatureCheck(funcs[-1]))
+
+    q, cache, idx, xcache, xidx = _batch(4)
+    with _tilelang.intercepting(capture):
+        ti.sparse_mqa_tilelang(q, cache, idx, None, extra_cache=xcache, extra_indices=xidx, sink=torch.zeros(64),
+                               return_lse=True)
+    assert set(kernels) == {"dsv4_workspace_rows", f"dsv4_sparse_mqa_{program}"}
+    assert len(kernels[f"dsv4_sparse_mqa_{program}"].calls) == 1
+    return kernels, funcs, capture
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["gather", "prefetch"])
 @pytest.mark.parametrize("target,musa", [("sm_90a", False), ("mp_31", True)])
 def test_portable_ws_glue_and_musa_rules(use_settings, monkeypatch, target, musa, prefetch):
@@ -270,18 +289,7 @@ def test_portable_ws_glue_and_musa_rules(use_settings, monkeypatch, target, musa
 
     monkeypatch.setattr(portable_ws_kernel, "PREFETCH", prefetch)
     use_settings(target=target, dsv4_program="portable_ws")
-    kernels, funcs = {}, []
-
-    def capture(key, build, target, pass_configs):
-        funcs.append(build())
-        return kernels.setdefault(key[0], SignatureCheck(funcs[-1]))
-
-    q, cache, idx, xcache, xidx = _batch(4)
-    with _tilelang.intercepting(capture):
-        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, extra_cache=xcache, extra_indices=xidx,
-                                          sink=torch.zeros(64), return_lse=True)
-    assert set(kernels) == {"dsv4_workspace_rows", "dsv4_sparse_mqa_portable_ws"}
-    assert len(kernels["dsv4_sparse_mqa_portable_ws"].calls) == 1
+    kernels, funcs, capture = _one_ws_launch("portable_ws")
     program = funcs[-1]
     assert bool(re.search(r"(?<!K)V_s\b", str(program))) == musa  # a V tile of its own on MUSA only
     flags = {flag: not musa for flag in RULES}
@@ -324,18 +332,7 @@ def test_staged_ws_glue_and_musa_rules(use_settings, monkeypatch, target, musa, 
 
     monkeypatch.setattr(staged_ws_kernel, "OVERLAP", overlap)
     use_settings(target=target, dsv4_program="staged_ws")
-    kernels, funcs = {}, []
-
-    def capture(key, build, target, pass_configs):
-        funcs.append(build())
-        return kernels.setdefault(key[0], SignatureCheck(funcs[-1]))
-
-    q, cache, idx, xcache, xidx = _batch(4)
-    with _tilelang.intercepting(capture):
-        out, lse = ti.sparse_mqa_tilelang(q, cache, idx, None, extra_cache=xcache, extra_indices=xidx,
-                                          sink=torch.zeros(64), return_lse=True)
-    assert set(kernels) == {"dsv4_workspace_rows", "dsv4_sparse_mqa_staged_ws"}
-    assert len(kernels["dsv4_sparse_mqa_staged_ws"].calls) == 1
+    kernels, funcs, capture = _one_ws_launch("staged_ws")
     program = str(funcs[-1])
     assert violations(funcs[-1], {flag: False for flag in RULES}) == []
     assert ("fence_proxy_async" in program) == (not musa)

@@ -48,6 +48,7 @@ from ...attention.tl_common import ACC, LOG2E, alloc_softmax_state
 from .. import layout as L
 from .paired_kernel import CONSUMER_THREADS, EPILOGUE, LEFT_ARRIVALS, RIGHT_ARRIVALS, consumer_macro  # noqa: F401
 from .rows import BH, BN, HD, PRODUCER, copy16_hinted, copy16_row, evict_last_policy, fp8_row_macros, load_i32
+from .tl_macros import workspace_args
 
 # ptxas serialises the WGMMAs below 208 registers a math thread (docs/dsv4.md); a producer of copies needs few
 MATH_REGS, PRODUCER_REGS = 208, 88
@@ -227,9 +228,8 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     n_chunks = HD // CHUNK if group_copy else 1  # a thread's 16-byte pieces of each of its rows' halves
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
     D = L.D
-    NT = T.dynamic("num_tokens")
-    K = T.dynamic("ws_topk")
-    R = T.dynamic("ws_rows")
+    A = workspace_args(H, q_dtype, D)
+    NT, K, R = A.NT, A.K, A.R
     head_blocks = (H + BH - 1) // BH
     load_q = fp8_row_macros(H, False, q_dtype, K, 0).load_q
     _, epilogue, math_groups = consumer_macro(H, has_sink, q_dtype, max_logits=True, smem_out=smem_epilogue)
@@ -281,17 +281,8 @@ def build_sparse_mqa_paired_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         T.mbarrier_arrive(full[st])
 
     @T.prim_func
-    def sparse_mqa_paired_ws(
-        Q: T.Tensor((NT, H, D), q_dtype),
-        W: T.Tensor((R, D), "bfloat16"),
-        I: T.Tensor((NT, K), "int32"),
-        Ln: T.Tensor((NT,), "int32"),
-        sinks: T.Tensor((H,), "float32"),
-        sm_scale: T.float32, empty_lse: T.float32,
-        O: T.Tensor((NT, H, D), q_dtype),
-        LSE: T.Tensor((NT, H), "float32"),
-        MaxL: T.Tensor((NT, H), "float32"),
-    ):
+    def sparse_mqa_paired_ws(Q: A.Q, W: A.W, I: A.I, Ln: A.Ln, sinks: A.sinks, sm_scale: T.float32,
+                             empty_lse: T.float32, O: A.O, LSE: A.LSE, MaxL: A.MaxL):
         with T.Kernel(NT * head_blocks if adjacent_heads else NT, 1 if adjacent_heads else head_blocks,
                       threads=CONSUMER_THREADS + PRODUCER) as (bx, by):
             t = bx // head_blocks if adjacent_heads else bx

@@ -21,7 +21,7 @@ import functools
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E, Tiles, attention_macros
 from .. import layout as L
-from .tl_macros import sparse_macros
+from .tl_macros import sparse_macros, workspace_args
 
 # the key loop's loads: False, each tile's rows gathered into shared memory, then its GEMMs and softmax, nothing
 # overlapped; True, the next tile's rows loaded into registers before this tile's GEMMs and stored after them: their
@@ -37,9 +37,8 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
     """The portable program over a bf16 workspace for ``H`` query heads (blocks of ``block_H``, rows past ``H``
     padded inside); ``separate_v``: K and V in tiles of their own (MUSA); ``prefetch``: :data:`PREFETCH`."""
     BH, BN, D = block_H, block_N, L.D
-    NT = T.dynamic("num_tokens")
-    K = T.dynamic("ws_topk")
-    R = T.dynamic("ws_rows")
+    A = workspace_args(H, q_dtype, D)
+    K, R = A.K, A.R
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
     alloc_state, _, _, softmax_step, pv_product, finish_rows = attention_macros(BH, BN, D, D, 0, 0, False, q_dtype)
@@ -86,18 +85,9 @@ def build_sparse_mqa_portable_ws(H: int, has_sink: bool, q_dtype: str = "bfloat1
                     V_s[row, (u * LANES + lane) * 8 + v] = buf[u * 8 + v]
 
     @T.prim_func
-    def sparse_mqa_portable_ws(
-        Q: T.Tensor((NT, H, D), q_dtype),
-        W: T.Tensor((R, D), "bfloat16"),
-        I: T.Tensor((NT, K), "int32"),
-        Ln: T.Tensor((NT,), "int32"),
-        sinks: T.Tensor((H,), "float32"),
-        sm_scale: T.float32, empty_lse: T.float32,
-        O: T.Tensor((NT, H, D), q_dtype),
-        LSE: T.Tensor((NT, H), "float32"),
-        MaxL: T.Tensor((NT, H), "float32"),
-    ):
-        with T.Kernel(NT, head_blocks, threads=threads) as (t, bh):  # tokens on x: up to 2^31 - 1 blocks
+    def sparse_mqa_portable_ws(Q: A.Q, W: A.W, I: A.I, Ln: A.Ln, sinks: A.sinks, sm_scale: T.float32,
+                               empty_lse: T.float32, O: A.O, LSE: A.LSE, MaxL: A.MaxL):
+        with T.Kernel(A.NT, head_blocks, threads=threads) as (t, bh):  # tokens on x: up to 2^31 - 1 blocks
             Q_s = T.alloc_shared([BH, D], q_dtype)
             KV_s = T.alloc_shared([BN, D], q_dtype)
             V_s = T.alloc_shared([BN, D], q_dtype) if separate_v else None

@@ -42,6 +42,7 @@ import inspect
 from ...._tilelang import tl_lang as T
 from ...attention.tl_common import ACC, LOG2E
 from .. import layout as L
+from .tl_macros import workspace_args
 
 BH, BN = 64, 32  # query heads a block, rows a key tile (MP31: two 64-row K/V tiles beside the query do not fit)
 HD = L.D // 2  # the columns of an output half (a V tile)
@@ -79,10 +80,8 @@ def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
     spills); ``overlap``: :data:`OVERLAP`. A token with no valid entry gets the LSE ``empty_lse`` (a run-time
     argument: ``-inf``, or FlashMLA's ``+inf``)."""
     assert q_dtype == "bfloat16", "the workspace holds bf16 rows"
-    D = L.D
-    NT = T.dynamic("num_tokens")
-    K = T.dynamic("ws_topk")
-    R = T.dynamic("ws_rows")
+    A = workspace_args(H, q_dtype, L.D)
+    K, R = A.K, A.R
     NEG_INF = -T.infinity(ACC)
     head_blocks = (H + BH - 1) // BH
     store_wait = not proxy_fence and hasattr(T, "lma_wait")  # tilelang-musa's wait for local (shared) stores
@@ -191,20 +190,11 @@ def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
         T.barrier_arrive(p_empty[0])
 
     @T.prim_func
-    def sparse_mqa_staged_ws(
-        Q: T.Tensor((NT, H, D), q_dtype),
-        W: T.Tensor((R, D), "bfloat16"),
-        I: T.Tensor((NT, K), "int32"),
-        Ln: T.Tensor((NT,), "int32"),
-        sinks: T.Tensor((H,), "float32"),
-        sm_scale: T.float32, empty_lse: T.float32,
-        O: T.Tensor((NT, H, D), q_dtype),
-        LSE: T.Tensor((NT, H), "float32"),
-        MaxL: T.Tensor((NT, H), "float32"),
-    ):
-        with T.Kernel(NT, head_blocks, threads=THREADS) as (t, bh):  # tokens on x: up to 2^31 - 1 blocks
-            Q_s = T.alloc_shared([BH, D], q_dtype)
-            K_s = T.alloc_shared([2, BN, D], q_dtype)
+    def sparse_mqa_staged_ws(Q: A.Q, W: A.W, I: A.I, Ln: A.Ln, sinks: A.sinks, sm_scale: T.float32,
+                             empty_lse: T.float32, O: A.O, LSE: A.LSE, MaxL: A.MaxL):
+        with T.Kernel(A.NT, head_blocks, threads=THREADS) as (t, bh):  # tokens on x: up to 2^31 - 1 blocks
+            Q_s = T.alloc_shared([BH, L.D], q_dtype)
+            K_s = T.alloc_shared([2, BN, L.D], q_dtype)
             V0_s = T.alloc_shared([BN, HD], q_dtype)
             V1_s = T.alloc_shared([BN, HD], q_dtype)
             P_s = T.alloc_shared([BH, BN], q_dtype)
@@ -225,7 +215,7 @@ def build_sparse_mqa_staged_ws(H: int, has_sink: bool, q_dtype: str = "bfloat16"
             n_tiles = T.ceildiv(length, BN)
             pairs = T.ceildiv(n_tiles, 2)
 
-            for h, d in T.Parallel(BH, D):
+            for h, d in T.Parallel(BH, L.D):
                 Q_s[h, d] = T.if_then_else(h0 + h < H, Q[t, T.min(h0 + h, H - 1), d], T.Cast(q_dtype, 0))
             publish()
             T.sync_threads()

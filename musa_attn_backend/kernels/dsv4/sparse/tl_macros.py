@@ -63,3 +63,30 @@ def sparse_macros(H: int, BH: int, BN: int, has_extra: bool, has_sink: bool, spl
                         LSE[t, h0 + h] = lse2[h] / LOG2E
 
     return split_tiles, store_output
+
+
+class WorkspaceArgs(NamedTuple):
+    """The tensor types of a program over a bf16 workspace (:mod:`.paired_ws_kernel`, :mod:`.portable_ws_kernel`,
+    :mod:`.staged_ws_kernel`: one signature, so one launch, ``tilelang_impl._launch_ws``): the query ``Q [NT, H,
+    512]``, the workspace rows ``W [R, 512]`` (bf16), each token's list ``I [NT, K]`` and length ``Ln [NT]``, the
+    sinks, and the outputs ``O``, ``LSE`` and ``MaxL``; beside them ``sm_scale`` and ``empty_lse`` (float32 scalars).
+    ``NT``, ``K``, ``R``: the dynamic sizes."""
+
+    Q: Any
+    W: Any
+    I: Any
+    Ln: Any
+    sinks: Any
+    O: Any
+    LSE: Any
+    MaxL: Any
+    NT: Any
+    K: Any
+    R: Any
+
+
+def workspace_args(H: int, q_dtype: str, D: int) -> WorkspaceArgs:
+    NT, K, R = T.dynamic("num_tokens"), T.dynamic("ws_topk"), T.dynamic("ws_rows")
+    return WorkspaceArgs(T.Tensor((NT, H, D), q_dtype), T.Tensor((R, D), "bfloat16"), T.Tensor((NT, K), "int32"),
+                         T.Tensor((NT,), "int32"), T.Tensor((H,), "float32"), T.Tensor((NT, H, D), q_dtype),
+                         T.Tensor((NT, H), "float32"), T.Tensor((NT, H), "float32"), NT, K, R)
