@@ -369,3 +369,18 @@ def test_staged_ws_program_builds_for_sm90a(use_settings, monkeypatch, tmp_path,
     assert sum(sws.REGS) <= 3 * 168
     spills, _ = _ptxas_spills(src, tmp_path)
     assert spills == 0, spills
+
+
+def test_paired_ws_adjacent_heads_grid(use_settings):
+    """``ADJACENT_HEADS``: one grid dimension of (token, head block) pairs, a token's head blocks adjacent (128 heads:
+    block ``2 t`` and ``2 t + 1``); the token and head block read from it, and no other grid dimension."""
+    from musa_attn_backend.kernels.dsv4.sparse import paired_ws_kernel as pw
+
+    func = pw.build_sparse_mqa_paired_ws(128, True, "bfloat16", True, True, True, True, True, True, True)
+    text = func.script()
+    assert 'thread="blockIdx.x"' in text and "num_tokens * 2" in text
+    assert re.search(r'T\.thread_binding\(1, thread="blockIdx\.y"\)', text)
+    assert "t: T.int32 = bx // 2" in text and "bh: T.int32 = bx % 2" in text
+    plain = pw.build_sparse_mqa_paired_ws(128, True, "bfloat16", True, True, True, True, True, True, False).script()
+    assert re.search(r'T\.thread_binding\(num_tokens, thread="blockIdx\.x"\)', plain)
+    assert re.search(r'T\.thread_binding\(2, thread="blockIdx\.y"\)', plain)
