@@ -1,11 +1,12 @@
 """TileLang sparse MQA over a bf16 workspace of DeepSeek-V4 key rows (:mod:`.workspace`), with a producer warp group
 that stages the next key tile while the math groups work on this one, written within MUSA MP31's lowering rules
 (docs/musa.md): every GEMM operand a whole shared tile, P through shared memory, K and V in tiles of their own,
-synchronisation by barriers in shared memory only (no named barriers, no register reallocation), plain loads.
+synchronisation by barriers in shared memory only (no named barriers; register reallocation only where the target
+has it), plain loads.
 
-Why: the portable program over the workspace (:mod:`.portable_ws_kernel`, MUSA's form until this one) gathers a
-tile's rows, then runs the tile's GEMMs: nothing overlaps, and in MUSA's tiles its two warp groups split each score
-GEMM down its 32 columns and exchange every row maximum and sum through shared memory (docs/dsv4.md). Here the
+Why: in the portable program over the workspace (:mod:`.portable_ws_kernel`, what MUSA runs by default) every
+thread both loads rows and does math, and in MUSA's tiles its two warp groups split each score GEMM down its 32
+columns and exchange every row maximum and sum through shared memory (docs/dsv4.md). Here the
 division is Moore Threads' sparse-MLA prefill for the S5000 (a producer of rows beside math warp groups that own
 column ranges of the output, synchronised through barriers in shared memory), over 32-row tiles that fit MP31's
 192 KB: the query (64 KB), two stages of K (2 x 32 KB), one V in two 256-column tiles (32 KB), P (4 KB).
