@@ -81,7 +81,8 @@ ROW_COPY = True
 GROUP_COPY = True
 # the grid (not yet measured): False, a block a (token, head block) with the tokens along x, so a token's head blocks
 # (65-128 heads: two) are a whole grid row apart in launch order; True, one dimension of (token, head block) pairs, a
-# token's head blocks adjacent, so both read its rows while they are in L2 (the same work otherwise)
+# token's head blocks adjacent, so both read its rows while they are in L2 (the same work otherwise; FlashMLA's SM90
+# sparse prefill orders its blocks so: head block = block % head blocks, token = block / head blocks)
 ADJACENT_HEADS = False
 # the switches above by their variant names (scripts/ws_variants.py, the GPU tests, the kernel's key), in the order
 # of build_sparse_mqa_paired_ws's arguments
