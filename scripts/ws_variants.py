@@ -60,7 +60,7 @@ def program_kernel(program: str, H: int, sink: bool = True):
 
         sws.OVERLAP = form == "overlap"
     with config.override(musa_forms=form == "musa"):
-        return getattr(ti, f"{name}_kernel")(H, sink, "bfloat16")
+        return ti._WS_KERNELS[name](H, sink, "bfloat16")
 
 
 def _compile(job):

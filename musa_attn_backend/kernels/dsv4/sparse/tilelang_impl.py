@@ -79,8 +79,8 @@ def sparse_mqa_program(target=None) -> str:
     where the target has warp specialisation, GEMMs that read A from registers and an FP8 conversion, else
     ``portable`` (:mod:`.mqa_kernel`); ``paired``, ``paired_ws``, ``portable_ws`` and ``staged_ws`` (the paired
     division, the portable program and the staged one over a bf16 workspace of the selected rows,
-    :mod:`.paired_ws_kernel`, :mod:`.portable_ws_kernel`, :mod:`.staged_ws_kernel`) are selectable (how they compare: docs/dsv4.md). A named
-    program the target cannot run is refused when it is built."""
+    :mod:`.paired_ws_kernel`, :mod:`.portable_ws_kernel`, :mod:`.staged_ws_kernel`) are selectable (how they
+    compare: docs/dsv4.md). A named program the target cannot run is refused when it is built."""
     chosen = settings().dsv4_program
     if chosen != "auto":
         return chosen
@@ -112,12 +112,8 @@ def sparse_mqa_kernel(H: int, has_extra: bool, has_sink: bool, split: bool, q_dt
         return sched_kernel(H, has_extra, has_sink, q_dtype, target=target)
     if program == "paired":
         return paired_kernel(H, has_extra, has_sink, q_dtype, target=target)
-    if program == "paired_ws":  # one program with or without an extra set: the workspace holds both
-        return paired_ws_kernel(H, has_sink, q_dtype, target=target)
-    if program == "portable_ws":
-        return portable_ws_kernel(H, has_sink, q_dtype, target=target)
-    if program == "staged_ws":
-        return staged_ws_kernel(H, has_sink, q_dtype, target=target)
+    if program in WORKSPACE_PROGRAMS:  # one program with or without an extra set: the workspace holds both
+        return _WS_KERNELS[program](H, has_sink, q_dtype, target=target)
     # the portable program: P through shared memory on every target (what MUSA needs)
     shared_p = True
     fp8_convert = _glue._fp8_convert(target)
